@@ -1,0 +1,22 @@
+"""The shared speculation core: modality-free, model-free.
+
+draft -> verify in one target pass -> accept -> commit the KV cache, for chains and trees, with
+exact and relaxed acceptance rules, a logits pipeline with classifier-free guidance, and static
+or sink+window rolling caches. Adapters turn model families into its ``Target`` / ``Drafter``.
+"""
+
+from .acceptance import GreedyMatch, SpeculativeSampling
+from .cache import SinkWindowCache, StaticKVCache
+from .decoder import DecodeOutput, DecodeState, SpeculativeDecoder
+from .drafters import JacobiDrafter, ModelChainDrafter, ModelTreeDrafter, NullDrafter
+from .logits import LogitsPipeline
+from .stats import Stats
+from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
+from .types import Acceptance, Drafter, KVCache, ModelOutput, Target
+
+__all__ = [
+    "Acceptance", "DecodeOutput", "DecodeState", "DraftTree", "Drafter", "GreedyMatch", "JacobiDrafter",
+    "KVCache", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter", "NullDrafter",
+    "SinkWindowCache", "SpeculativeDecoder", "SpeculativeSampling", "StaticKVCache", "Stats", "Target",
+    "Tree", "dynamic_tree", "sampled_tree",
+]

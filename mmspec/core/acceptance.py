@@ -1,0 +1,106 @@
+"""Acceptance rules: walk a verified draft tree and decide what the target keeps.
+
+One walk serves chains and trees. At the current node with distribution ``p`` the rule tries
+the node's children in order: child x, drawn from ``q``, is accepted with probability
+``accept_prob(p, q, x)``; after a rejection ``p`` becomes ``reject(p, q, x)`` and the next
+sibling is tried. When a child is accepted the walk moves to it and ``p`` becomes the target's
+distribution there; when all children are rejected (or a leaf is reached) the walk stops and
+``next_token`` is drawn from ``p``: the correction or the bonus token.
+
+A new rule (LANTERN's relaxed test, GSD's groups) overrides ``accept_prob`` / ``reject``; the
+walk, the batching and the bookkeeping stay here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import residual_distribution
+from .tree import DraftTree
+from .types import Acceptance
+
+
+class SpeculativeSampling:
+    """Lossless speculative sampling (Leviathan et al., 2023; Chen et al., 2023), generalised to
+    trees by recursive rejection among siblings (SpecInfer, Miao et al., 2024).
+
+    Drafted form: x was drawn from q; accept with ``min(1, p(x) / q(x))``; on rejection
+    ``p <- norm(max(p - q, 0))``. Siblings drawn without replacement carry their conditional q, so
+    the same recursion stays exact. Deterministic form (``q is None``, EAGLE's top-k trees): q is
+    the point mass at x, so accept with ``p(x)`` and on rejection zero ``p(x)`` and renormalise.
+    A numerically zero residual falls back to ``p`` (SJD issue #7).
+    """
+
+    def accept_prob(self, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        px = p.gather(-1, x[:, None]).squeeze(-1)
+        if q is None:
+            return px
+        qx = q.gather(-1, x[:, None]).squeeze(-1)
+        return torch.where(qx > 0, (px / qx.clamp_min(1e-30)).clamp(max=1.0), 0.0)
+
+    def reject(self, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        if q is None:
+            q = torch.nn.functional.one_hot(x, p.shape[-1]).to(p.dtype)
+        return residual_distribution(p, q)
+
+    def sample(self, p: torch.Tensor, generator) -> torch.Tensor:
+        return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+
+    def uniform(self, batch_size: int, device, generator) -> torch.Tensor:
+        return torch.rand(batch_size, device=device, generator=generator)
+
+    def __call__(self, draft: DraftTree, p_all: torch.Tensor, generator=None) -> Acceptance:
+        """``p_all`` (B, N+1, V): the target's processed distribution after every node."""
+        tree, tokens = draft.tree, draft.tokens
+        B, N1, V = p_all.shape
+        device = p_all.device
+        rows = torch.arange(B, device=device)
+        # node 0 is the root; pad the node tables so that index 0 is valid
+        node_tok = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), tokens], 1)
+        node_q = None if draft.q is None else torch.cat([draft.q.new_zeros(B, 1, V), draft.q], 1)
+        children = tree.children
+        cur = torch.zeros(B, dtype=torch.long, device=device)
+        p = p_all[:, 0]
+        active = torch.ones(B, dtype=torch.bool, device=device)
+        num_acc = torch.zeros(B, dtype=torch.long, device=device)
+        path = torch.full((B, tree.max_depth + 1), -1, dtype=torch.long, device=device)
+        path[:, 0] = 0
+        for d in range(tree.max_depth):
+            moved = torch.zeros(B, dtype=torch.bool, device=device)
+            nxt = cur
+            for s in range(tree.max_children):
+                child = children[rows, cur, s]  # (B,)
+                try_it = active & ~moved & (child >= 0)
+                c = child.clamp(min=0)
+                x = node_tok[rows, c]
+                q = None if node_q is None else node_q[rows, c]
+                ok = try_it & (self.uniform(B, device, generator) < self.accept_prob(p, q, x))
+                p = torch.where((try_it & ~ok)[:, None], self.reject(p, q, x), p)
+                nxt = torch.where(ok, c, nxt)
+                moved |= ok
+            cur = nxt
+            p = torch.where(moved[:, None], p_all[rows, cur], p)
+            path[:, d + 1] = torch.where(moved, cur, -1)
+            num_acc += moved
+            active &= moved
+        return Acceptance(path=path, num_accepted=num_acc, next_token=self.sample(p, generator))
+
+
+class GreedyMatch(SpeculativeSampling):
+    """Greedy verification: accept a child iff it is the target's argmax; no randomness.
+
+    Equivalent to speculative sampling with the one-hot greedy distribution, and bit-identical to
+    greedy target-only decoding.
+    """
+
+    def uniform(self, batch_size, device, generator):
+        return torch.zeros(batch_size, device=device)  # accept probability is exactly 0 or 1
+
+    def accept_prob(self, p, q, x):
+        return (p.argmax(-1) == x).to(p.dtype)
+
+    def reject(self, p, q, x):
+        return p
+
+    def sample(self, p, generator):
+        return p.argmax(-1)

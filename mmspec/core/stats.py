@@ -1,0 +1,68 @@
+"""Decoding statistics, returned in every output object (never printed by library code)."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+PHASES = ("prefill", "draft", "verify", "accept", "commit")
+
+
+@dataclass
+class Stats:
+    """Counters of one ``generate`` call.
+
+    ``target_forwards`` is the NFE: target passes including the prefill (the whole batch shares
+    each pass). ``tau`` is the mean number of tokens a decode pass emits per row, *counting the
+    target's bonus/correction token* (EAGLE's convention; target-only decoding has tau = 1).
+    """
+
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    _emitted: list = field(default_factory=list)  # per decode pass: (B,) tokens emitted, 0 if done
+
+    @contextmanager
+    def timed(self, phase: str, device: torch.device | None = None):
+        start = time.perf_counter()
+        yield
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        self.seconds[phase] += time.perf_counter() - start
+
+    def record_step(self, emitted: torch.Tensor) -> None:
+        self._emitted.append(emitted)
+
+    @property
+    def decode_steps(self) -> int:
+        return len(self._emitted)
+
+    @property
+    def accept_lengths(self) -> torch.Tensor:
+        """(steps, B) tokens emitted per row per pass (0 once a row is done)."""
+        if not self._emitted:
+            return torch.zeros(0, 0, dtype=torch.long)
+        return torch.stack(self._emitted).cpu()
+
+    @property
+    def tau(self) -> float:
+        a = self.accept_lengths
+        live = a > 0
+        return float(a[live].float().mean()) if live.any() else 0.0
+
+    @property
+    def wall_seconds(self) -> float:
+        return sum(self.seconds.values())
+
+    def as_dict(self) -> dict:
+        return {
+            "nfe": self.target_forwards,
+            "draft_nfe": self.draft_forwards,
+            "decode_steps": self.decode_steps,
+            "tau": self.tau,
+            "seconds": dict(self.seconds),
+            "wall_seconds": self.wall_seconds,
+        }

@@ -1,0 +1,1 @@
+"""Diffusers-style pipelines (installed as ``mmspec.pipelines``); one file per pipeline."""
