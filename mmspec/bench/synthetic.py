@@ -12,6 +12,7 @@ import torch
 
 from ..core.cache import StaticKVCache
 from ..core.errors import check
+from ..core.sampling import sample
 from ..core.tree import DraftTree, Tree
 from ..core.types import ModelOutput
 from ..models.tiny_lm import TinyCausalLM, TinyLMConfig
@@ -62,8 +63,7 @@ class IIDDrafter:
 
     def propose(self, state) -> DraftTree:
         B = state.batch_size
-        q = self.q.expand(B * self.gamma, -1)
-        x = torch.multinomial(q, 1, generator=state.generator).view(B, self.gamma)
+        x = sample(self.q.expand(B, self.gamma, -1), state.generator)  # (B, gamma)
         return DraftTree(x, Tree.chain(B, self.gamma, x.device), self.q.expand(B, self.gamma, -1))
 
     def update(self, state, draft, acceptance, target_probs, target_out):

@@ -7,8 +7,9 @@ sibling is tried. When a child is accepted the walk moves to it and ``p`` become
 distribution there; when all children are rejected (or a leaf is reached) the walk stops and
 ``next_token`` is drawn from ``p``: the correction or the bonus token.
 
-A new rule (LANTERN's relaxed test, GSD's groups) overrides ``accept_prob`` / ``reject``; the
-walk, the batching and the bookkeeping stay here.
+Chains take a vectorised path with the same semantics (all accept tests at once, the first
+rejection ends the chain). A new rule (LANTERN's relaxed test, GSD's groups) overrides
+``accept_prob`` / ``reject``; the walk, the batching and the bookkeeping stay here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import residual_distribution
+from .sampling import sample
 from .tree import DraftTree
 from .types import Acceptance
 
@@ -44,13 +46,36 @@ class SpeculativeSampling:
         return residual_distribution(p, q)
 
     def sample(self, p: torch.Tensor, generator) -> torch.Tensor:
-        return torch.multinomial(p, 1, generator=generator).squeeze(-1)
+        return sample(p, generator)
 
     def uniform(self, batch_size: int, device, generator) -> torch.Tensor:
         return torch.rand(batch_size, device=device, generator=generator)
 
     def __call__(self, draft: DraftTree, p_all: torch.Tensor, generator=None) -> Acceptance:
         """``p_all`` (B, N+1, V): the target's processed distribution after every node."""
+        if draft.tree.is_chain and draft.tokens.shape[1] > 0:
+            return self._chain(draft, p_all, generator)
+        return self._walk(draft, p_all, generator)
+
+    def _chain(self, draft: DraftTree, p_all: torch.Tensor, generator) -> Acceptance:
+        """The walk for a chain, all positions at once: the first rejection ends it."""
+        x = draft.tokens  # (B, G)
+        B, G = x.shape
+        V = p_all.shape[-1]
+        p = p_all[:, :G].reshape(B * G, V)
+        q = None if draft.q is None else draft.q.reshape(B * G, V)
+        a = self.accept_prob(p, q, x.reshape(-1)).view(B, G)
+        ok = self.uniform(B * G, p.device, generator).view(B, G) < a
+        n = ok.long().cumprod(1).sum(1)  # (B,) accepted prefix length
+        rows = torch.arange(B, device=p.device)
+        at = n.clamp(max=G - 1)  # the rejected position (unused where all were accepted)
+        residual = self.reject(p_all[rows, at], None if draft.q is None else draft.q[rows, at], x[rows, at])
+        last = torch.where((n == G)[:, None], p_all[:, G], residual)  # bonus or correction
+        depth = torch.arange(G + 1, device=p.device)
+        path = torch.where(depth <= n[:, None], depth, -1)
+        return Acceptance(path=path, num_accepted=n, next_token=self.sample(last, generator))
+
+    def _walk(self, draft: DraftTree, p_all: torch.Tensor, generator) -> Acceptance:
         tree, tokens = draft.tree, draft.tokens
         B, N1, V = p_all.shape
         device = p_all.device

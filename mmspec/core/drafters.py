@@ -14,6 +14,7 @@ import torch
 
 from .decoder import DecodeState, NullDrafter
 from .errors import check, check_choice
+from .sampling import sample
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
 
 __all__ = ["NullDrafter", "ModelChainDrafter", "ModelTreeDrafter", "JacobiDrafter"]
@@ -89,7 +90,7 @@ class ModelChainDrafter:
         toks, qs = [], []
         for i in range(self.gamma):
             q = state.logits(logits[:, None])[:, 0]  # (B, V)
-            x = torch.multinomial(q, 1, generator=state.generator).squeeze(-1)
+            x = sample(q, state.generator)
             toks.append(x)
             qs.append(q)
             if i + 1 < self.gamma:
@@ -197,7 +198,7 @@ class JacobiDrafter:
         n = self.window - 1
         ahead = target_probs[:, 1:]  # (B, n, V): distributions after d_1 .. d_n
         B, _, V = ahead.shape
-        y = torch.multinomial(ahead.reshape(-1, V), 1, generator=state.generator).view(B, n)
+        y = sample(ahead, state.generator)  # (B, n)
         # the Jacobi update: samples after the accepted prefix become the next drafts
         src = (acceptance.num_accepted[:, None] + torch.arange(n, device=y.device)).clamp(max=n - 1)
         self.drafts = y.gather(1, src)

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from .sampling import sample
+
 
 @dataclass
 class Tree:
@@ -175,7 +177,7 @@ def sample_without_replacement(q: torch.Tensor, k: int, generator: torch.Generat
         cond = torch.where(mass > 0, q / mass.clamp_min(1e-30), torch.zeros_like(q))
         flat = cond.reshape(-1, cond.shape[-1])
         empty = flat.sum(-1) <= 0
-        x = torch.multinomial(torch.where(empty[:, None], 1.0, flat), 1, generator=generator).squeeze(-1)
+        x = sample(torch.where(empty[:, None], 1.0, flat), generator)
         x = torch.where(empty, 0, x).reshape(cond.shape[:-1])
         toks.append(x)
         dists.append(cond)
