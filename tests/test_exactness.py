@@ -11,7 +11,8 @@ import torch
 
 from mmspec.core import (JacobiDrafter, LogitsPipeline, ModelChainDrafter, ModelTreeDrafter,
                          SpeculativeDecoder, SpeculativeSampling)
-from stats_util import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index, total_variation
+from mmspec.core.exactness import (P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index,
+                                   total_variation)
 
 N_SAMPLES = 20_000
 N_TOKENS = 3

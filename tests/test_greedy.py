@@ -8,7 +8,8 @@ import torch
 
 from mmspec.core import (JacobiDrafter, LogitsPipeline, ModelChainDrafter, ModelTreeDrafter,
                          SpeculativeDecoder)
-from tiny import perturbed_copy, tiny_lm
+from mmspec.bench.synthetic import perturbed_copy
+from tiny import tiny_lm
 
 V = 48
 PROMPTS = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [17], [30, 31, 32, 33, 34, 35]]

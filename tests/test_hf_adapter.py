@@ -17,15 +17,6 @@ NEW_TOKENS = 24
 ATTN = ["eager", "sdpa"]  # the two implementations that add a custom 4-D float mask
 
 
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny models: thread hand-offs cost more than they save, a lot more on a loaded machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def tiny_llama(attn: str = "sdpa", seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

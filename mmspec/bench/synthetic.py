@@ -4,6 +4,8 @@
   rate ``alpha = sum(min(p, q))``, the setting of Leviathan et al.'s expected-length formula.
 - ``layer_skip_pair``: a tiny transformer target and a draft made of its first layers plus its
   head (self-speculation, as in LayerSkip), so acceptance and relative costs are realistic.
+- ``small_vocab_pair``: an 8-token target and a noisy copy as draft, small enough for the exact
+  distribution test (``mmspec.core.exactness``).
 """
 
 from __future__ import annotations
@@ -101,3 +103,22 @@ def layer_skip_pair(vocab_size: int = 256, dim: int = 192, n_layers: int = 12, d
     draft.embed, draft.norm, draft.head = target.embed, target.norm, target.head
     draft.blocks = torch.nn.ModuleList(list(target.blocks)[:draft_layers])
     return target.eval(), draft.eval()
+
+
+def perturbed_copy(model: TinyCausalLM, noise: float, seed: int) -> TinyCausalLM:
+    """A draft that agrees with ``model`` often: its weights plus ``noise`` times their std."""
+    draft = TinyCausalLM(model.config).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p, src in zip(draft.parameters(), model.parameters()):
+            p.copy_(src + noise * src.std().clamp_min(1e-3) * torch.randn(src.shape, generator=g))
+    return draft
+
+
+def small_vocab_pair(seed: int = 0) -> tuple[TinyCausalLM, TinyCausalLM]:
+    """An 8-token target (top-1 probability ~0.4) and a noisy copy (acceptance ~0.7), so that
+    both acceptances and rejections are common in the distribution test."""
+    torch.manual_seed(seed)
+    cfg = TinyLMConfig(vocab_size=8, dim=16, n_layers=2, n_heads=2, mlp_hidden=32, init_std=0.2)
+    target = TinyCausalLM(cfg).eval()
+    return target, perturbed_copy(target, noise=0.5, seed=seed + 1)
