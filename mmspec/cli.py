@@ -16,9 +16,18 @@ def _progress(msg: str) -> None:
     print(f"  .. {msg}", file=sys.stderr, flush=True)
 
 
+def _set_threads(n: int) -> None:
+    import torch
+
+    # the bundled models are tiny: on a 2-core machine, intra-op threads cost more than they save
+    # and turn wall times noisy under any other load, so benchmarks default to one
+    torch.set_num_threads(n)
+
+
 def cmd_bench(args) -> int:
     from .bench import core, report
 
+    _set_threads(args.threads)
     if args.name == "core":
         cfg = core.CoreBenchConfig.quick() if args.quick else core.CoreBenchConfig()
         result = core.run(cfg, progress=None if args.quiet else _progress)
@@ -32,6 +41,7 @@ def cmd_bench(args) -> int:
 def cmd_showcase(args) -> int:
     from .bench import core, report
 
+    _set_threads(args.threads)
     print("mmspec showcase: the speculation core on synthetic draft/target pairs (CPU)\n")
     result = core.run(core.CoreBenchConfig.quick(), progress=_progress)
     print(report.format_table(result["rows"], report.CORE_COLUMNS))
@@ -46,11 +56,20 @@ def cmd_showcase(args) -> int:
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("showcase", help="run every modality's bundled default, baseline vs methods")
+    showcase = sub.add_parser("showcase", help="run every modality's bundled default, baseline vs methods")
     bench = sub.add_parser("bench", help="benchmark one part; prints a table, --json writes the rows")
+    for p in (showcase, bench):
+        p.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
     bench.add_argument("name", choices=BENCHES)
     bench.add_argument("--json", metavar="PATH", help='write {"bench": name, "rows": [...]} here')
     bench.add_argument("--quick", action="store_true", help="smaller sample counts (the showcase's)")
