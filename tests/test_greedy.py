@@ -85,3 +85,13 @@ def test_eos_stops_rows(models, reference):
         expect = ref[: ref.index(eos) + 1] if eos in ref else ref
         assert n == len(expect)
         assert row == expect + [-1] * (MAX_NEW - len(expect))
+
+
+def test_nfe_per_sample_counts_each_rows_passes(models, reference):
+    """Target-only: a row of n tokens needs n passes (the prefill emits the first); the batch runs
+    until its longest row is done."""
+    eos = reference[0][5]
+    out = SpeculativeDecoder(models[0], logits=LogitsPipeline(temperature=0)).generate(
+        PROMPTS, MAX_NEW, eos_token_id=eos)
+    assert out.stats.nfe_per_sample == pytest.approx(out.lengths.float().mean().item())
+    assert out.stats.target_forwards == int(out.lengths.max())

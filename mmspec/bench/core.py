@@ -109,8 +109,9 @@ def run(config: CoreBenchConfig | None = None, progress=None) -> dict:
                 exact = pval >= P_THRESHOLD
             rows.append({
                 "method": name, "pair": "layer-skip", "temperature": temperature, "what": what,
-                "nfe": out.stats.target_forwards, "draft_nfe": out.stats.draft_forwards,
-                "nfe_speedup": base_out.stats.target_forwards / out.stats.target_forwards,
+                "nfe": out.stats.nfe_per_sample, "batch_nfe": out.stats.target_forwards,
+                "draft_nfe": out.stats.draft_forwards,
+                "nfe_speedup": base_out.stats.nfe_per_sample / out.stats.nfe_per_sample,
                 "wall_seconds": seconds, "wall_speedup": base_time / seconds,
                 "tau": out.stats.tau, "exact": exact, "exact_pvalue": pval,
                 "tokens_per_sample": cfg.new_tokens,
@@ -126,8 +127,8 @@ def run(config: CoreBenchConfig | None = None, progress=None) -> dict:
         rows.append({
             "method": "sd-iid", "pair": "iid", "temperature": 1.0, "alpha": alpha, "gamma": gamma,
             "what": "i.i.d. drafts with acceptance rate alpha",
-            "nfe": out.stats.target_forwards, "draft_nfe": 0,
-            "nfe_speedup": base.stats.target_forwards / out.stats.target_forwards,
+            "nfe": out.stats.nfe_per_sample, "batch_nfe": out.stats.target_forwards, "draft_nfe": 0,
+            "nfe_speedup": base.stats.nfe_per_sample / out.stats.nfe_per_sample,
             "wall_seconds": seconds, "wall_speedup": base_time / seconds,
             "tau": out.stats.tau, "tau_formula": formula, "tau_rel_error": out.stats.tau / formula - 1,
             "exact": None, "tokens_per_sample": cfg.iid_tokens,

@@ -45,6 +45,6 @@ def write_json(path: str | os.PathLike, payload: dict) -> None:
 
 CORE_COLUMNS = [
     ("method", "method"), ("pair", "pair"), ("temperature", "T"), ("alpha", "alpha"), ("gamma", "gamma"),
-    ("nfe", "NFE"), ("nfe_speedup", "NFE x"), ("wall_speedup", "wall x"), ("tau", "tau"),
+    ("nfe", "NFE/sample"), ("nfe_speedup", "NFE x"), ("wall_speedup", "wall x"), ("tau", "tau"),
     ("tau_formula", "tau formula"), ("draft_nfe", "draft NFE"), ("exact", "exact"),
 ]

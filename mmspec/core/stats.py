@@ -48,6 +48,16 @@ class Stats:
         return torch.stack(self._emitted).cpu()
 
     @property
+    def nfe_per_sample(self) -> float:
+        """Target passes each row needed until it finished (prefill included), averaged over rows.
+
+        ``target_forwards`` counts the batch's passes, which run until the slowest row is done."""
+        a = self.accept_lengths
+        if a.numel() == 0:
+            return float(self.target_forwards)
+        return float(((a > 0).sum(0) + 1).float().mean())
+
+    @property
     def tau(self) -> float:
         a = self.accept_lengths
         live = a > 0
@@ -60,6 +70,7 @@ class Stats:
     def as_dict(self) -> dict:
         return {
             "nfe": self.target_forwards,
+            "nfe_per_sample": self.nfe_per_sample,
             "draft_nfe": self.draft_forwards,
             "decode_steps": self.decode_steps,
             "tau": self.tau,
