@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mmspec.core import Tree
+from mmspec.core.tree import node_path
 from tiny import tiny_lm
 
 V = 32
@@ -55,16 +56,6 @@ def append(model, cache, tokens, depths=None, tree_mask=None):
     if depths is None:
         depths = torch.arange(tokens.shape[1])
     return model(tokens, cache.next_positions()[:, None] + depths, cache, tree_mask).logits  # (B, T, V)
-
-
-def node_path(parents, i):
-    """Node indices from the root to node i of one row's ``Tree.parents`` (a list)."""
-    path = [i]
-    while path[-1] != 0:
-        parent = parents[path[-1] - 1]
-        assert 0 <= parent < path[-1], f"node {path[-1]} has parent {parent}"
-        path.append(parent)
-    return path[::-1]
 
 
 def visible(seq, sink, window):

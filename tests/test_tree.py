@@ -9,17 +9,7 @@ import pytest
 import torch
 
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue
-from mmspec.core.tree import Tree, dynamic_tree, sample_without_replacement, sampled_tree
-
-
-def node_path(parents, i):
-    """Node indices from the root to node i; ``parents`` is one row of ``Tree.parents`` as a list."""
-    path = [i]
-    while path[-1] != 0:
-        parent = parents[path[-1] - 1]
-        assert 0 <= parent < path[-1], f"node {path[-1]} has parent {parent}"
-        path.append(parent)
-    return path[::-1]
+from mmspec.core.tree import Tree, dynamic_tree, node_path, sample_without_replacement, sampled_tree
 
 
 # -- structure -------------------------------------------------------------------------------------
@@ -308,3 +298,9 @@ def test_sampled_tree():
             expect = out.tree.ancestor_mask[row][frontier][:, fed]
             assert torch.equal(mask[row, :, : len(fed)], expect)
             assert torch.equal(mask[row, :, len(fed):], torch.eye(b, dtype=torch.bool))
+
+
+def test_node_path_rejects_cycles():
+    assert Tree(torch.tensor([[0, 0, 1, 1, 2, 4]]), 4, 2).path(0, 6) == [0, 1, 4, 6]
+    with pytest.raises(ValueError, match="node 2 has parent 2: parents must precede children"):
+        node_path([0, 2], 2)

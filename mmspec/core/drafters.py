@@ -64,7 +64,25 @@ class _DraftModelRunner:
         return self.model(state.expand(tokens), positions, self.cache, mask).logits
 
 
-class ModelChainDrafter:
+class _ModelDrafter:
+    """What drafters built on a small draft model share: its runner and pass count."""
+
+    def __init__(self, model):
+        self.runner = _DraftModelRunner(model)
+        self.vocab_size = model.vocab_size
+
+    @property
+    def forwards(self) -> int:
+        return self.runner.forwards
+
+    def start(self, state):
+        self.runner.start(state)
+
+    def update(self, state, draft, acceptance, target_probs, target_out):
+        pass  # the runner re-syncs from the history at the next proposal
+
+
+class ModelChainDrafter(_ModelDrafter):
     """Chain speculative decoding with a small draft model.
 
     Samples ``gamma`` tokens from the draft's processed distribution q (same logits pipeline as
@@ -73,17 +91,9 @@ class ModelChainDrafter:
 
     def __init__(self, model, gamma: int = 4):
         check(isinstance(gamma, int) and gamma >= 1, "gamma", "an int >= 1", gamma)
-        self.runner = _DraftModelRunner(model)
-        self.vocab_size = model.vocab_size
+        super().__init__(model)
         self.gamma = gamma
         self.max_block = gamma + 1
-
-    @property
-    def forwards(self) -> int:
-        return self.runner.forwards
-
-    def start(self, state):
-        self.runner.start(state)
 
     def propose(self, state: DecodeState) -> DraftTree:
         logits = self.runner.root_logits(state)  # (R, V)
@@ -98,11 +108,8 @@ class ModelChainDrafter:
         tokens = torch.stack(toks, 1)
         return DraftTree(tokens, Tree.chain(tokens.shape[0], self.gamma, tokens.device), torch.stack(qs, 1))
 
-    def update(self, state, draft, acceptance, target_probs, target_out):
-        pass
 
-
-class ModelTreeDrafter:
+class ModelTreeDrafter(_ModelDrafter):
     """EAGLE-2 dynamic draft trees grown by a small draft model.
 
     ``mode="topk"`` is EAGLE-2's deterministic tree (``top_k``, ``depth``, ``total_tokens``;
@@ -118,18 +125,10 @@ class ModelTreeDrafter:
               f"an int in [1, {model.vocab_size}]", top_k)
         check(isinstance(depth, int) and depth >= 0, "depth", "an int >= 0", depth)
         check(isinstance(total_tokens, int) and total_tokens >= 2, "total_tokens", "an int >= 2", total_tokens)
-        self.runner = _DraftModelRunner(model)
-        self.vocab_size = model.vocab_size
+        super().__init__(model)
         self.top_k, self.depth, self.total_tokens, self.mode = top_k, depth, total_tokens, mode
         nodes = top_k + depth * top_k * top_k
         self.max_block = 1 + (min(nodes, total_tokens - 1) if mode == "topk" else nodes)
-
-    @property
-    def forwards(self) -> int:
-        return self.runner.forwards
-
-    def start(self, state):
-        self.runner.start(state)
 
     def propose(self, state: DecodeState) -> DraftTree:
         logits = self.runner.root_logits(state)
@@ -146,9 +145,6 @@ class ModelTreeDrafter:
         if self.mode == "topk":  # confidence: the draft's guided log-probabilities
             return state.logits.merge_guidance(logits.float()).log_softmax(-1)
         return state.logits(logits)  # sampled nodes come from the processed distribution
-
-    def update(self, state, draft, acceptance, target_probs, target_out):
-        pass
 
 
 class JacobiDrafter:

@@ -16,6 +16,17 @@ import torch
 from .sampling import sample
 
 
+def node_path(parents: list[int], node: int) -> list[int]:
+    """Node indices from the root (0) to ``node``, where ``parents[i - 1]`` is node i's parent."""
+    path = [node]
+    while path[-1] != 0:
+        parent = parents[path[-1] - 1]
+        if not 0 <= parent < path[-1]:
+            raise ValueError(f"node {path[-1]} has parent {parent}: parents must precede children")
+        path.append(parent)
+    return path[::-1]
+
+
 @dataclass
 class Tree:
     """The shape of a batch of draft trees (one tree per row, same node count).
@@ -43,6 +54,10 @@ class Tree:
     @property
     def is_chain(self) -> bool:
         return self.max_children <= 1 and self.max_depth == self.parents.shape[1]
+
+    def path(self, row: int, node: int) -> list[int]:
+        """Node indices from the root to ``node`` in tree ``row`` (for inspection and tests)."""
+        return node_path(self.parents[row].tolist(), node)
 
     @cached_property
     def ancestor_mask(self) -> torch.Tensor:
