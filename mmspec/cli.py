@@ -48,7 +48,7 @@ def cmd_showcase(args) -> int:
     setup = result["setup"]
     print(f"\nlayer-skip pair: {setup['target']}; draft: {setup['draft']}; "
           f"{setup['prompts']} prompts x {setup['new_tokens']} tokens.")
-    print("NFE = target forward passes (prefill included); x = speedup vs 'none' in this run;")
+    print("NFE/sample = target passes each row needed (prefill included); x = speedup vs 'none' in this run;")
     print("tau = tokens per target pass, bonus token counted; exact: greedy rows bit-identical to 'none',")
     print(f"sampled rows pass the chi-square distribution test (N={setup['exact_samples']}, p >= "
           f"{setup['exact_threshold']}); iid rows: tau beside (1 - a^(g+1)) / (1 - a).")
