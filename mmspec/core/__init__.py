@@ -10,12 +10,14 @@ from .cache import SinkWindowCache, StaticKVCache
 from .decoder import DecodeOutput, DecodeState, SpeculativeDecoder
 from .drafters import JacobiDrafter, ModelChainDrafter, ModelTreeDrafter, NullDrafter
 from .logits import LogitsPipeline
+from .relaxed import GroupedAcceptance, GroupedAcceptanceConfig
 from .stats import Stats
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
 from .types import Acceptance, Drafter, KVCache, ModelOutput, Target
 
 __all__ = [
-    "Acceptance", "DecodeOutput", "DecodeState", "DraftTree", "Drafter", "GreedyMatch", "JacobiDrafter",
+    "Acceptance", "DecodeOutput", "DecodeState", "DraftTree", "Drafter", "GreedyMatch", "GroupedAcceptance",
+    "GroupedAcceptanceConfig", "JacobiDrafter",
     "KVCache", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter", "NullDrafter",
     "SinkWindowCache", "SpeculativeDecoder", "SpeculativeSampling", "StaticKVCache", "Stats", "Target",
     "Tree", "dynamic_tree", "sampled_tree",
