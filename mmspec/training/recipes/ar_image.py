@@ -1,0 +1,100 @@
+"""Train the class-conditional AR image model (``LlamaGenModel``) on a trained VQ's token ids."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ...core.errors import check
+from ...models.llamagen import LlamaGenModel
+from ...models.vq import TinyVQModel
+from ..data import NUM_CLASSES, ShapesDataset
+from .common import batch_indices, check_run_args, heldout_seed, json_config, save_atomically, stack
+
+# small enough for a CPU; mlp_hidden ~ 8/3 dim as in LlamaGen
+DEFAULT_MODEL_CONFIG = dict(dim=128, n_layers=4, n_heads=4, mlp_hidden=344, class_dropout_prob=0.1)
+# fixed by the tokenizer and the dataset, not by model_config
+_DERIVED = ("vocab_size", "grid_size", "num_classes")
+
+
+@torch.no_grad()
+def tokenize(vq: TinyVQModel, images: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
+    """images (N, C, H, W) -> raster-order ids (N, grid * grid), long."""
+    vq.eval()
+    return torch.cat([vq.encode(chunk).flatten(1) for chunk in images.split(batch_size)])
+
+
+@torch.no_grad()
+def heldout_loss(model: LlamaGenModel, labels: torch.Tensor, ids: torch.Tensor, batch_size: int = 64) -> float:
+    """Mean next-token cross-entropy over all held-out tokens, in eval mode (labels kept)."""
+    model.eval()
+    total = sum(model.loss(y, x).item() * len(y) for y, x in zip(labels.split(batch_size), ids.split(batch_size)))
+    return total / len(labels)
+
+
+def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch_size: int, lr: float,
+                   seed: int = 0, dataset_size: int, model_config: dict | None = None, heldout_size: int = 64,
+                   log_every: int = 50, log: Callable[[str], None] = print) -> dict:
+    """Train a ``LlamaGenModel`` with AdamW on ``ShapesDataset(dataset_size, seed)`` tokenized once
+    by the VQ in ``vq_dir``, and save it to ``out_dir`` (safetensors, written atomically) with
+    ``train_log.json``, whose dict is returned: ``recipe``, ``seed``, ``steps``, ``config`` (the
+    model's), ``train`` (the arguments), ``vq_dir``, ``final_loss``, ``heldout_loss``, ``heldout``
+    (size and seed), ``wall_time_s``.
+
+    ``vocab_size``, ``grid_size`` and ``num_classes`` come from the VQ and the dataset; other
+    ``LlamaGenModel`` arguments default to ``DEFAULT_MODEL_CONFIG`` and are overridden by
+    ``model_config``. Label dropout uses a generator seeded from ``seed``: runs are reproducible."""
+    out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
+    vq_path = Path(vq_dir)
+    check(vq_path.is_dir() and (vq_path / "config.json").is_file(), "vq_dir",
+          "a folder saved by TinyVQModel.save_pretrained (e.g. by train_vq)", str(vq_dir))
+    model_config = dict(model_config or {})
+    check(not set(model_config) & set(_DERIVED), "model_config",
+          f"free of {', '.join(_DERIVED)} (they come from the VQ and the dataset)", model_config)
+
+    start = time.perf_counter()
+    vq = TinyVQModel.from_pretrained(vq_path, use_safetensors=True)
+    size = vq.config.sample_size
+    images, labels = stack(ShapesDataset(dataset_size, seed, size))
+    ids = tokenize(vq, images)  # (N, grid * grid)
+    held_seed = heldout_seed(seed)
+    held_images, held_labels = stack(ShapesDataset(heldout_size, held_seed, size))
+    held_ids = tokenize(vq, held_images)
+    del images, held_images
+    log(f"ar-image tokenized {dataset_size} + {heldout_size} images into {ids.shape[1]} ids each")
+
+    torch.manual_seed(seed)
+    config = {**DEFAULT_MODEL_CONFIG, **model_config, "vocab_size": vq.config.codebook_size,
+              "grid_size": vq.grid_size, "num_classes": NUM_CLASSES}
+    model = LlamaGenModel(**config)
+    # LlamaGen's c2i optimizer settings
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.05)
+    order = torch.Generator().manual_seed(seed)
+    dropout = torch.Generator().manual_seed(seed + 1)
+
+    model.train()
+    for step, idx in enumerate(batch_indices(dataset_size, batch_size, steps, order), 1):
+        loss = model.loss(labels[idx], ids[idx], generator=dropout)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if step % log_every == 0 or step == steps:
+            log(f"ar-image step {step}/{steps}  loss {loss.item():.4f}")
+
+    held = heldout_loss(model, held_labels, held_ids)
+    log(f"ar-image held-out loss {held:.4f} ({heldout_size} images)")
+    record = {
+        "recipe": "ar-image", "seed": seed, "steps": steps, "config": json_config(model),
+        "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "optimizer": "AdamW",
+                  "betas": [0.9, 0.95], "weight_decay": 0.05, "grad_clip": 1.0},
+        "vq_dir": str(vq_path.resolve()), "final_loss": loss.item(), "heldout_loss": held,
+        "heldout": {"size": heldout_size, "seed": held_seed},
+        "wall_time_s": time.perf_counter() - start,
+    }
+    save_atomically(model, out, record)
+    return record

@@ -1,0 +1,90 @@
+"""What the recipes share: argument checks, the dataset as tensors, seeded batches, and the
+atomic checkpoint folder (``save_pretrained`` + ``train_log.json``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ...core.errors import check
+from ..data import ShapesDataset
+
+TRAIN_LOG = "train_log.json"
+# held-out images come from ShapesDataset(heldout_size, seed + HELDOUT_SEED_OFFSET): a seed no
+# nearby training run uses, so held-out scenes never appear in training
+HELDOUT_SEED_OFFSET = 1_000_003
+
+
+def _is_int(x, low: int) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def check_run_args(out_dir, *, steps, batch_size, lr, seed, dataset_size, heldout_size, log_every) -> Path:
+    """Validate the arguments every recipe takes; returns ``out_dir`` as a Path."""
+    check(_is_int(steps, 1), "steps", "an int >= 1", steps)
+    check(_is_int(batch_size, 1), "batch_size", "an int >= 1", batch_size)
+    check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0, "lr", "a number > 0", lr)
+    check(_is_int(seed, 0), "seed", "an int >= 0", seed)
+    check(_is_int(dataset_size, batch_size), "dataset_size", f"an int >= batch_size ({batch_size})", dataset_size)
+    check(_is_int(heldout_size, 1), "heldout_size", "an int >= 1", heldout_size)
+    check(_is_int(log_every, 1), "log_every", "an int >= 1", log_every)
+    out = Path(out_dir)
+    check(not out.exists() or out.is_dir(), "out_dir", "a folder path (not an existing file)", str(out_dir))
+    return out
+
+
+def heldout_seed(seed: int) -> int:
+    return seed + HELDOUT_SEED_OFFSET
+
+
+def stack(dataset: ShapesDataset) -> tuple[torch.Tensor, torch.Tensor]:
+    """Render the whole dataset once: images (N, 3, H, W), labels (N,)."""
+    images, labels = zip(*(dataset[i] for i in range(len(dataset))))
+    return torch.stack(images), torch.tensor(labels)
+
+
+def batch_indices(n: int, batch_size: int, steps: int, generator: torch.Generator) -> Iterator[torch.Tensor]:
+    """``steps`` index batches: epochs of a seeded permutation, the ragged tail of each dropped."""
+    per_epoch = n // batch_size
+    for step in range(steps):
+        if step % per_epoch == 0:
+            perm = torch.randperm(n, generator=generator)
+        i = step % per_epoch
+        yield perm[i * batch_size : (i + 1) * batch_size]
+
+
+def json_config(model) -> dict:
+    """The model's registered config, JSON-ready (diffusers' private ``_`` keys dropped)."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in model.config.items() if not k.startswith("_")}
+
+
+def save_atomically(model, out_dir: Path, record: dict) -> None:
+    """``model.save_pretrained`` and ``train_log.json`` into a temp sibling of ``out_dir``, then
+    renamed into place. An existing ``out_dir`` is replaced only once the new folder is complete;
+    on any failure it is left as it was and the temp folder is removed."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
+    old = None
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        (tmp / TRAIN_LOG).write_text(json.dumps(record, indent=2) + "\n")
+        if out_dir.exists():
+            # a folder cannot be renamed over a non-empty one: move the old one aside first
+            old = out_dir.with_name(f".{out_dir.name}.old-{tmp.name}")
+            os.rename(out_dir, old)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        if old is not None and not out_dir.exists():
+            os.rename(old, out_dir)
+            old = None
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)

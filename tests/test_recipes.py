@@ -1,0 +1,146 @@
+"""The training recipes: tiny smoke runs that save loadable folders with a documented
+train_log.json, atomically, bit-identically for one seed; and the ``mmspec train`` CLI."""
+
+import json
+
+import pytest
+import torch
+
+from mmspec import cli
+from mmspec.models.llamagen import LlamaGenModel
+from mmspec.models.vq import TinyVQModel
+from mmspec.training.data import NUM_CLASSES
+from mmspec.training.recipes import train_ar_image, train_vq
+
+WEIGHTS = "diffusion_pytorch_model.safetensors"
+VQ_KEYS = {"recipe", "seed", "steps", "config", "train", "final_loss", "heldout_recon_mse", "heldout",
+           "wall_time_s"}
+AR_KEYS = {"recipe", "seed", "steps", "config", "train", "vq_dir", "final_loss", "heldout_loss", "heldout",
+           "wall_time_s"}
+TINY_RUN = dict(steps=3, batch_size=2, lr=1e-3, dataset_size=8, heldout_size=4, log_every=2)
+TINY_AR = dict(dim=32, n_layers=1, n_heads=2, mlp_hidden=64)
+
+
+def run_vq(out, seed=0, log=None):
+    return train_vq(out, seed=seed, log=log or (lambda msg: None), **TINY_RUN)
+
+
+def run_ar(out, vq_dir, seed=0, log=None):
+    return train_ar_image(out, vq_dir=vq_dir, seed=seed, model_config=TINY_AR, log=log or (lambda msg: None),
+                          **TINY_RUN)
+
+
+def read_log(folder):
+    return json.loads((folder / "train_log.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def vq_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("vq") / "vq"
+    run_vq(out)
+    return out
+
+
+def test_vq_recipe_saves_a_loadable_folder(tmp_path):
+    lines = []
+    out = tmp_path / "vq"
+    record = run_vq(out, log=lines.append)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vq"]  # no temp folder left behind
+    assert read_log(out) == json.loads(json.dumps(record))
+    assert VQ_KEYS <= record.keys() and record["recipe"] == "vq" and record["steps"] == 3
+    assert record["config"]["codebook_size"] == TinyVQModel().config.codebook_size  # the default config
+    assert record["heldout"]["seed"] != record["seed"] and record["heldout_recon_mse"] > 0
+    assert [line.split()[2] for line in lines if " step " in line] == ["2/3", "3/3"]  # every 2 steps, and the last
+    model = TinyVQModel.from_pretrained(out, use_safetensors=True)
+    assert model.encode(torch.zeros(1, 3, 64, 64)).shape == (1, 16, 16)
+
+
+def test_ar_recipe_trains_on_the_vq_ids(tmp_path, vq_dir):
+    out = tmp_path / "ar"
+    record = run_ar(out, vq_dir)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ar"]
+    assert read_log(out) == json.loads(json.dumps(record))
+    assert AR_KEYS <= record.keys() and record["recipe"] == "ar-image"
+    model = LlamaGenModel.from_pretrained(out, use_safetensors=True)
+    vq = TinyVQModel.from_pretrained(vq_dir, use_safetensors=True)
+    assert model.vocab_size == vq.config.codebook_size and model.config.grid_size == vq.grid_size
+    assert model.config.num_classes == NUM_CLASSES and model.config.dim == TINY_AR["dim"]
+    assert 0 < record["heldout_loss"] < 2 * torch.log(torch.tensor(float(model.vocab_size))).item()
+
+
+def test_same_seed_gives_bit_identical_weights(tmp_path, vq_dir):
+    run_vq(tmp_path / "a")
+    run_vq(tmp_path / "b")
+    run_vq(tmp_path / "c", seed=1)
+    weights = {name: (tmp_path / name / WEIGHTS).read_bytes() for name in "abc"}
+    assert weights["a"] == weights["b"] and weights["a"] != weights["c"]
+    run_ar(tmp_path / "ar1", vq_dir)
+    run_ar(tmp_path / "ar2", vq_dir)
+    assert (tmp_path / "ar1" / WEIGHTS).read_bytes() == (tmp_path / "ar2" / WEIGHTS).read_bytes()
+
+
+def test_existing_folder_replaced_only_by_a_complete_one(tmp_path, monkeypatch):
+    out = tmp_path / "vq"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+
+    def broken_save(self, save_directory, **kwargs):  # fails half-way through writing
+        (save_directory / "partial.safetensors").write_text("")
+        raise OSError("disk full")
+
+    with monkeypatch.context() as m:
+        m.setattr(TinyVQModel, "save_pretrained", broken_save)
+        with pytest.raises(OSError, match="disk full"):
+            run_vq(out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vq"]
+    assert [p.name for p in out.iterdir()] == ["old.txt"] and (out / "old.txt").read_text() == "old"
+
+    run_vq(out)  # a successful run replaces the folder as a whole
+    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", WEIGHTS, "train_log.json"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["vq"]
+
+
+def test_bad_arguments_name_the_argument(tmp_path, vq_dir):
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
+        train_vq(tmp_path / "x", **{**TINY_RUN, "steps": 0})
+    with pytest.raises(ValueError, match="dataset_size must be"):
+        train_vq(tmp_path / "x", **{**TINY_RUN, "dataset_size": 1})
+    with pytest.raises(ValueError, match="vq_dir must be"):
+        train_ar_image(tmp_path / "x", vq_dir=tmp_path / "missing", **TINY_RUN)
+    with pytest.raises(ValueError, match="model_config must be free of vocab_size"):
+        train_ar_image(tmp_path / "x", vq_dir=vq_dir, model_config={"vocab_size": 7}, **TINY_RUN)
+    assert not (tmp_path / "x").exists()
+
+
+def test_cli_parses_train_commands(tmp_path, vq_dir):
+    parser = cli.build_parser()
+    args = parser.parse_args(["train", "vq", "--out", str(tmp_path / "vq")])
+    assert (args.command, args.recipe, args.seed, args.threads) == ("train", "vq", 0, 2)
+    assert args.steps == cli.TRAIN_DEFAULTS["vq"]["steps"]
+    args = parser.parse_args(["train", "ar-image", "--vq", str(vq_dir), "--out", "ar", "--steps", "7",
+                              "--seed", "3", "--batch-size", "5", "--lr", "0.01"])
+    assert (args.recipe, args.vq, args.steps, args.seed, args.batch_size, args.lr) == \
+        ("ar-image", str(vq_dir), 7, 3, 5, 0.01)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "vq", "--out", "x", "--steps", "0"], "argument --steps: must be an int >= 1, got 0"),
+    (["train", "vq", "--out", "x", "--lr", "0"], "argument --lr: must be a number > 0"),
+    (["train", "ar-image", "--vq", "/no/such/vq", "--out", "x"], "argument --vq: no such folder"),
+    (["train", "ar-image", "--out", "x"], "the following arguments are required: --vq"),
+])
+def test_cli_rejects_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cli.main(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_cli_train_runs_end_to_end(tmp_path, vq_dir, capsys):
+    threads = torch.get_num_threads()
+    try:
+        assert cli.main(["train", "ar-image", "--vq", str(vq_dir), "--out", str(tmp_path / "ar"), "--steps", "1",
+                         "--batch-size", "2", "--dataset-size", "2", "--threads", "1"]) == 0
+    finally:
+        torch.set_num_threads(threads)
+    assert "saved" in capsys.readouterr().out
+    assert read_log(tmp_path / "ar")["steps"] == 1
