@@ -76,25 +76,22 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an int >= 1, got {value}")
-    return value
+def _number(cast, low, strict: bool):
+    """An argparse type: ``cast(text)`` that must be above ``low`` (or at least, if not strict)."""
+    allowed = f"a number > {low}" if strict else f"an int >= {low}"
+
+    def parse(text: str):
+        value = cast(text)
+        if value < low or (strict and value == low):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an int >= 0, got {value}")
-    return value
+_positive_int = _number(int, 1, strict=False)
+_non_negative_int = _number(int, 0, strict=False)
+_positive_float = _number(float, 0, strict=True)
 
 
 def _existing_dir(text: str) -> str:

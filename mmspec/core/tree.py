@@ -72,6 +72,9 @@ class Tree:
     @cached_property
     def depths(self) -> torch.Tensor:
         """(B, N+1) depth of every node; the target sees node i at position ``L + depth[i]``."""
+        if self.is_chain:  # the common case needs no mask (the decoder passes none for chains)
+            B, N = self.parents.shape
+            return torch.arange(N + 1, device=self.parents.device).expand(B, N + 1)
         return self.ancestor_mask.sum(-1) - 1
 
     @cached_property
