@@ -53,7 +53,7 @@ def test_uncond_without_guidance(target):
     (lambda t: ModelTreeDrafter(t, top_k=17), r"top_k must be an int in \[1, 16\], got 17"),
     (lambda t: ModelTreeDrafter(t, total_tokens=1), r"total_tokens must be an int >= 2, got 1"),
     (lambda t: JacobiDrafter(16, window=1), r"window must be an int >= 2, got 1"),
-    (lambda t: JacobiDrafter(16, init="zeros"), r"init must be one of 'random', 'repeat', got 'zeros'"),
+    (lambda t: JacobiDrafter(16, init="zeros"), r"init must be one of 'random', 'repeat', 'spatial', got 'zeros'"),
     (lambda t: JacobiDrafter(16, init_range=(4, 20)), r"init_range must be \(lo, hi\) with 0 <= lo < hi <= 16"),
 ])
 def test_drafter_knobs(target, make, match):

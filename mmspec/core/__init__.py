@@ -6,19 +6,22 @@ or sink+window rolling caches. Adapters turn model families into its ``Target`` 
 """
 
 from .acceptance import GreedyMatch, SpeculativeSampling
-from .cache import SinkWindowCache, StaticKVCache
+from .cache import SinkWindowCache, SlotKVCache, StaticKVCache
 from .decoder import DecodeOutput, DecodeState, SpeculativeDecoder
-from .drafters import JacobiDrafter, ModelChainDrafter, ModelTreeDrafter, NullDrafter
+from .drafters import EagleTreeDrafter, JacobiDrafter, ModelChainDrafter, ModelTreeDrafter, NullDrafter
 from .logits import LogitsPipeline
-from .relaxed import GroupedAcceptance, GroupedAcceptanceConfig
+from .relaxed import (GroupedAcceptance, GroupedAcceptanceConfig, LatentProximityAcceptance,
+                      LatentProximityConfig, latent_neighbours)
+from .schedule import NextSetSchedule, RasterSchedule
 from .stats import Stats
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
 from .types import Acceptance, Drafter, KVCache, ModelOutput, Target
 
 __all__ = [
-    "Acceptance", "DecodeOutput", "DecodeState", "DraftTree", "Drafter", "GreedyMatch", "GroupedAcceptance",
-    "GroupedAcceptanceConfig", "JacobiDrafter",
-    "KVCache", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter", "NullDrafter",
-    "SinkWindowCache", "SpeculativeDecoder", "SpeculativeSampling", "StaticKVCache", "Stats", "Target",
-    "Tree", "dynamic_tree", "sampled_tree",
+    "Acceptance", "DecodeOutput", "DecodeState", "DraftTree", "Drafter", "EagleTreeDrafter", "GreedyMatch",
+    "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDrafter", "KVCache", "LatentProximityAcceptance",
+    "LatentProximityConfig", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter",
+    "NextSetSchedule", "NullDrafter", "RasterSchedule", "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder",
+    "SpeculativeSampling", "StaticKVCache", "Stats", "Target", "Tree", "dynamic_tree", "latent_neighbours",
+    "sampled_tree",
 ]

@@ -205,3 +205,61 @@ class SinkWindowCache(StaticKVCache):
         super().gather(start, idx, n)
         self._evict()
         self.pos.copy_(self._arange)
+
+
+class SlotKVCache(StaticKVCache):
+    """A position-addressed cache with a written mask, for schedules that decode out of order
+    (ZipAR's next-set decoding: several image rows in flight).
+
+    An entry at sequence position p lives in slot p. A query at position p sees every *written*
+    slot below p (slots not generated yet stay hidden: the ZipAR paper's semantics; its reference
+    code attends to their zeros) plus the entries of its own block that ``block_mask`` allows. A
+    block stays pending until ``commit(keep)`` writes the kept entries into their slots.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_heads: int, head_dim: int,
+                 max_len: int, rope: Rope | None = None, dtype=torch.float32, device=None):
+        super().__init__(num_layers, batch_size, num_heads, head_dim, max_len, rope, dtype, device)
+        self.written = torch.zeros(batch_size, max_len + 1, dtype=torch.bool, device=device)
+        self._pending: tuple[torch.Tensor, list, list] | None = None
+
+    def step(self, positions: torch.Tensor, tree_mask: torch.Tensor | None = None) -> CacheStep:
+        """``tree_mask`` (B, T, T) is the in-block visibility (causal when None)."""
+        B, T = positions.shape
+        S = self.max_len
+        if int(positions.max()) >= S:
+            raise ValueError(f"cache overflow: position {int(positions.max())} >= max_len={S}")
+        if tree_mask is None:
+            tree_mask = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril().expand(B, T, T)
+        slots = torch.arange(S, device=positions.device)
+        seen = self.written[:, None, :S] & (slots < positions[..., None])  # (B, T, S)
+        mask = torch.cat([seen, tree_mask], -1).unsqueeze(1)
+        L = self.k.shape[0]
+        self._pending = (positions, [None] * L, [None] * L)
+        return CacheStep(self, positions, positions, mask, None)
+
+    def _update(self, step, layer, q, k, v):
+        S = self.max_len
+        k = self._rotate(k, step.positions)
+        _, pk, pv = self._pending
+        pk[layer], pv[layer] = k, v
+        keys = torch.cat([self.k[layer, :, :, :S], k.to(self.k.dtype)], 2)
+        values = torch.cat([self.v[layer, :, :, :S], v.to(self.v.dtype)], 2)
+        return self._rotate(q, step.positions), keys, values
+
+    def commit(self, keep: torch.Tensor) -> None:
+        """Write the pending block's entries where ``keep`` (B, T) is True into their slots."""
+        check_pending = self._pending
+        if check_pending is None:
+            raise RuntimeError("commit() without a pending block: call step() (a forward) first")
+        positions, pk, pv = check_pending
+        slots = torch.where(keep, positions, self.max_len)  # dropped entries -> the spare slot
+        if self.k.shape[0]:
+            B, H, T, D = pk[0].shape
+            index = slots[:, None, :, None].expand(B, H, T, D)
+            for layer in range(self.k.shape[0]):
+                self.k[layer].scatter_(2, index, pk[layer].to(self.k.dtype))
+                self.v[layer].scatter_(2, index, pv[layer].to(self.v.dtype))
+        self.written.scatter_(1, slots, True)
+        self.written[:, self.max_len] = False
+        self._pending = None

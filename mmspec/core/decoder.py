@@ -15,8 +15,9 @@ import torch
 from .acceptance import GreedyMatch, SpeculativeSampling
 from .errors import check
 from .logits import LogitsPipeline
+from .schedule import RasterSchedule
 from .stats import Stats
-from .types import Drafter, Target
+from .types import Acceptance, Drafter, ModelOutput, Target
 
 
 @dataclass
@@ -33,6 +34,10 @@ class DecodeState:
     logits: LogitsPipeline
     generator: torch.Generator | None
     max_len: int  # slots a cache needs for this call (prompt + new tokens + two blocks)
+    # the target's prefill output, set only while ``Drafter.start`` runs (feature drafters read
+    # its ``hidden``); cleared afterwards so the prompt's logits are not held while decoding
+    prefill: ModelOutput | None = None
+    prompt_lengths: torch.Tensor | None = None  # (R,) where each row's generated tokens start
 
     @property
     def rows(self) -> int:
@@ -77,6 +82,7 @@ class NullDrafter:
     vocab_size = None
     max_block = 1
     forwards = 0
+    lane_safe = True  # works under any schedule
 
     def start(self, state):
         pass
@@ -101,17 +107,21 @@ class SpeculativeDecoder:
         rule: acceptance rule; defaults to ``GreedyMatch`` for greedy logits and lossless
             ``SpeculativeSampling`` otherwise.
         logits: the logits pipeline shared by draft and target.
+        schedule: which positions each pass decodes (``mmspec.core.schedule``); default raster
+            next-token order. Drafters and rules see the schedule's lanes as rows.
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, rule=None,
-                 logits: LogitsPipeline | None = None):
+                 logits: LogitsPipeline | None = None, schedule=None):
         self.target = target
+        self.schedule = schedule if schedule is not None else RasterSchedule()
         self.drafter = drafter if drafter is not None else NullDrafter()
         self.logits = logits if logits is not None else LogitsPipeline()
         self.rule = rule if rule is not None else (GreedyMatch() if self.logits.greedy else SpeculativeSampling())
         dv = self.drafter.vocab_size
         check(dv is None or dv == target.vocab_size, "drafter.vocab_size",
               f"equal to the target's vocabulary size ({target.vocab_size})", dv)
+        self.schedule.check_drafter(self.drafter)
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, *, uncond_input_ids=None,
@@ -146,30 +156,46 @@ class SpeculativeDecoder:
             width = max(ids.shape[1], uids.shape[1])
             ids = torch.cat([_pad_to(ids, width, 0), _pad_to(uids, width, 0)])
             lens = torch.cat([lens, ulens])
+        sched = self.schedule
+        ids, lens = sched.lane_prompts(ids, lens)  # one row per lane
+        lane_new = sched.lane_tokens(max_new_tokens)
+        B = B * sched.lanes
         block = self.drafter.max_block
-        capacity = ids.shape[1] + max_new_tokens + 2 * block + 1
+        capacity = ids.shape[1] + lane_new + 2 * block + 1
         history = torch.full((ids.shape[0], capacity), 0, dtype=torch.long, device=device)
         history[:, : ids.shape[1]] = ids
-        state = DecodeState(history, lens.clone(), B, self.logits, generator, capacity)
+        state = DecodeState(history, lens.clone(), B, self.logits, generator, capacity,
+                            prompt_lengths=lens.clone())
         stats = Stats()
         draft_forwards_before = self.drafter.forwards
-        cache = self.target.new_cache(state.rows, capacity)
+        target, cache = sched.bind(self.target, state)
 
         # 1. prefill the prompts; the first token comes from the target alone
         with stats.timed("prefill", device):
             positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
-            out = self.target(ids, positions, cache)
+            out = target(ids, positions, cache)
             cache.truncate(lens)
-            last = out.logits[torch.arange(state.rows, device=device), lens - 1]  # (R, V)
-            first = self.rule.sample(self.logits(last), generator)  # (B,)
+            last = out.logits[torch.arange(state.rows, device=device), (lens - 1).clamp(min=0)]  # (R, V)
+            probs = self.logits(last)  # (B, V)
+            sel = sched.prefill_select(state)
+            first = torch.zeros(B, dtype=torch.long, device=device)
+            count = torch.ones(B, dtype=torch.long, device=device)
+            if sel is None:
+                first = self.rule.sample(probs, generator)
+            else:
+                first[sel] = self.rule.sample(probs[sel], generator)
+                count = torch.zeros_like(count).index_fill_(0, sel, 1)
             stats.target_forwards += 1
-            self._emit(state, first[:, None], torch.ones(B, dtype=torch.long, device=device))
+            self._emit(state, first[:, None], count)
+            state.prefill = out
             self.drafter.start(state)
+            state.prefill = None
 
         prompt_lens = lens[:B]
-        done = self._finished(state, prompt_lens, max_new_tokens, eos_token_id)
+        done = sched.finished(state, prompt_lens, lane_new, eos_token_id)
         step = 0
         while not bool(done.all()):
+            fed, emitting = sched.plan(state, done)
             # 2. draft a chain or tree from every row's root
             with stats.timed("draft", device):
                 draft = self.drafter.propose(state)
@@ -180,31 +206,36 @@ class SpeculativeDecoder:
                 mask = None if tree.is_chain else state.expand(tree.ancestor_mask)
             # 3. verify every drafted token in one target pass
             with stats.timed("verify", device):
-                out = self.target(state.expand(tokens), positions, cache, mask)
+                out = target(state.expand(tokens), positions, cache, mask)
                 probs = self.logits(out.logits)  # (B, T, V)
                 stats.target_forwards += 1
             # 4. accept
             with stats.timed("accept", device):
-                acc = self.rule(draft, probs, generator)
+                sel = sched.select(emitting)
+                if sel is None:
+                    acc = self.rule(draft, probs, generator)
+                else:  # only lanes that emit draw randomness
+                    acc = _scatter(self.rule(_select(draft, sel), probs[sel], generator), sel, B, tree.max_depth)
             # 5. commit caches and emit the accepted tokens plus the next token
             with stats.timed("commit", device):
                 # the root and the accepted drafts enter the cache; finished rows stop growing
-                keep = torch.where(done, 0, acc.num_accepted + 1)
+                keep = torch.where(fed, torch.where(emitting, acc.num_accepted + 1, 1), 0)
                 idx = None if tree.is_chain else state.expand(acc.path.clamp(min=0))
                 cache.keep_block(T, idx, state.expand(keep))
                 self.drafter.update(state, draft, acc, probs, out)
                 path_tokens = tokens.gather(1, acc.path[:, 1:].clamp(min=0))  # (B, D)
                 new = torch.cat([path_tokens, path_tokens.new_zeros(B, 1)], 1)
                 new.scatter_(1, acc.num_accepted[:, None], acc.next_token[:, None])
-                stats.record_step(keep)
-                self._emit(state, new, keep)
-                done = self._finished(state, prompt_lens, max_new_tokens, eos_token_id)
+                emitted = torch.where(emitting, keep, 0)
+                stats.record_step(sched.per_output(emitted))
+                self._emit(state, new, emitted)
+                done = sched.finished(state, prompt_lens, lane_new, eos_token_id)
             step += 1
             if callback is not None:
                 callback(step, state)
 
         stats.draft_forwards = self.drafter.forwards - draft_forwards_before
-        sequences, out_lens = self._collect(state, prompt_lens, max_new_tokens, eos_token_id, pad_token_id)
+        sequences, out_lens = sched.collect(state, prompt_lens, lane_new, eos_token_id, pad_token_id)
         return DecodeOutput(sequences, out_lens, stats)
 
     @staticmethod
@@ -215,28 +246,24 @@ class SpeculativeDecoder:
         state.tokens.scatter_(1, cols.clamp(max=state.tokens.shape[1] - 1), new)
         state.lengths = state.lengths + count
 
-    @staticmethod
-    def _finished(state, prompt_lens, max_new, eos):
-        B = state.batch_size
-        done = state.lengths[:B] - prompt_lens >= max_new
-        if eos is not None:
-            gen = torch.arange(state.tokens.shape[1], device=prompt_lens.device)
-            produced = (gen >= prompt_lens[:, None]) & (gen < state.lengths[:B, None])
-            done |= ((state.tokens[:B] == eos) & produced).any(1)
-        return done
 
-    @staticmethod
-    def _collect(state, prompt_lens, max_new, eos, pad):
-        B = state.batch_size
-        cols = prompt_lens[:, None] + torch.arange(max_new, device=prompt_lens.device)
-        seq = state.tokens[:B].gather(1, cols.clamp(max=state.tokens.shape[1] - 1))
-        n = (state.lengths[:B] - prompt_lens).clamp(max=max_new)
-        if eos is not None:
-            is_eos = seq == eos
-            first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, max_new)
-            n = torch.minimum(n, first)
-        seq = torch.where(torch.arange(max_new, device=seq.device) < n[:, None], seq, pad)
-        return seq, n
+def _select(draft, sel: torch.Tensor):
+    """The drafts of rows ``sel`` only."""
+    from .tree import DraftTree, Tree
+
+    tree = draft.tree
+    sub = Tree(tree.parents[sel], max_depth=tree.max_depth, max_children=tree.max_children)
+    return DraftTree(draft.tokens[sel], sub, None if draft.q is None else draft.q[sel])
+
+
+def _scatter(acc: Acceptance, sel: torch.Tensor, B: int, depth: int) -> Acceptance:
+    """An acceptance of rows ``sel`` widened to B rows; the others accept nothing."""
+    path = torch.full((B, depth + 1), -1, dtype=torch.long, device=sel.device)
+    path[:, 0] = 0
+    path[sel] = acc.path
+    num = torch.zeros(B, dtype=torch.long, device=sel.device).index_copy_(0, sel, acc.num_accepted)
+    nxt = torch.zeros(B, dtype=torch.long, device=sel.device).index_copy_(0, sel, acc.next_token)
+    return Acceptance(path=path, num_accepted=num, next_token=nxt)
 
 
 def _pad_to(ids: torch.Tensor, width: int, pad: int) -> torch.Tensor:

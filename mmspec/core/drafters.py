@@ -4,11 +4,15 @@
 - ``ModelChainDrafter``: a small draft model samples gamma tokens (Leviathan et al., 2023).
 - ``ModelTreeDrafter``: a small draft model grows an EAGLE-2 dynamic tree (deterministic top-k
   nodes) or a sampled tree (nodes drawn without replacement).
+- ``EagleTreeDrafter``: EAGLE's feature head grows the same EAGLE-2 trees from the target's own
+  features (any head meeting the small ``FeatureHead`` protocol).
 - ``JacobiDrafter``: the previous iteration's samples and the distributions they came from
   (Speculative Jacobi Decoding, Teng et al., 2025); no draft model at all.
 """
 
 from __future__ import annotations
+
+from typing import Protocol
 
 import torch
 
@@ -16,8 +20,10 @@ from .decoder import DecodeState, NullDrafter
 from .errors import check, check_choice
 from .sampling import sample
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
+from .types import KVCache, ModelOutput
 
-__all__ = ["NullDrafter", "ModelChainDrafter", "ModelTreeDrafter", "JacobiDrafter"]
+__all__ = ["NullDrafter", "ModelChainDrafter", "ModelTreeDrafter", "EagleTreeDrafter", "FeatureHead",
+           "JacobiDrafter"]
 
 
 class _DraftModelRunner:
@@ -120,31 +126,158 @@ class ModelTreeDrafter(_ModelDrafter):
 
     def __init__(self, model, top_k: int = 4, depth: int = 4, total_tokens: int = 16,
                  mode: str = "topk"):
-        check_choice("mode", mode, ("topk", "sample"))
-        check(isinstance(top_k, int) and 1 <= top_k <= model.vocab_size, "top_k",
-              f"an int in [1, {model.vocab_size}]", top_k)
-        check(isinstance(depth, int) and depth >= 0, "depth", "an int >= 0", depth)
-        check(isinstance(total_tokens, int) and total_tokens >= 2, "total_tokens", "an int >= 2", total_tokens)
         super().__init__(model)
         self.top_k, self.depth, self.total_tokens, self.mode = top_k, depth, total_tokens, mode
-        nodes = top_k + depth * top_k * top_k
-        self.max_block = 1 + (min(nodes, total_tokens - 1) if mode == "topk" else nodes)
+        self.max_block = _tree_block(model.vocab_size, top_k, depth, total_tokens, mode)
 
     def propose(self, state: DecodeState) -> DraftTree:
         logits = self.runner.root_logits(state)
 
         def step(tokens, depth, mask):
             out = self.runner.run(state, tokens, torch.full_like(tokens, depth), mask)  # (R, k, V)
-            return self._scores(state, out)
+            return _node_scores(state, out, self.mode)
 
-        if self.mode == "topk":
-            return dynamic_tree(self._scores(state, logits), step, self.top_k, self.depth, self.total_tokens)
-        return sampled_tree(self._scores(state, logits), step, self.top_k, self.depth, state.generator)
+        return _grow_tree(state, _node_scores(state, logits, self.mode), step, self)
 
-    def _scores(self, state, logits):
-        if self.mode == "topk":  # confidence: the draft's guided log-probabilities
-            return state.logits.merge_guidance(logits.float()).log_softmax(-1)
-        return state.logits(logits)  # sampled nodes come from the processed distribution
+
+def _tree_block(vocab_size, top_k, depth, total_tokens, mode) -> int:
+    """Check the tree knobs; returns the largest block the target verifies (root included)."""
+    check_choice("mode", mode, ("topk", "sample"))
+    check(isinstance(top_k, int) and 1 <= top_k <= vocab_size, "top_k", f"an int in [1, {vocab_size}]", top_k)
+    check(isinstance(depth, int) and depth >= 0, "depth", "an int >= 0", depth)
+    check(isinstance(total_tokens, int) and total_tokens >= 2, "total_tokens", "an int >= 2", total_tokens)
+    nodes = top_k + depth * top_k * top_k
+    return 1 + (min(nodes, total_tokens - 1) if mode == "topk" else nodes)
+
+
+def _node_scores(state: DecodeState, logits: torch.Tensor, mode: str) -> torch.Tensor:
+    """(R, ..., V) draft logits -> what the tree builder ranks (B, ..., V)."""
+    if mode == "topk":  # confidence: the draft's guided log-probabilities
+        return state.logits.merge_guidance(logits.float()).log_softmax(-1)
+    return state.logits(logits)  # sampled nodes come from the processed distribution
+
+
+def _grow_tree(state: DecodeState, root_scores: torch.Tensor, step, knobs) -> DraftTree:
+    if knobs.mode == "topk":
+        return dynamic_tree(root_scores, step, knobs.top_k, knobs.depth, knobs.total_tokens)
+    return sampled_tree(root_scores, step, knobs.top_k, knobs.depth, state.generator)
+
+
+class FeatureHead(Protocol):
+    """What ``EagleTreeDrafter`` needs of a feature draft head (``mmspec.models.eagle``).
+
+    ``head(features, tokens, positions, cache, tree_mask)`` scores entries ``(f_{p-1}, x_p)`` at
+    positions p: the target's (or the head's own predicted) feature (R, T, H) at p - 1 and the
+    token at p; it appends them to ``cache`` and returns the predicted feature at p as ``hidden``
+    (R, T, H) and the draft logits of the token at p + 1 (R, T, V).
+    """
+
+    vocab_size: int
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache: ...
+
+    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                 cache: KVCache, tree_mask: torch.Tensor | None = None) -> ModelOutput: ...
+
+
+class EagleTreeDrafter:
+    """EAGLE-2's dynamic draft tree grown by an EAGLE feature head (Li et al., 2024, "EAGLE" and
+    "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees").
+
+    The head drafts from the target's features, not its tokens: its entry at position p pairs the
+    target's feature at p - 1 with the token at p (EAGLE's shift by one). The drafter keeps every
+    committed feature; after each verification ``update`` stores the target's features along the
+    accepted path (the root and the accepted nodes), and the next proposal feeds the head the
+    entries its cache lacks, pairing them with the accepted tokens and the next token. Inside the
+    tree a node's entry uses its parent's *predicted* feature, as in EAGLE.
+
+    ``mode``, ``top_k``, ``depth`` and ``total_tokens`` are ``ModelTreeDrafter``'s: ``"topk"`` is
+    EAGLE-2's deterministic tree (verified with q = 1), ``"sample"`` the sampled tree. With
+    guidance the head runs both CFG halves on their own features and its logits are merged.
+    The target must return features (``ModelOutput.hidden``) from its prefill and verify passes.
+    """
+
+    def __init__(self, head: FeatureHead, top_k: int = 4, depth: int = 4, total_tokens: int = 16,
+                 mode: str = "topk"):
+        self.head = head
+        self.vocab_size = head.vocab_size
+        self.top_k, self.depth, self.total_tokens, self.mode = top_k, depth, total_tokens, mode
+        self.max_block = _tree_block(head.vocab_size, top_k, depth, total_tokens, mode)
+        self.forwards = 0
+        self.cache = self.features = self.fed = None
+
+    def start(self, state: DecodeState) -> None:
+        out = state.prefill
+        if out is None or out.hidden is None:
+            raise ValueError("EagleTreeDrafter needs the target's features: its forward must return "
+                             "ModelOutput.hidden (and the decoder must set state.prefill)")
+        R, S, H = out.hidden.shape
+        self.features = out.hidden.new_zeros(R, state.tokens.shape[1], H)  # [r, j]: feature at position j
+        self.features[:, :S] = out.hidden
+        self.cache = self.head.new_cache(R, state.max_len)
+        self.fed = torch.zeros_like(state.lengths)  # head entries at positions 1 .. fed are committed
+
+    def root_output(self, state: DecodeState) -> ModelOutput:
+        """The head's entry at each row's root (position L - 1): its predicted feature (R, H) and
+        the draft logits of the root's children (R, V). Feeds the committed history the head's
+        cache lacks (always at least the root's entry, so repeated calls agree)."""
+        L = state.lengths
+        self.fed = torch.minimum(self.fed, L - 2)
+        self.cache.truncate(self.fed)
+        width = int((L - 1 - self.fed).max())
+        positions = self.fed[:, None] + 1 + torch.arange(width, device=L.device)  # (R, W)
+        last = state.tokens.shape[1] - 1  # shorter rows read (and later cut) garbage past their end
+        tokens = state.tokens.gather(1, positions.clamp(max=last))
+        H = self.features.shape[-1]
+        feats = self.features.gather(1, (positions - 1).clamp(max=last)[..., None].expand(-1, -1, H))
+        out = self.head(feats, tokens, positions, self.cache)
+        self.forwards += 1
+        at = L - 2 - self.fed  # (R,) the root's column in the block
+        self.cache.truncate(L - 1)
+        self.fed = L - 1
+        rows = torch.arange(len(at), device=at.device)
+        return ModelOutput(logits=out.logits[rows, at], hidden=out.hidden[rows, at])
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        root = self.root_output(state)
+        fed = [root.hidden[:, None]]  # predicted features of the root and every tree node fed so far
+        roots = (state.lengths - 1)[:, None]
+
+        def step(tokens, depth, mask):
+            k = tokens.shape[1]
+            parent = _parent_slot(state.expand(mask), k)  # (R, k): 0 = root, i = i-th fed node
+            known = torch.cat(fed, 1)
+            feats = known.gather(1, parent[..., None].expand(-1, -1, known.shape[-1]))
+            out = self.head(feats, state.expand(tokens), (roots + depth).expand(-1, k), self.cache,
+                            state.expand(mask))
+            self.forwards += 1
+            fed.append(out.hidden)
+            return _node_scores(state, out.logits, self.mode)
+
+        return _grow_tree(state, _node_scores(state, root.logits, self.mode), step, self)
+
+    def update(self, state, draft, acceptance, target_probs, target_out):
+        if target_out.hidden is None:
+            raise ValueError("EagleTreeDrafter needs the target's features (ModelOutput.hidden)")
+        hidden = target_out.hidden  # (R, T, H), root first
+        path = state.expand(acceptance.path).clamp(min=0)  # (R, D+1); slots past the path are garbage
+        H = hidden.shape[-1]
+        on_path = hidden.gather(1, path[..., None].expand(-1, -1, H))
+        # node j of the path sits at position L - 1 + j; entries past the accepted ones are written
+        # where the next round's features will overwrite them before they are read
+        positions = (state.lengths - 1)[:, None] + torch.arange(path.shape[1], device=path.device)
+        positions = positions.clamp(max=self.features.shape[1] - 1)
+        self.features.scatter_(1, positions[..., None].expand(-1, -1, H), on_path.to(self.features.dtype))
+
+
+def _parent_slot(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """(R, k) each frontier node's parent among the fed tree nodes (1-based, 0 = the root).
+
+    ``mask`` (R, k, fed + k) marks each new node's ancestors among the nodes fed so far; they are
+    fed level by level, so the parent is the ancestor fed last."""
+    anc = mask[..., : mask.shape[-1] - k]
+    order = torch.arange(1, anc.shape[-1] + 1, device=mask.device)
+    return (anc * order).amax(-1) if anc.shape[-1] else mask.new_zeros(mask.shape[:2], dtype=torch.long)
 
 
 class JacobiDrafter:
@@ -154,20 +287,31 @@ class JacobiDrafter:
     Keeps a window of ``window - 1`` draft tokens after the root. After a pass that accepted n
     drafts, the outputs the target sampled at the unaccepted positions (with the distributions
     they came from) become the next drafts, and new tokens are initialised at the end with a
-    one-hot q: ``init="random"`` draws uniformly from ``init_range`` (the whole vocabulary by
-    default); ``init="repeat"`` copies the last known token.
+    one-hot q:
+
+    - ``init="random"`` draws uniformly from ``init_range`` (the whole vocabulary by default; the
+      reference's default for Lumina-mGPT);
+    - ``init="repeat"`` copies the last known token (the reference's ``repeat_horizon``, its
+      LlamaGen default: the left neighbour in a raster grid);
+    - ``init="spatial"`` copies the token one grid row above (``grid_width`` tokens back; the
+      paper's vertical repeat, Fig. 9), falling back to ``repeat`` in the first image row.
     """
 
     def __init__(self, vocab_size: int, window: int = 16, init: str = "random",
-                 init_range: tuple[int, int] | None = None):
+                 init_range: tuple[int, int] | None = None, grid_width: int | None = None):
         check(isinstance(window, int) and window >= 2, "window", "an int >= 2", window)
-        check_choice("init", init, ("random", "repeat"))
+        check_choice("init", init, ("random", "repeat", "spatial"))
         lo, hi = init_range if init_range is not None else (0, vocab_size)
         check(0 <= lo < hi <= vocab_size, "init_range", f"(lo, hi) with 0 <= lo < hi <= {vocab_size}",
               init_range)
+        if init == "spatial":
+            check(isinstance(grid_width, int) and grid_width >= 1, "grid_width",
+                  "an int >= 1 (the token grid's width) with init='spatial'", grid_width)
         self.vocab_size, self.window, self.init, self.init_range = vocab_size, window, init, (lo, hi)
+        self.grid_width = grid_width
         self.max_block = window
         self.forwards = 0
+        self.lane_safe = init != "spatial"  # 'spatial' reads the raster history
         self.drafts = self.q = self.count = None
 
     def start(self, state: DecodeState) -> None:
@@ -180,11 +324,19 @@ class JacobiDrafter:
         B, n = state.batch_size, self.window - 1
         device = self.drafts.device
         fresh = torch.arange(n, device=device) >= self.count[:, None]  # (B, n)
+        known = torch.cat([state.roots[:, None], self.drafts], 1)  # (B, n + 1): root, then drafts
+        repeat = known.gather(1, self.count[:, None]).expand(B, n)
         if self.init == "random":
             init = torch.randint(*self.init_range, (B, n), device=device, generator=state.generator)
-        else:
-            known = torch.cat([state.roots[:, None], self.drafts], 1)
-            init = known.gather(1, self.count[:, None]).expand(B, n)
+        elif self.init == "repeat":
+            init = repeat
+        else:  # the token one grid row above draft j (history index lengths + j)
+            hist = state.lengths[:B, None] + torch.arange(n, device=device) - self.grid_width  # (B, n)
+            start = state.prompt_lengths[:B, None]
+            from_history = state.tokens[:B].gather(1, hist.clamp(min=0))
+            j_above = (hist - state.lengths[:B, None] + 1).clamp(0, n)  # index into known (root = 0)
+            above = torch.where(hist <= state.lengths[:B, None] - 1, from_history, known.gather(1, j_above))
+            init = torch.where(hist >= start, above, repeat)
         tokens = torch.where(fresh, init, self.drafts)
         onehot = torch.nn.functional.one_hot(tokens, self.vocab_size).to(self.q.dtype)
         q = torch.where(fresh[..., None], onehot, self.q)

@@ -1,0 +1,267 @@
+"""Decoding schedules: which positions the one loop decodes at each pass.
+
+The decoder runs over *lanes*: sequences that each grow by "root + drafts -> accepted tokens +
+next token" every pass. ``RasterSchedule`` has one lane per prompt (plain next-token order, the
+default). ``NextSetSchedule`` gives every image row its own lane (ZipAR's next-set decoding), so
+one pass advances several rows, each with its own root and (optionally) its own Jacobi window;
+the lanes of one image share a position-addressed cache (``SlotKVCache``).
+
+A schedule supplies, per ``generate`` call: the lanes' prompts, the target view and cache the
+loop talks to, which lanes are fed and which emit at each pass, when each lane is finished and
+how the lanes' tokens form each output sequence. Drafters and acceptance rules see lanes as rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .cache import SlotKVCache
+from .errors import check
+from .types import ModelOutput
+
+
+class RasterSchedule:
+    """Next-token order: one lane per prompt, the loop's historical behaviour."""
+
+    lanes = 1
+
+    def check_drafter(self, drafter) -> None:
+        pass
+
+    def lane_tokens(self, max_new_tokens: int) -> int:
+        return max_new_tokens
+
+    def lane_prompts(self, ids, lens):
+        return ids, lens
+
+    def bind(self, target, state):
+        return target, target.new_cache(state.rows, state.max_len)
+
+    def prefill_select(self, state):
+        return None
+
+    def plan(self, state, done):
+        """(fed, emitting) lanes for this pass; finished lanes are fed but keep nothing."""
+        return ~done, ~done
+
+    def select(self, emitting):
+        return None
+
+    def per_output(self, emitted):
+        return emitted
+
+    def finished(self, state, prompt_lens, max_new, eos):
+        B = state.batch_size
+        done = state.lengths[:B] - prompt_lens >= max_new
+        if eos is not None:
+            gen = torch.arange(state.tokens.shape[1], device=prompt_lens.device)
+            produced = (gen >= prompt_lens[:, None]) & (gen < state.lengths[:B, None])
+            done |= ((state.tokens[:B] == eos) & produced).any(1)
+        return done
+
+    def collect(self, state, prompt_lens, max_new, eos, pad):
+        B = state.batch_size
+        cols = prompt_lens[:, None] + torch.arange(max_new, device=prompt_lens.device)
+        seq = state.tokens[:B].gather(1, cols.clamp(max=state.tokens.shape[1] - 1))
+        n = (state.lengths[:B] - prompt_lens).clamp(max=max_new)
+        if eos is not None:
+            is_eos = seq == eos
+            first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, max_new)
+            n = torch.minimum(n, first)
+        seq = torch.where(torch.arange(max_new, device=seq.device) < n[:, None], seq, pad)
+        return seq, n
+
+
+class NextSetSchedule:
+    """ZipAR's next-set decoding (He et al., 2025, "ZipAR: Parallel Auto-regressive Image
+    Generation through Spatial Locality"): row r+1 of the token grid starts once row r has
+    ``window`` tokens, and every pass advances all rows in flight.
+
+    Each row is a lane. Row 0's lane holds the prompt and then its W tokens. Row r >= 1 starts with
+    a *seed*: the latest token of row r-1, fed at the position of (r-1, W-1), the raster
+    predecessor of (r, 0), as the reference code does; that slot is overwritten once row r-1's
+    real last token is written. Queries attend to written slots before their own position (empty
+    slots are hidden: the paper's rule; the reference LlamaGen code attends to their zeros) and to
+    the roots of other rows fed in the same pass that precede them in raster order. A finished
+    row's last token is fed once more so that later rows see it.
+
+    Pure ZipAR decodes one token per row per pass: ``NFE = (H - 1) * window + W`` (prefill
+    included), and ``window = W`` is raster order (``H * W``). With a Jacobi drafter each row runs
+    its own SJD window (``zipar+sjd``); drafts past a row's end are never kept.
+
+    Args:
+        grid_height, grid_width: the token grid (H rows of W tokens, raster order).
+        window: ZipAR's ``s`` in [1, W]; the reference's LlamaGen default is 8 (for W = 24).
+    """
+
+    def __init__(self, grid_height: int, grid_width: int, window: int):
+        check(isinstance(grid_height, int) and grid_height >= 1, "grid_height", "an int >= 1", grid_height)
+        check(isinstance(grid_width, int) and grid_width >= 1, "grid_width", "an int >= 1", grid_width)
+        check(isinstance(window, int) and 1 <= window <= grid_width, "window",
+              f"an int in [1, grid_width={grid_width}]", window)
+        self.H, self.W, self.window = grid_height, grid_width, window
+        self.lanes = grid_height
+
+    @staticmethod
+    def closed_form_nfe(grid_height: int, grid_width: int, window: int) -> int:
+        """Target passes of pure ZipAR, prefill included."""
+        return (grid_height - 1) * window + grid_width
+
+    def check_drafter(self, drafter) -> None:
+        check(getattr(drafter, "lane_safe", False), "drafter",
+              "a model-free chain drafter (none or JacobiDrafter with init random|repeat) with the "
+              "next-set schedule", type(drafter).__name__)
+
+    def lane_tokens(self, max_new_tokens: int) -> int:
+        check(max_new_tokens == self.H * self.W, "max_new_tokens",
+              f"the grid's token count H * W = {self.H * self.W} with the next-set schedule", max_new_tokens)
+        return self.W
+
+    def lane_prompts(self, ids: torch.Tensor, lens: torch.Tensor):
+        """(R, S) prompts -> (R * H, S) lane prompts: row 0's lane gets the prompt, others nothing."""
+        R, S = ids.shape
+        lane_ids = torch.zeros(R, self.H, S, dtype=ids.dtype, device=ids.device)
+        lane_ids[:, 0] = ids
+        lane_lens = torch.zeros(R, self.H, dtype=lens.dtype, device=lens.device)
+        lane_lens[:, 0] = lens
+        self.prompt_lens = lens  # (R,) per target row (the CFG halves may differ)
+        self._fed = lane_lens.flatten() > 0  # the prefill feeds row 0's lanes only
+        return lane_ids.flatten(0, 1), lane_lens.flatten()
+
+    def bind(self, target, state):
+        R, H, W = state.rows // self.H, self.H, self.W
+        device = state.tokens.device
+        r = torch.arange(H, device=device)
+        P = self.prompt_lens[:, None]
+        # history index i of lane r sits at position offset + i (row 0's lane starts at 0)
+        self.offset = torch.where(r == 0, 0, P + r * W - 1).flatten()  # (R * H,)
+        self.base = torch.where(r == 0, P, 1).flatten()  # history index of the lane's first token
+        self.last_lane = (r == H - 1).repeat(R)
+        span = int(self.prompt_lens.max()) + H * W + state.max_len
+        geometry = target.new_cache(1, 1)
+        slot = SlotKVCache(geometry.k.shape[0], R, geometry.k.shape[2], geometry.k.shape[4], span,
+                           rope=geometry.rope, dtype=geometry.k.dtype, device=device)
+        self.cache = _LaneCache(self, slot)
+        return _LaneTarget(self, target), self.cache
+
+    def _emitted(self, state):
+        return (state.lengths - self.base).clamp(min=0)  # (R_lanes,)
+
+    def _started(self, state):
+        return state.lengths > 0
+
+    def prefill_select(self, state):
+        B = state.batch_size
+        return torch.arange(0, B, self.H, device=state.tokens.device)
+
+    def plan(self, state, done):
+        """Start every lane whose upper row has ``window`` tokens (its seed enters the history),
+        then: fed = started and not finished; emitting = fed and its row is not complete."""
+        B, H, W = state.batch_size, self.H, self.W
+        R = state.rows
+        e = self._emitted(state).view(-1, H)
+        started = self._started(state).view(-1, H)
+        go = torch.zeros_like(started)
+        go[:, 1:] = ~started[:, 1:] & (e[:, :-1] >= self.window)
+        if bool(go.any()):
+            upper = (torch.arange(state.rows, device=e.device) - 1).clamp(min=0)  # lane r-1 of each lane
+            last = self.base[upper] + self._emitted(state)[upper].clamp(max=W) - 1
+            seed = state.tokens[upper, last]  # (R * H,)
+            go = go.flatten()
+            state.tokens[:, 0] = torch.where(go, seed, state.tokens[:, 0])
+            state.lengths = torch.where(go, 1, state.lengths)
+        started = self._started(state)[:B]
+        fed = started & ~done
+        emitting = fed & (self._emitted(state)[:B] < W)
+        self._fed = state.expand(fed)
+        return fed, emitting
+
+    def select(self, emitting):
+        return emitting.nonzero().squeeze(1)
+
+    def per_output(self, emitted):
+        return emitted.view(-1, self.H).sum(1)
+
+    def finished(self, state, prompt_lens, max_new, eos):
+        check(eos is None, "eos_token_id", "None with the next-set schedule (a grid has a fixed size)", eos)
+        B = state.batch_size
+        complete = self._emitted(state)[:B] >= self.W
+        cached = (self.cache.cached[:B] - self.base[:B]) >= self.W
+        return complete & (cached | self.last_lane[:B])
+
+    def collect(self, state, prompt_lens, max_new, eos, pad):
+        B, H, W = state.batch_size, self.H, self.W
+        cols = self.base[:B, None] + torch.arange(W, device=state.tokens.device)
+        seq = state.tokens[:B].gather(1, cols).view(B // H, H * W)
+        return seq, torch.full((B // H,), H * W, dtype=torch.long, device=seq.device)
+
+
+class _LaneCache:
+    """The decoder-facing cache of the next-set schedule: one entry count per lane over a shared
+    ``SlotKVCache`` per target row."""
+
+    def __init__(self, schedule: NextSetSchedule, slot: SlotKVCache):
+        self.schedule, self.slot = schedule, slot
+        self.cached = torch.zeros_like(schedule.offset)  # history tokens of each lane in the cache
+        self.packing = None  # (lane index (R, A), valid (R, A), T) of the pending block
+
+    def next_positions(self) -> torch.Tensor:
+        return self.schedule.offset + self.cached
+
+    def keep_block(self, block_size: int, idx, n: torch.Tensor) -> None:
+        check(idx is None, "drafter", "a chain drafter with the next-set schedule", "a tree")
+        sch = self.schedule
+        n = torch.minimum(n, (sch.base + sch.W - self.cached).clamp(min=0))  # never past the row's end
+        lanes, valid, T = self.packing
+        R, A = lanes.shape
+        keep_lane = torch.arange(T, device=n.device) < n[:, None]  # (R * H, T)
+        keep = keep_lane.view(R, sch.H, T).gather(1, lanes[..., None].expand(R, A, T)) & valid[..., None]
+        self.slot.commit(keep.flatten(1))
+        self.cached = self.cached + n
+        self.packing = None
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        """After the prefill: keep each lane's prompt, drop its right padding."""
+        self.keep_block(0, None, lengths - self.cached)
+
+
+class _LaneTarget:
+    """Packs the fed lanes of each target row into one block over the shared slot cache."""
+
+    def __init__(self, schedule: NextSetSchedule, target):
+        self.schedule, self.target = schedule, target
+        self.vocab_size = target.vocab_size
+
+    def __call__(self, tokens, positions, cache: _LaneCache, tree_mask=None) -> ModelOutput:
+        sch = self.schedule
+        RL, T = tokens.shape
+        H = sch.H
+        R = RL // H
+        device = tokens.device
+        fed = sch._fed.view(R, H)
+        A = max(1, int(fed.sum(1).max()))
+        lanes = (~fed).to(torch.int8).sort(dim=1, stable=True).indices[:, :A]  # fed lanes first, in row order
+        valid = torch.arange(A, device=device) < fed.sum(1, keepdim=True)  # (R, A)
+        pick = lanes[..., None].expand(R, A, T)
+        tok = torch.where(valid[..., None], tokens.view(R, H, T).gather(1, pick), 0)  # padding: id 0 at 0
+        pos = torch.where(valid[..., None], positions.view(R, H, T).gather(1, pick), 0)
+        if tree_mask is None:
+            tm = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(R, A, T, T)
+        else:
+            tm = tree_mask.view(R, H, T, T).gather(1, lanes[..., None, None].expand(R, A, T, T))
+        lane_of = torch.arange(A, device=device).repeat_interleave(T)  # (A*T,)
+        t_of = torch.arange(T, device=device).repeat(A)
+        same = lane_of[:, None] == lane_of[None, :]
+        own = tm[:, lane_of[:, None], t_of[:, None], t_of[None, :]] & same  # (R, AT, AT)
+        flat_pos = pos.flatten(1)
+        key_ok = valid.repeat_interleave(T, 1) & (t_of == 0)  # other lanes' roots only
+        cross = ~same & key_ok[:, None, :] & (flat_pos[:, None, :] < flat_pos[:, :, None])
+        out = self.target(tok.flatten(1), flat_pos, cache.slot, own | cross)
+        cache.packing = (lanes, valid, T)
+
+        def unpack(x):
+            full = x.new_zeros(R, H, T, x.shape[-1])
+            full.scatter_(1, lanes[..., None, None].expand(R, A, T, x.shape[-1]), x.view(R, A, T, -1))
+            return full.flatten(0, 1)
+
+        return ModelOutput(unpack(out.logits), None if out.hidden is None else unpack(out.hidden))
