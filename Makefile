@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mmspec-installed
 
-.PHONY: run test install bench clean
+.PHONY: run test install bench bench-ar-image assets clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,18 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/mmspec bench core --json bench-core.json
+
+bench-ar-image: $(STAMP)
+	$(BIN)/mmspec bench ar-image --json bench-ar-image.json
+
+# rebuild every bundled checkpoint from its seed (about 50 min on 2 cores); model_index.json is static
+AR := assets/ar-image
+assets: $(STAMP)
+	$(BIN)/mmspec train vq --out $(AR)/vqvae
+	$(BIN)/mmspec train ar-image --vq $(AR)/vqvae --out $(AR)/transformer
+	$(BIN)/mmspec train ar-draft --kind chain --vq $(AR)/vqvae --out $(AR)/draft_model
+	$(BIN)/mmspec train ar-draft --kind eagle --target $(AR)/transformer --vq $(AR)/vqvae --out $(AR)/eagle_head
+	$(BIN)/mmspec train classifier --out assets/classifier
 
 clean:
 	rm -rf $(VENV) build *.egg-info

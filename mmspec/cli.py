@@ -2,9 +2,17 @@
 
     mmspec showcase                  the main job: every modality's default, baseline vs methods
     mmspec bench core [--json PATH]  the speculation core on synthetic pairs, as a table or JSON
+    mmspec bench ar-image [--json PATH]
+                                     every AR image method on the bundled checkpoints: NFE, wall, FD, accuracy
+    mmspec generate ar-image --method gsd --prompt "a red circle" --out DIR
+                                     write PNGs from the bundled AR image pipeline
     mmspec train vq --out DIR        rebuild the tiny VQ tokenizer from a seed (about 6 min on 2 cores)
     mmspec train ar-image --vq DIR --out DIR
                                      rebuild the AR image model on that tokenizer (about 20 min)
+    mmspec train ar-draft --kind eagle|chain --target DIR --vq DIR --out DIR
+                                     train a draft for it (at most 8 min each)
+    mmspec train classifier --out DIR [--vq DIR]
+                                     rebuild the AR image bench's classifier (about 3 min)
 """
 
 from __future__ import annotations
@@ -13,7 +21,7 @@ import argparse
 import sys
 from pathlib import Path
 
-BENCHES = ("core",)
+BENCHES = ("core", "ar-image")
 
 
 def _progress(msg: str) -> None:
@@ -36,10 +44,72 @@ def cmd_bench(args) -> int:
         cfg = core.CoreBenchConfig.quick() if args.quick else core.CoreBenchConfig()
         result = core.run(cfg, progress=None if args.quiet else _progress)
         columns = report.CORE_COLUMNS
+    else:
+        from .bench import ar_image
+
+        cfg = ar_image.ARImageBenchConfig.quick() if args.quick else ar_image.ARImageBenchConfig()
+        result = ar_image.public(ar_image.run(cfg, progress=None if args.quiet else _progress))
+        columns = ar_image.AR_IMAGE_COLUMNS
     if args.json:
         report.write_json(args.json, result)
     print(report.format_table(result["rows"], columns))
     return 0
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    from .pipelines import SpeculativeARImagePipeline
+
+    _set_threads(args.threads)
+    knobs = {}
+    for item in args.knob or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"mmspec generate: --knob must be KEY=VALUE, got {item!r}")
+        knobs[key] = _knob_value(value)
+    pipe = SpeculativeARImagePipeline.from_pretrained(args.model)
+    out = pipe(prompt=args.prompt, method=args.method, method_knobs=knobs, guidance_scale=args.guidance_scale,
+               temperature=args.temperature, num_images_per_prompt=args.num_images,
+               generator=torch.Generator().manual_seed(args.seed), show_progress=not args.quiet)
+    paths = _save_images(out.images, Path(args.out), args.method, args.prompt)
+    s = out.stats
+    print(f"{len(paths)} images in {args.out}: method {args.method}, {s['nfe']} target passes "
+          f"({s['tau']:.2f} tokens per pass), {s['wall_seconds']:.2f} s")
+    return 0
+
+
+def _knob_value(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return {"none": None, "true": True, "false": False}.get(text.lower(), text)
+
+
+def _save_images(images, out: Path, method: str, prompts) -> list[Path]:
+    """PNG files ``{prompt}-{method}-{i}.png``, each written to a temp name and renamed."""
+    import os
+    import tempfile
+
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    per = len(images) // len(prompts)
+    paths = []
+    for i, image in enumerate(images):
+        stem = "_".join(prompts[i // per].lower().split()).replace("/", "_")
+        path = out / f"{stem}-{method.replace('+', '_')}-{i % per}.png"
+        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{path.name}.", suffix=".png")
+        os.close(fd)
+        try:
+            image.save(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+        paths.append(path)
+    return paths
 
 
 def cmd_showcase(args) -> int:
@@ -56,8 +126,26 @@ def cmd_showcase(args) -> int:
     print("tau = tokens per target pass, bonus token counted; exact: greedy rows bit-identical to 'none',")
     print(f"sampled rows pass the chi-square distribution test (N={setup['exact_samples']}, p >= "
           f"{setup['exact_threshold']}); iid rows: tau beside (1 - a^(g+1)) / (1 - a).")
-    print("AR image, VLM, continuous and video parts arrive with their modality adapters.")
+    _showcase_ar_image(args)
+    print("VLM, continuous and video parts arrive with their modality adapters.")
     return 0
+
+
+def _showcase_ar_image(args) -> None:
+    from .bench import ar_image, report
+
+    print("\nmmspec showcase: AR image generation on the bundled checkpoints (CPU, 1 image per call)\n")
+    cfg = ar_image.ARImageBenchConfig.quick(methods=ar_image.SHOWCASE_METHODS)
+    result = ar_image.run(cfg, progress=_progress)
+    grid = Path(args.out) / "ar_image_grid.png"
+    ar_image.save_grid(result, grid)
+    print(report.format_table(result["rows"], ar_image.AR_IMAGE_COLUMNS))
+    setup = result["setup"]
+    print(f"\n{setup['images']} images per method (one per class, seeds {setup['seed']}..), CFG "
+          f"{setup['guidance_scale']}, T={setup['temperature']}; FD on the recipe classifier's features vs "
+          f"{setup['reference_images']} real images (real-vs-real floor at this size: {setup['fd_real_floor']:.2f}); "
+          f"target's mean top-1 probability on its samples: {setup['mean_top1_prob']:.3f}.")
+    print(f"samples, one row per method ({', '.join(result['_grids'])}): {grid}")
 
 
 def cmd_train(args) -> int:
@@ -69,6 +157,18 @@ def cmd_train(args) -> int:
     if args.recipe == "vq":
         record = recipes.train_vq(args.out, **common)
         print(f"saved {args.out}: held-out reconstruction MSE {record['heldout_recon_mse']:.4f}, "
+              f"{record['wall_time_s']:.0f} s")
+    elif args.recipe == "ar-draft":
+        if args.kind == "eagle" and args.target is None:
+            raise SystemExit("mmspec train ar-draft: --kind eagle needs --target DIR (the AR model it drafts for)")
+        record = recipes.train_ar_draft(args.out, kind=args.kind, vq_dir=args.vq, target_dir=args.target, **common)
+        metric = (f"held-out top-1 agreement {record['heldout_top1']:.4f}" if args.kind == "eagle"
+                  else f"held-out loss {record['heldout_loss']:.4f}")
+        print(f"saved {args.out}: {metric}, {record['wall_time_s']:.0f} s")
+    elif args.recipe == "classifier":
+        record = recipes.train_classifier(args.out, vq_dir=args.vq, **common)
+        on_vq = "" if args.vq is None else f", {record['vq_recon_accuracy']:.4f} on VQ reconstructions"
+        print(f"saved {args.out}: held-out accuracy {record['heldout_accuracy']:.4f}{on_vq}, "
               f"{record['wall_time_s']:.0f} s")
     else:
         record = recipes.train_ar_image(args.out, vq_dir=args.vq, **common)
@@ -104,7 +204,12 @@ def _existing_dir(text: str) -> str:
 # batch 16, 0.62 s per AR step at batch 32): about 6 and 19 minutes
 TRAIN_DEFAULTS = {
     "vq": dict(steps=1500, batch_size=16, lr=1e-3, dataset_size=4096),
-    "ar-image": dict(steps=1800, batch_size=32, lr=5e-4, dataset_size=4096),
+    "ar-image": dict(steps=2000, batch_size=32, lr=1e-3, dataset_size=8192),
+    # one thread, batch 16: ~0.33 s per eagle step (the frozen target's forward dominates), ~0.2 s
+    # per chain step; about 5 and 3.5 minutes with tokenizing
+    "ar-draft": dict(steps=800, batch_size=16, lr=1e-3, dataset_size=4096),
+    # one thread, batch 32: ~0.11 s per step; about 3 minutes, held-out accuracy ~0.965
+    "classifier": dict(steps=1600, batch_size=32, lr=3e-3, dataset_size=4096),
 }
 
 
@@ -112,12 +217,22 @@ def _add_train_parser(sub) -> None:
     train = sub.add_parser("train", help="rebuild a tiny checkpoint from a seed")
     recipes = train.add_subparsers(dest="recipe", required=True)
     helps = {"vq": "the VQ tokenizer on procedural shapes",
-             "ar-image": "the class-conditional AR image model on a trained VQ's ids"}
+             "ar-image": "the class-conditional AR image model on a trained VQ's ids",
+             "ar-draft": "a draft for the AR image model: EAGLE's feature head or a small chain model",
+             "classifier": "the shapes classifier whose features the AR image bench's FD uses"}
     for name, defaults in TRAIN_DEFAULTS.items():
         p = recipes.add_parser(name, help=helps[name])
-        if name == "ar-image":
+        if name == "ar-draft":
+            p.add_argument("--kind", required=True, choices=("eagle", "chain"),
+                           help="eagle: feature head on the target; chain: a small AR model")
+            p.add_argument("--target", type=_existing_dir, metavar="DIR",
+                           help="folder written by 'mmspec train ar-image' (required for --kind eagle)")
+        if name in ("ar-image", "ar-draft"):
             p.add_argument("--vq", required=True, type=_existing_dir, metavar="DIR",
                            help="folder written by 'mmspec train vq'")
+        if name == "classifier":
+            p.add_argument("--vq", type=_existing_dir, metavar="DIR",
+                           help="also report the accuracy on this VQ's reconstructions of held-out images")
         p.add_argument("--out", required=True, metavar="DIR", help="checkpoint folder (replaced atomically)")
         p.add_argument("--steps", type=_positive_int, default=defaults["steps"],
                        help=f"optimizer steps (default {defaults['steps']})")
@@ -131,6 +246,27 @@ def _add_train_parser(sub) -> None:
         p.add_argument("--threads", type=_positive_int, default=2, help="torch intra-op threads (default 2)")
 
 
+def _add_generate_parser(sub) -> None:
+    from .adapters.ar_image import METHODS
+
+    gen = sub.add_parser("generate", help="write images from a bundled pipeline")
+    kinds = gen.add_subparsers(dest="kind", required=True)
+    p = kinds.add_parser("ar-image", help="AR image generation over VQ tokens")
+    p.add_argument("--prompt", required=True, nargs="+", help='class prompts, e.g. "a red circle"')
+    p.add_argument("--method", default="none",
+                   help=f"none or a composition: {', '.join(METHODS)} (default none)")
+    p.add_argument("--knob", action="append", metavar="KEY=VALUE", help="a method knob, e.g. sjd_window=16")
+    p.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs")
+    p.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "assets" / "ar-image"),
+                   type=_existing_dir, metavar="DIR", help="pipeline folder (default assets/ar-image)")
+    p.add_argument("--num-images", type=_positive_int, default=1, help="images per prompt (default 1)")
+    p.add_argument("--guidance-scale", type=float, default=2.0, help="CFG scale (default 2.0)")
+    p.add_argument("--temperature", type=float, default=1.0, help="(default 1.0)")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="(default 0)")
+    p.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -142,13 +278,17 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", metavar="PATH", help='write {"bench": name, "rows": [...]} here')
     bench.add_argument("--quick", action="store_true", help="smaller sample counts (the showcase's)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    showcase.add_argument("--out", default="outputs/showcase", metavar="DIR",
+                          help="where the sample grids go (default outputs/showcase)")
+    _add_generate_parser(sub)
     _add_train_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"bench": cmd_bench, "showcase": cmd_showcase, "train": cmd_train}[args.command]
+    handler = {"bench": cmd_bench, "showcase": cmd_showcase, "train": cmd_train,
+               "generate": cmd_generate}[args.command]
     return handler(args)
 
 

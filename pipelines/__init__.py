@@ -1,1 +1,13 @@
 """Diffusers-style pipelines (installed as ``mmspec.pipelines``); one file per pipeline."""
+
+_LAZY = {"SpeculativeARImagePipeline": ".ar_image", "ARImagePipelineOutput": ".ar_image"}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

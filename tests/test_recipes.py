@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from mmspec import cli
+from mmspec.models import load_checkpoint
 from mmspec.models.llamagen import LlamaGenModel
 from mmspec.models.vq import TinyVQModel
 from mmspec.training.data import NUM_CLASSES
@@ -51,7 +52,7 @@ def test_vq_recipe_saves_a_loadable_folder(tmp_path):
     assert record["config"]["codebook_size"] == TinyVQModel().config.codebook_size  # the default config
     assert record["heldout"]["seed"] != record["seed"] and record["heldout_recon_mse"] > 0
     assert [line.split()[2] for line in lines if " step " in line] == ["2/3", "3/3"]  # every 2 steps, and the last
-    model = TinyVQModel.from_pretrained(out, use_safetensors=True)
+    model = load_checkpoint(TinyVQModel, out)
     assert model.encode(torch.zeros(1, 3, 64, 64)).shape == (1, 16, 16)
 
 
@@ -61,8 +62,8 @@ def test_ar_recipe_trains_on_the_vq_ids(tmp_path, vq_dir):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ar"]
     assert read_log(out) == json.loads(json.dumps(record))
     assert AR_KEYS <= record.keys() and record["recipe"] == "ar-image"
-    model = LlamaGenModel.from_pretrained(out, use_safetensors=True)
-    vq = TinyVQModel.from_pretrained(vq_dir, use_safetensors=True)
+    model = load_checkpoint(LlamaGenModel, out)
+    vq = load_checkpoint(TinyVQModel, vq_dir)
     assert model.vocab_size == vq.config.codebook_size and model.config.grid_size == vq.grid_size
     assert model.config.num_classes == NUM_CLASSES and model.config.dim == TINY_AR["dim"]
     assert 0 < record["heldout_loss"] < 2 * torch.log(torch.tensor(float(model.vocab_size))).item()

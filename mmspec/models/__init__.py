@@ -1,14 +1,14 @@
 """Network definitions no library provides.
 
-The diffusers-based models (``LlamaGenModel``, ``TinyVQModel``) import lazily: the core and its tests
-should not pay for importing diffusers.
+The diffusers-based models (``LlamaGenModel``, ``TinyVQModel``, ``ShapesClassifier``) import lazily:
+the core and its tests should not pay for importing diffusers.
 """
 
 from .tiny_lm import TinyCausalLM, TinyLMConfig
 
-_LAZY = {"LlamaGenModel": ".llamagen", "TinyVQModel": ".vq"}
+_LAZY = {"LlamaGenModel": ".llamagen", "ShapesClassifier": ".classifier", "TinyVQModel": ".vq"}
 
-__all__ = ["TinyCausalLM", "TinyLMConfig", *_LAZY]
+__all__ = ["TinyCausalLM", "TinyLMConfig", "load_checkpoint", *_LAZY]
 
 
 def __getattr__(name):
@@ -17,3 +17,11 @@ def __getattr__(name):
 
         return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def load_checkpoint(cls, path, dtype=None):
+    """``cls.from_pretrained(path)`` from a local folder, safetensors only, computed in ``dtype``
+    (default float32: checkpoints ship as fp16, the CPU computes in fp32)."""
+    import torch
+
+    return cls.from_pretrained(path, use_safetensors=True, dtype=dtype or torch.float32).eval()

@@ -1,7 +1,11 @@
 """Training recipes that rebuild the tiny checkpoints from a seed: ``train_vq`` (the VQ tokenizer
-on shapes) and ``train_ar_image`` (the class-conditional AR model on that tokenizer's ids)."""
+on shapes), ``train_ar_image`` (the class-conditional AR model on that tokenizer's ids), ``train_ar_draft``
+(its drafts: EAGLE's feature head or a small chain model) and
+``train_classifier`` (the shapes classifier whose features the AR image bench measures with)."""
 
+from .ar_draft import train_ar_draft
 from .ar_image import train_ar_image
+from .classifier import train_classifier
 from .vq import train_vq
 
-__all__ = ["train_ar_image", "train_vq"]
+__all__ = ["train_ar_draft", "train_ar_image", "train_classifier", "train_vq"]

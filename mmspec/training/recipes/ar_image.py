@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ...core.errors import check
 from ...models.llamagen import LlamaGenModel
+from ...models import load_checkpoint
 from ...models.vq import TinyVQModel
 from ..data import NUM_CLASSES, ShapesDataset
-from .common import batch_indices, check_run_args, heldout_seed, json_config, save_atomically, stack
+from .common import (batch_indices, check_run_args, heldout_seed, json_config, save_atomically, stack,
+                     warmup_cosine)
 
 # small enough for a CPU; mlp_hidden ~ 8/3 dim as in LlamaGen
 DEFAULT_MODEL_CONFIG = dict(dim=128, n_layers=4, n_heads=4, mlp_hidden=344, class_dropout_prob=0.1)
@@ -37,7 +40,7 @@ def heldout_loss(model: LlamaGenModel, labels: torch.Tensor, ids: torch.Tensor, 
 
 def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch_size: int, lr: float,
                    seed: int = 0, dataset_size: int, model_config: dict | None = None, heldout_size: int = 64,
-                   log_every: int = 50, log: Callable[[str], None] = print) -> dict:
+                   log_every: int = 50, warmup: int = 100, log: Callable[[str], None] = print) -> dict:
     """Train a ``LlamaGenModel`` with AdamW on ``ShapesDataset(dataset_size, seed)`` tokenized once
     by the VQ in ``vq_dir``, and save it to ``out_dir`` (safetensors, written atomically) with
     ``train_log.json``, whose dict is returned: ``recipe``, ``seed``, ``steps``, ``config`` (the
@@ -46,7 +49,8 @@ def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch
 
     ``vocab_size``, ``grid_size`` and ``num_classes`` come from the VQ and the dataset; other
     ``LlamaGenModel`` arguments default to ``DEFAULT_MODEL_CONFIG`` and are overridden by
-    ``model_config``. Label dropout uses a generator seeded from ``seed``: runs are reproducible."""
+    ``model_config``. The learning rate warms up linearly for ``warmup`` steps, then follows a
+    cosine down to 10% of ``lr``. Label dropout uses a generator seeded from ``seed``: runs are reproducible."""
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                          dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
     vq_path = Path(vq_dir)
@@ -57,7 +61,7 @@ def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch
           f"free of {', '.join(_DERIVED)} (they come from the VQ and the dataset)", model_config)
 
     start = time.perf_counter()
-    vq = TinyVQModel.from_pretrained(vq_path, use_safetensors=True)
+    vq = load_checkpoint(TinyVQModel, vq_path)
     size = vq.config.sample_size
     images, labels = stack(ShapesDataset(dataset_size, seed, size))
     ids = tokenize(vq, images)  # (N, grid * grid)
@@ -73,6 +77,7 @@ def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch
     model = LlamaGenModel(**config)
     # LlamaGen's c2i optimizer settings
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.05)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, steps=steps))
     order = torch.Generator().manual_seed(seed)
     dropout = torch.Generator().manual_seed(seed + 1)
 
@@ -83,6 +88,7 @@ def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        schedule.step()
         if step % log_every == 0 or step == steps:
             log(f"ar-image step {step}/{steps}  loss {loss.item():.4f}")
 
@@ -90,7 +96,7 @@ def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch
     log(f"ar-image held-out loss {held:.4f} ({heldout_size} images)")
     record = {
         "recipe": "ar-image", "seed": seed, "steps": steps, "config": json_config(model),
-        "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "optimizer": "AdamW",
+        "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "optimizer": "AdamW", "schedule": f"linear warmup {warmup} steps, cosine to 10%",
                   "betas": [0.9, 0.95], "weight_decay": 0.05, "grad_clip": 1.0},
         "vq_dir": str(vq_path.resolve()), "final_loss": loss.item(), "heldout_loss": held,
         "heldout": {"size": heldout_size, "seed": held_seed},

@@ -4,6 +4,7 @@ atomic checkpoint folder (``save_pretrained`` + ``train_log.json``)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -59,20 +60,37 @@ def batch_indices(n: int, batch_size: int, steps: int, generator: torch.Generato
         yield perm[i * batch_size : (i + 1) * batch_size]
 
 
+def warmup_cosine(step: int, *, warmup: int, steps: int, floor: float = 0.1) -> float:
+    """LR multiplier: linear warmup over ``warmup`` steps, then a cosine from 1 down to ``floor``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, t)))
+
+
 def json_config(model) -> dict:
     """The model's registered config, JSON-ready (diffusers' private ``_`` keys dropped)."""
     return {k: list(v) if isinstance(v, tuple) else v for k, v in model.config.items() if not k.startswith("_")}
 
 
-def save_atomically(model, out_dir: Path, record: dict) -> None:
-    """``model.save_pretrained`` and ``train_log.json`` into a temp sibling of ``out_dir``, then
-    renamed into place. An existing ``out_dir`` is replaced only once the new folder is complete;
+def save_atomically(model, out_dir: Path, record: dict, dtype: torch.dtype = torch.float16) -> None:
+    """``model.save_pretrained`` (weights cast to ``dtype``: checkpoints ship as fp16 safetensors)
+    and ``train_log.json`` into a temp sibling of ``out_dir``, then renamed into place. An existing ``out_dir`` is replaced only once the new folder is complete;
     on any failure it is left as it was and the temp folder is removed."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
     old = None
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        from diffusers.utils import logging as diffusers_logging
+
+        original = next(model.parameters()).dtype
+        level = diffusers_logging.get_verbosity()
+        diffusers_logging.set_verbosity_error()  # not its "modules kept in float32" notice on every cast
+        try:
+            model.to(dtype).save_pretrained(tmp, safe_serialization=True)
+        finally:
+            model.to(original)
+            diffusers_logging.set_verbosity(level)
         (tmp / TRAIN_LOG).write_text(json.dumps(record, indent=2) + "\n")
         if out_dir.exists():
             # a folder cannot be renamed over a non-empty one: move the old one aside first

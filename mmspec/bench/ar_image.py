@@ -1,0 +1,237 @@
+"""``mmspec bench ar-image``: every AR image method on the bundled checkpoints, in one run.
+
+The same classes and seeds for every method: image i asks for class ``i % 16`` with generator
+seed ``seed + i``, one image per call (batch 1: the latency setting speculative decoding is
+for). Per method: target passes (NFE) per image, draft passes per image, tokens per target pass
+(tau), CPU wall time per image, both as ratios to ``none`` measured in this run, and quality:
+Frechet distance of the recipe-trained classifier's features against real procedural images
+(and its ratio to ``none``), and the classifier's accuracy on the requested class.
+
+Lossless methods also get ``exact``: the first two image tokens of N sampled rows (same class,
+CFG on) against the exact guided distribution of the second token, a 512-cell chi-square at
+p >= 1e-3 (the second token is the first one a draft can decide).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..adapters.ar_image import compose, parse_method
+from ..core import LogitsPipeline, SpeculativeDecoder
+from ..core.exactness import P_THRESHOLD, chisquare_pvalue
+from ..core.schedule import NextSetSchedule
+from .quality import frechet_distance, extract_features, reference_stats, ReferenceStats
+
+EXACT_CHUNK = 1000
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+
+# (row label, method, knobs): the papers' defaults unless the label says otherwise
+DEFAULT_METHODS = (
+    ("none", "none", {}),
+    ("sd", "sd", {}),
+    ("eagle", "eagle", {}),
+    ("lantern", "lantern", {}),
+    ("lantern++", "lantern", {"lantern_lam": 5.0, "lantern_k": 10}),
+    ("sjd", "sjd", {}),
+    ("sjd-spatial", "sjd", {"sjd_init": "spatial"}),
+    ("gsd", "gsd", {}),
+    ("zipar", "zipar", {}),
+    ("zipar-s4", "zipar", {"zipar_window": 4}),
+    ("zipar+sjd", "zipar+sjd", {"zipar_window": 4}),
+    ("zipar+gsd", "zipar+gsd", {"zipar_window": 4}),
+    ("zipar+gsd-s2", "zipar+gsd", {"zipar_window": 2}),
+    ("sjd+lantern", "sjd+lantern", {}),
+    ("zipar+sjd+lantern", "zipar+sjd+lantern", {"zipar_window": 4}),
+)
+
+SHOWCASE_METHODS = tuple(m for m in DEFAULT_METHODS if m[0] in ("none", "sjd", "gsd", "lantern", "zipar+gsd"))
+
+
+@dataclass
+class ARImageBenchConfig:
+    pipeline_dir: str = str(ASSETS / "ar-image")
+    classifier_dir: str = str(ASSETS / "classifier")
+    methods: tuple = DEFAULT_METHODS
+    images: int = 128  # image i: class i % 16, seed + i
+    guidance_scale: float = 2.0
+    temperature: float = 1.0
+    top_k: int | None = None
+    seed: int = 0
+    reference_images: int = 1024  # real images for the FD statistics
+    reference_seed: int = 777
+    exact_samples: int = 8_000
+    exact_class: int = 5
+
+    @classmethod
+    def quick(cls, **kw) -> "ARImageBenchConfig":
+        return cls(images=16, exact_samples=0, reference_images=512, **kw)
+
+
+def _short(knobs: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in knobs.items()) or "defaults"
+
+
+def load(cfg: ARImageBenchConfig):
+    from ..models import load_checkpoint
+    from ..models.classifier import ShapesClassifier
+    from ..pipelines import SpeculativeARImagePipeline
+
+    pipe = SpeculativeARImagePipeline.from_pretrained(cfg.pipeline_dir)
+    pipe.set_progress_bar_config(disable=True)
+    classifier = load_checkpoint(ShapesClassifier, cfg.classifier_dir)
+    return pipe, classifier
+
+
+@torch.no_grad()
+def second_token_pvalue(pipe, method: str, knobs: dict, cfg: ARImageBenchConfig) -> float:
+    """Chi-square p-value of the second generated token of ``cfg.exact_samples`` rows against its
+    exact guided marginal ``sum_x1 p(x1) p(x2 | x1)`` (computed with V + 1 target passes)."""
+    model = pipe.transformer
+    V = model.vocab_size
+    logits = LogitsPipeline(temperature=cfg.temperature, top_k=cfg.top_k, guidance_scale=cfg.guidance_scale)
+    c, u = cfg.exact_class, model.null_class
+    first = logits(torch.cat([model(torch.tensor([[c]])).logits[:, -1], model(torch.tensor([[u]])).logits[:, -1]]))
+    x1 = torch.arange(V)[:, None]
+    cond = model(torch.cat([torch.full((V, 1), c), x1], 1)).logits[:, -1]
+    uncond = model(torch.cat([torch.full((V, 1), u), x1], 1)).logits[:, -1]
+    second = logits(torch.cat([cond, uncond]))  # (V, V): p(x2 | x1)
+    marginal = (first[0].double()[:, None] * second.double()).sum(0)
+    parts = compose(parse_method(method, **knobs), model, draft_model=pipe.draft_model, eagle_head=pipe.eagle_head,
+                    codebook=pipe.vqvae.codebook())
+    dec = SpeculativeDecoder(model, parts.drafter, rule=parts.rule, logits=logits)
+    g = torch.Generator().manual_seed(cfg.seed + 12345)
+    samples = []
+    for start in range(0, cfg.exact_samples, EXACT_CHUNK):  # chunks bound the memory of big trees
+        n = min(EXACT_CHUNK, cfg.exact_samples - start)
+        out = dec.generate(model.class_prompts([c] * n), 2, uncond_input_ids=model.uncond_prompts(n), generator=g)
+        samples.append(out.sequences[:, 1].cpu())
+    return chisquare_pvalue(torch.cat(samples), marginal)
+
+
+@torch.no_grad()
+def run(cfg: ARImageBenchConfig, progress=None) -> dict:
+    say = progress or (lambda msg: None)
+    pipe, classifier = load(cfg)
+    model = pipe.transformer
+    num_classes = model.config.num_classes
+    labels = [i % num_classes for i in range(cfg.images)]
+    say(f"reference features of {cfg.reference_images} real images")
+    ref = reference_stats(classifier, cfg.reference_images, cfg.reference_seed)
+    floor = _real_floor(classifier, cfg, ref)
+
+    rows, grids = [], {}
+    for label, method, knobs in cfg.methods:
+        say(f"{label}: {cfg.images} images")
+        parse_method(method, **knobs)  # bad knobs fail before any work
+        tokens, nfe, draft, taus, walls = [], [], [], [], []
+        for i, c in enumerate(labels):
+            g = torch.Generator().manual_seed(cfg.seed + i)
+            start = time.perf_counter()
+            out = pipe(class_labels=[c], method=method, method_knobs=knobs, guidance_scale=cfg.guidance_scale,
+                       temperature=cfg.temperature, top_k=cfg.top_k, generator=g, output_type="latent",
+                       show_progress=False)
+            walls.append(time.perf_counter() - start)
+            tokens.append(out.tokens)
+            nfe.append(out.stats["nfe"])
+            draft.append(out.stats["draft_nfe"])
+            taus.append(out.stats["tau"])
+        tokens = torch.cat(tokens)
+        images = pipe.vqvae.decode(tokens).clamp(-1, 1)
+        feats = extract_features(classifier, images)
+        acc = (classifier.head(feats).argmax(-1) == torch.tensor(labels)).float().mean().item()
+        row = {"method": label, "composition": method, "knobs": _short(knobs),
+               "nfe": statistics.fmean(nfe), "draft_nfe": statistics.fmean(draft), "tau": statistics.fmean(taus),
+               "wall_s": statistics.fmean(walls), "fd": frechet_distance(feats, ref), "class_acc": acc,
+               "lossless": parse_method(method, **knobs).lossless}
+        if method == "zipar":
+            g = model.config.grid_size
+            row["nfe_closed_form"] = NextSetSchedule.closed_form_nfe(g, g, knobs.get("zipar_window", 8))
+        if row["lossless"] and method != "none" and cfg.exact_samples:
+            say(f"{label}: distribution test, {cfg.exact_samples} samples")
+            p = second_token_pvalue(pipe, method, knobs, cfg)
+            row["exact_p"] = p
+            row["exact"] = p >= P_THRESHOLD
+        rows.append(row)
+        grids[label] = images
+    base = rows[0]
+    for row in rows:
+        row["nfe_speedup"] = base["nfe"] / row["nfe"]
+        row["wall_speedup"] = base["wall_s"] / row["wall_s"]
+        row["fd_ratio"] = row["fd"] / base["fd"]
+        row["class_acc_delta"] = 100 * (row["class_acc"] - base["class_acc"])
+    setup = {"pipeline": cfg.pipeline_dir, "classifier": cfg.classifier_dir, "images": cfg.images,
+             "guidance_scale": cfg.guidance_scale, "temperature": cfg.temperature, "top_k": cfg.top_k,
+             "seed": cfg.seed, "reference_images": cfg.reference_images, "fd_real_floor": floor,
+             "exact_samples": cfg.exact_samples, "exact_threshold": P_THRESHOLD,
+             "torch_threads": torch.get_num_threads(), "mean_top1_prob": _mean_top1(pipe, cfg)}
+    return {"bench": "ar-image", "setup": setup, "rows": rows, "_grids": grids, "_labels": labels}
+
+
+def _real_floor(classifier, cfg, ref: ReferenceStats) -> float:
+    """FD of as many *real* images as the run generates: the metric's noise floor at that size."""
+    from ..training.data import ShapesDataset
+
+    data = ShapesDataset(cfg.images, cfg.reference_seed + 1, classifier.config.sample_size)
+    images = torch.stack([data[i][0] for i in range(cfg.images)])
+    return frechet_distance(extract_features(classifier, images), ref)
+
+
+@torch.no_grad()
+def _mean_top1(pipe, cfg: ARImageBenchConfig, n: int = 8) -> float:
+    """The target's mean top-1 probability (guided, processed) along its own samples."""
+    model = pipe.transformer
+    logits = LogitsPipeline(temperature=cfg.temperature, top_k=cfg.top_k, guidance_scale=cfg.guidance_scale)
+    labels = list(range(n))
+    out = SpeculativeDecoder(model, logits=logits).generate(
+        model.class_prompts(labels), model.num_image_tokens, uncond_input_ids=model.uncond_prompts(n),
+        generator=torch.Generator().manual_seed(cfg.seed))
+    seq = torch.cat([torch.tensor(model.class_prompts(labels)), out.sequences[:, :-1]], 1)
+    useq = torch.cat([torch.tensor(model.uncond_prompts(n)), out.sequences[:, :-1]], 1)
+    probs = logits(torch.cat([model(seq).logits, model(useq).logits]))
+    return float(probs.max(-1).values.mean())
+
+
+AR_IMAGE_COLUMNS = [
+    ("method", "method"), ("knobs", "knobs"), ("nfe", "NFE/img"), ("nfe_speedup", "NFE x"),
+    ("wall_s", "wall s/img"), ("wall_speedup", "wall x"), ("tau", "tau"), ("draft_nfe", "draft NFE/img"),
+    ("fd", "FD"), ("fd_ratio", "FD x"), ("class_acc", "class acc"), ("exact", "exact"),
+]
+
+
+def save_grid(result: dict, path: str | Path, per_row: int = 16) -> None:
+    """A PNG: one row of samples per method (the first ``per_row`` images), labelled on stdout
+    by the caller; written to a temp file and renamed into place."""
+    import os
+    import tempfile
+
+    import numpy as np
+    import PIL.Image
+
+    grids = result["_grids"]
+    rows = []
+    for label, images in grids.items():
+        imgs = ((images[:per_row] + 1) / 2).clamp(0, 1)
+        rows.append(torch.cat(list(imgs), 2))  # (3, H, per_row * W)
+    grid = torch.cat(rows, 1).permute(1, 2, 0).numpy()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
+    os.close(fd)
+    try:
+        PIL.Image.fromarray((grid * 255).round().astype(np.uint8)).save(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def public(result: dict) -> dict:
+    return {k: v for k, v in result.items() if not k.startswith("_")}
+
+
+__all__ = ["ARImageBenchConfig", "AR_IMAGE_COLUMNS", "DEFAULT_METHODS", "SHOWCASE_METHODS", "run", "save_grid", "public"]

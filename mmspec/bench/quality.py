@@ -1,0 +1,127 @@
+"""Quality of generated shapes images: Frechet distance on a trained ``ShapesClassifier``'s
+features (FID with our own feature extractor in place of Inception-v3) and that classifier's
+accuracy on the class each image was asked for.
+
+Images are (N, 3, 64, 64) float tensors in [-1, 1], the convention of ``ShapesDataset`` and of
+``TinyVQModel.decode`` (whose output is not clamped: ``reconstruct`` clamps it, and so should
+any generator before measuring, since a clamped image is what gets shown). Everything runs under
+``no_grad`` on the CPU in fixed-size batches; the classifier must be in eval mode, so an image's
+features do not depend on the rest of its batch. Feature statistics are float64.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..core.errors import check
+from ..training.data import ShapesDataset
+
+# a sqrtm of two PSD covariances' product is real in exact arithmetic: larger imaginary parts
+# on its diagonal mean the covariances are broken, not rounding (pytorch-fid's tolerance)
+IMAG_TOLERANCE = 1e-3
+
+
+def _check_eval(classifier: nn.Module) -> None:
+    check(not classifier.training, "classifier", "in eval mode (call .eval(): BatchNorm in training mode "
+          "mixes the batch)", type(classifier).__name__ + " in training mode")
+
+
+def _as_float64(feats, name: str) -> np.ndarray:
+    feats = feats.detach().cpu().double().numpy() if isinstance(feats, torch.Tensor) else np.asarray(feats, np.float64)
+    check(feats.ndim == 2 and feats.shape[0] >= 2, name, "an (N, F) array with N >= 2", feats.shape)
+    return feats
+
+
+@dataclass(frozen=True)
+class ReferenceStats:
+    """Mean (F,) and unbiased covariance (F, F) of a set of ``n`` feature vectors, float64."""
+
+    mu: np.ndarray
+    sigma: np.ndarray
+    n: int
+
+    @classmethod
+    def from_features(cls, feats) -> ReferenceStats:
+        """Statistics of ``feats`` (N, F), N >= 2: a tensor or an array."""
+        feats = _as_float64(feats, "feats")
+        return cls(feats.mean(axis=0), np.cov(feats, rowvar=False), len(feats))
+
+
+@torch.no_grad()
+def reconstruct(vq: nn.Module, images: torch.Tensor, batch_size: int = 64) -> torch.Tensor:
+    """A ``TinyVQModel``'s quantized reconstruction of ``images`` (N, C, H, W), clamped to [-1, 1]."""
+    check(not vq.training, "vq", "in eval mode", type(vq).__name__ + " in training mode")
+    return torch.cat([vq.decode(vq.encode(chunk)).clamp(-1.0, 1.0) for chunk in images.split(batch_size)])
+
+
+@torch.no_grad()
+def extract_features(classifier: nn.Module, images: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
+    """``classifier.features`` of ``images`` (N, 3, H, W), batched: (N, F) float32."""
+    _check_eval(classifier)
+    return torch.cat([classifier.features(chunk) for chunk in images.split(batch_size)])
+
+
+def reference_stats(classifier: nn.Module, n: int, seed: int, batch_size: int = 256) -> ReferenceStats:
+    """Feature statistics of the real images ``ShapesDataset(n, seed)`` (classes balanced)."""
+    check(isinstance(n, int) and not isinstance(n, bool) and n >= 2, "n", "an int >= 2", n)
+    dataset = ShapesDataset(n, seed, classifier.config.sample_size)
+    images = torch.stack([dataset[i][0] for i in range(n)])  # (n, 3, H, W)
+    return ReferenceStats.from_features(extract_features(classifier, images, batch_size))
+
+
+def frechet_distance(feats_a, feats_b) -> float:
+    """Frechet distance between Gaussians fitted to two feature sets, each (N, F) features (tensor
+    or array, N >= 2) or their ``ReferenceStats``:
+    ``|mu_a - mu_b|^2 + tr(S_a + S_b - 2 (S_a S_b)^(1/2))``."""
+    from scipy import linalg
+
+    a, b = (f if isinstance(f, ReferenceStats) else ReferenceStats.from_features(_as_float64(f, name))
+            for f, name in ((feats_a, "feats_a"), (feats_b, "feats_b")))
+    check(a.mu.shape == b.mu.shape, "feats_b", f"features of the same width as feats_a ({a.mu.shape[0]})",
+          b.mu.shape[0])
+    with warnings.catch_warnings():
+        # the product is singular whenever N <= F or a ReLU feature is dead in a set; the Schur
+        # method is still accurate then (measured: |X X - A| / |A| ~ 1e-15 at N = 8, F = 128)
+        warnings.simplefilter("ignore", linalg.LinAlgWarning)
+        covmean = linalg.sqrtm(a.sigma @ b.sigma)
+        if not np.isfinite(covmean).all():
+            offset = 1e-6 * np.eye(len(a.mu))  # pytorch-fid's nudge off the singular case
+            covmean = linalg.sqrtm((a.sigma + offset) @ (b.sigma + offset))
+    if np.iscomplexobj(covmean):
+        imag = np.abs(np.diagonal(covmean).imag).max()
+        if imag > IMAG_TOLERANCE:
+            raise ValueError(f"sqrtm(S_a S_b) has imaginary diagonal parts up to {imag:.3g} > {IMAG_TOLERANCE}")
+        covmean = covmean.real
+    diff = a.mu - b.mu
+    return float(diff @ diff + np.trace(a.sigma) + np.trace(b.sigma) - 2.0 * np.trace(covmean))
+
+
+@torch.no_grad()
+def class_accuracy(classifier: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 256) -> float:
+    """Fraction of ``images`` whose arg-max class under ``classifier`` equals ``labels`` (N,)."""
+    _check_eval(classifier)
+    labels = torch.as_tensor(labels)
+    check(labels.dim() == 1 and len(labels) == len(images) >= 1, "labels",
+          f"a (N,) tensor with N = len(images) = {len(images)} >= 1", tuple(labels.shape))
+    correct = sum((classifier(chunk).argmax(dim=-1) == y).sum().item()
+                  for chunk, y in zip(images.split(batch_size), labels.split(batch_size)))
+    return correct / len(labels)
+
+
+@torch.no_grad()
+def image_quality(classifier: nn.Module, images: torch.Tensor, labels: torch.Tensor, reference: ReferenceStats,
+                  batch_size: int = 256) -> dict:
+    """``{"fd": frechet_distance(features of images, reference), "class_acc": class_accuracy}`` in
+    one pass of a ``ShapesClassifier`` over ``images``, generated for classes ``labels`` (N,)."""
+    _check_eval(classifier)
+    labels = torch.as_tensor(labels)
+    check(labels.dim() == 1 and len(labels) == len(images) >= 2, "labels",
+          f"a (N,) tensor with N = len(images) = {len(images)} >= 2", tuple(labels.shape))
+    feats = extract_features(classifier, images, batch_size)  # (N, F)
+    correct = (classifier.head(feats).argmax(dim=-1) == labels).sum().item()
+    return {"fd": frechet_distance(feats, reference), "class_acc": correct / len(labels)}

@@ -1,0 +1,76 @@
+"""``mmspec bench ar-image`` and ``mmspec generate ar-image`` end to end on tiny random components
+saved as local folders (the bundled checkpoints are not needed: the code path is what is tested)."""
+
+import json
+
+import pytest
+import torch
+
+from mmspec import cli
+from mmspec.bench import ar_image
+from mmspec.models.classifier import ShapesClassifier
+from mmspec.models.eagle import EagleDraftHead
+from mmspec.models.llamagen import LlamaGenModel
+from mmspec.models.vq import TinyVQModel
+from mmspec.pipelines import SpeculativeARImagePipeline
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("assets")
+    torch.manual_seed(0)
+    vq = TinyVQModel().eval()
+    cfg = dict(vocab_size=vq.config.codebook_size, grid_size=vq.grid_size, num_classes=16, dim=32, n_layers=1,
+               n_heads=2, mlp_hidden=64, initializer_range=0.3)
+    target, draft = LlamaGenModel(**cfg).eval(), LlamaGenModel(**cfg).eval()
+    pipe = SpeculativeARImagePipeline(transformer=target, vqvae=vq, draft_model=draft,
+                                      eagle_head=EagleDraftHead.from_target(target))
+    pipe.save_pretrained(root / "ar-image")
+    ShapesClassifier().eval().save_pretrained(root / "classifier")
+    return root
+
+
+def test_bench_rows_carry_speed_quality_and_exactness(folders):
+    methods = (("none", "none", {}), ("sjd", "sjd", {"sjd_window": 8}), ("zipar", "zipar", {"zipar_window": 4}))
+    cfg = ar_image.ARImageBenchConfig(pipeline_dir=str(folders / "ar-image"), classifier_dir=str(folders / "classifier"),
+                                      methods=methods, images=3, reference_images=32, exact_samples=400)
+    result = ar_image.run(cfg)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["none"]["nfe"] == 256 and rows["none"]["nfe_speedup"] == 1.0 and rows["none"]["fd_ratio"] == 1.0
+    assert rows["zipar"]["nfe"] == rows["zipar"]["nfe_closed_form"] == 15 * 4 + 16
+    assert rows["sjd"]["exact"] in (True, False) and 0.0 <= rows["sjd"]["exact_p"] <= 1.0
+    assert "exact" not in rows["zipar"] and "exact" not in rows["none"]  # lossy / baseline: no test
+    for row in rows.values():
+        assert {"nfe", "draft_nfe", "tau", "wall_s", "wall_speedup", "fd", "fd_ratio", "class_acc"} <= row.keys()
+    assert result["setup"]["fd_real_floor"] >= 0 and 0 < result["setup"]["mean_top1_prob"] <= 1
+    ar_image.save_grid(result, folders / "grid.png")
+    assert (folders / "grid.png").stat().st_size > 0
+
+
+def test_generate_writes_pngs(folders, tmp_path, capsys):
+    out = tmp_path / "png"
+    assert cli.main(["generate", "ar-image", "--method", "zipar+gsd", "--prompt", "a red circle", "a blue star",
+                     "--knob", "zipar_window=4", "--num-images", "2", "--out", str(out), "--quiet",
+                     "--model", str(folders / "ar-image")]) == 0
+    names = sorted(p.name for p in out.iterdir())
+    assert names == ["a_blue_star-zipar_gsd-0.png", "a_blue_star-zipar_gsd-1.png",
+                     "a_red_circle-zipar_gsd-0.png", "a_red_circle-zipar_gsd-1.png"]
+    assert "4 images" in capsys.readouterr().out
+
+
+def test_generate_rejects_bad_knobs(folders, tmp_path):
+    with pytest.raises(ValueError, match="method knobs"):
+        cli.main(["generate", "ar-image", "--method", "sjd", "--prompt", "a red circle", "--knob", "zipar_window=4",
+                  "--out", str(tmp_path), "--quiet", "--model", str(folders / "ar-image")])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bench_json_is_written(folders, tmp_path, monkeypatch):
+    small = ar_image.ARImageBenchConfig(pipeline_dir=str(folders / "ar-image"), classifier_dir=str(folders / "classifier"),
+                                        methods=(("none", "none", {}), ("gsd", "gsd", {})), images=2,
+                                        reference_images=16, exact_samples=0)
+    monkeypatch.setattr(ar_image.ARImageBenchConfig, "quick", classmethod(lambda cls, **kw: small))
+    path = tmp_path / "bench.json"
+    assert cli.main(["bench", "ar-image", "--quick", "--quiet", "--json", str(path)]) == 0
+    payload = json.loads(path.read_text())
+    assert payload["bench"] == "ar-image" and [r["method"] for r in payload["rows"]] == ["none", "gsd"]
