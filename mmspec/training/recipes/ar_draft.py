@@ -17,10 +17,10 @@ from ...models import load_checkpoint
 from ...models.eagle import EagleDraftHead
 from ...models.llamagen import LlamaGenModel
 from ...models.vq import TinyVQModel
-from ..data import NUM_CLASSES, ShapesDataset
-from .ar_image import tokenize, train_ar_image
-from .common import (TRAIN_LOG, batch_indices, check_run_args, heldout_seed, json_config, save_atomically,
-                     stack, warmup_cosine)
+from ..data import NUM_CLASSES
+from .ar_image import token_data, train_ar_image
+from .common import (TRAIN_LOG, batch_indices, check_run_args, json_config, save_atomically,
+                     warmup_cosine)
 
 KINDS = ("eagle", "chain")
 # the chain draft: a quarter-width, half-depth LlamaGen (the target's recipe defaults are 128 x 4)
@@ -110,13 +110,7 @@ def train_ar_draft(out_dir: str | Path, *, kind: str, vq_dir: str | Path, target
     start = time.perf_counter()
     vq = load_checkpoint(TinyVQModel, vq_path)
     target = _load_target(target_path, vq)
-    size = vq.config.sample_size
-    images, labels = stack(ShapesDataset(dataset_size, seed, size))
-    ids = tokenize(vq, images)  # (N, grid * grid)
-    held_seed = heldout_seed(seed)
-    held_images, held_labels = stack(ShapesDataset(heldout_size, held_seed, size))
-    held_ids = tokenize(vq, held_images)
-    del images, held_images
+    labels, ids, held_labels, held_ids, held_seed = token_data(vq, dataset_size, heldout_size, seed)
     log(f"ar-draft (eagle) tokenized {dataset_size} + {heldout_size} images into {ids.shape[1]} ids each")
 
     torch.manual_seed(seed)

@@ -30,6 +30,16 @@ def tokenize(vq: TinyVQModel, images: torch.Tensor, batch_size: int = 64) -> tor
     return torch.cat([vq.encode(chunk).flatten(1) for chunk in images.split(batch_size)])
 
 
+def token_data(vq: TinyVQModel, dataset_size: int, heldout_size: int, seed: int):
+    """``ShapesDataset(dataset_size, seed)`` and its held-out set as labels and raster ids:
+    ``(labels, ids, held_labels, held_ids, held_seed)``."""
+    size = vq.config.sample_size
+    images, labels = stack(ShapesDataset(dataset_size, seed, size))
+    held_seed = heldout_seed(seed)
+    held_images, held_labels = stack(ShapesDataset(heldout_size, held_seed, size))
+    return labels, tokenize(vq, images), held_labels, tokenize(vq, held_images), held_seed
+
+
 @torch.no_grad()
 def heldout_loss(model: LlamaGenModel, labels: torch.Tensor, ids: torch.Tensor, batch_size: int = 64) -> float:
     """Mean next-token cross-entropy over all held-out tokens, in eval mode (labels kept)."""
@@ -62,13 +72,7 @@ def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch
 
     start = time.perf_counter()
     vq = load_checkpoint(TinyVQModel, vq_path)
-    size = vq.config.sample_size
-    images, labels = stack(ShapesDataset(dataset_size, seed, size))
-    ids = tokenize(vq, images)  # (N, grid * grid)
-    held_seed = heldout_seed(seed)
-    held_images, held_labels = stack(ShapesDataset(heldout_size, held_seed, size))
-    held_ids = tokenize(vq, held_images)
-    del images, held_images
+    labels, ids, held_labels, held_ids, held_seed = token_data(vq, dataset_size, heldout_size, seed)
     log(f"ar-image tokenized {dataset_size} + {heldout_size} images into {ids.shape[1]} ids each")
 
     torch.manual_seed(seed)
