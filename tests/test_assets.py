@@ -1,0 +1,40 @@
+"""The bundled checkpoints: present, fp16, within budget, loadable offline, consistent, and working."""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mmspec.models import load_checkpoint
+from mmspec.models.classifier import ShapesClassifier
+from mmspec.pipelines import SpeculativeARImagePipeline
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+AR = ASSETS / "ar-image"
+
+
+def test_weights_are_fp16_and_within_budget():
+    files = sorted(AR.glob("*/diffusion_pytorch_model.safetensors"))
+    assert [f.parent.name for f in files] == ["draft_model", "eagle_head", "transformer", "vqvae"]
+    assert sum(f.stat().st_size for f in files) <= 50 * 2**20
+    for f in files + [ASSETS / "classifier" / "diffusion_pytorch_model.safetensors"]:
+        with safe_open(f, "pt") as st:
+            dtypes = {st.get_tensor(k).dtype for k in st.keys()}
+        assert dtypes <= {torch.float16, torch.int64, torch.long}, (f, dtypes)
+    for name in ("draft_model", "eagle_head", "transformer", "vqvae"):
+        log = json.loads((AR / name / "train_log.json").read_text())
+        assert log["seed"] == 0 and log["wall_time_s"] > 0
+
+
+def test_bundled_pipeline_generates_offline():
+    pipe = SpeculativeARImagePipeline.from_pretrained(AR)
+    pipe.set_progress_bar_config(disable=True)
+    t = pipe.transformer
+    assert t.vocab_size == pipe.vqvae.config.codebook_size and t.config.grid_size == pipe.vqvae.grid_size
+    assert pipe.draft_model.vocab_size == t.vocab_size and pipe.eagle_head.vocab_size == t.vocab_size
+    out = pipe(prompt="a yellow star", method="zipar+gsd", method_knobs={"zipar_window": 4},
+               generator=torch.Generator().manual_seed(0), output_type="pt", show_progress=False)
+    assert out.images.shape == (1, 3, 64, 64) and out.stats["nfe"] < 256
+    classifier = load_checkpoint(ShapesClassifier, ASSETS / "classifier")
+    assert classifier(out.images * 2 - 1).shape == (1, 16)
