@@ -1,6 +1,5 @@
 """Image-token views of transformers' Emu3, Janus and Chameleon in the speculation core."""
 
-import copy
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from transformers import (ChameleonConfig, ChameleonForConditionalGeneration, Em
 from mmspec.adapters.ar_image_hf import (Emu3ImageTarget, chameleon_prompts, emu3_prompts, image_target,
                                          janus_prompts)
 from mmspec.core import JacobiDrafter, LogitsPipeline, ModelTreeDrafter, SpeculativeDecoder
+from tiny import noisy_copy, spread
 
 K = 32  # codebook size
 TEXT = 32  # ordinary text ids 0..TEXT-1; special and image tokens follow
@@ -28,24 +28,8 @@ def shuffled_ids(base: int, seed: int) -> list[int]:
     return [base + i for i in torch.randperm(K, generator=torch.Generator().manual_seed(seed)).tolist()]
 
 
-def spread(model, std: float = 0.4, seed: int = 0):
-    """Redraw every matrix with a wider spread than transformers' init: greedy grids then vary."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-    return model.eval()
 
 
-def noisy_copy(model, scale: float = 0.15, seed: int = 1):
-    """A second model of the same family that agrees with the first often but not always."""
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
-    return draft
 
 
 def tiny_emu3() -> Emu3ForConditionalGeneration:

@@ -1,6 +1,5 @@
 """HFCausalLMTarget: transformers causal LMs in the speculation core, batched, with cache holes."""
 
-import copy
 
 import pytest
 import torch
@@ -11,6 +10,7 @@ from mmspec.core import (JacobiDrafter, LogitsPipeline, ModelChainDrafter, Model
                          SpeculativeDecoder, Tree)
 from mmspec.core.decoder import pad_prompts
 from mmspec.models import TinyCausalLM, TinyLMConfig
+from tiny import noisy_copy
 
 VOCAB = 64
 NEW_TOKENS = 24
@@ -31,14 +31,6 @@ def tiny_native(seed: int = 1) -> TinyCausalLM:
     return TinyCausalLM(TinyLMConfig(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, mlp_hidden=64)).eval()
 
 
-def noisy_copy(model, scale: float, seed: int):
-    """A draft that agrees with the target often but not always, so rows accept different lengths."""
-    draft = copy.deepcopy(model)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
-    return draft
 
 
 def prompts_of_lengths(lengths=(3, 7, 1, 5), seed: int = 1) -> list[list[int]]:

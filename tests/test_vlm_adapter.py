@@ -7,6 +7,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForCo
 
 from mmspec.adapters.hf import HFCausalLMTarget
 from mmspec.adapters.vlm import VLMTarget
+from tiny import spread
 from mmspec.core import JacobiDrafter, LogitsPipeline, ModelTreeDrafter, SpeculativeDecoder
 
 VOCAB = 64
@@ -21,14 +22,6 @@ TEXT_LAYERS = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_h
 TEXTS = [([5, 9, 14], [2, 33, 7, 40]), ([7, 21, 3, 11, 30, 8], [])]
 
 
-def spread(model, std: float = 0.3, seed: int = 0):
-    """Redraw every matrix with a wider spread than transformers' init: greedy text then varies."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.copy_(std * torch.randn(p.shape, generator=gen))
-    return model.eval()
 
 
 def tiny_llava() -> LlavaForConditionalGeneration:
@@ -39,7 +32,7 @@ def tiny_llava() -> LlavaForConditionalGeneration:
         text_config=dict(model_type="llama", **TEXT_LAYERS), image_token_index=IMAGE,
         vision_feature_layer=-1, attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = spread(LlavaForConditionalGeneration(config))
+    model = spread(LlavaForConditionalGeneration(config), std=0.3)
     model.generation_config.eos_token_id = None
     return model
 
@@ -52,7 +45,7 @@ def tiny_qwen2_vl() -> Qwen2VLForConditionalGeneration:
         image_token_id=IMAGE, vision_start_token_id=VSTART, vision_end_token_id=VEND,
         attn_implementation="sdpa")
     torch.manual_seed(0)
-    model = spread(Qwen2VLForConditionalGeneration(config))
+    model = spread(Qwen2VLForConditionalGeneration(config), std=0.3)
     model.generation_config.eos_token_id = None
     return model
 
@@ -99,7 +92,7 @@ def hf_greedy(family: str, model, prompt: list[int], images: dict, n: int) -> li
 def tiny_llama_draft() -> HFCausalLMTarget:
     torch.manual_seed(5)
     return HFCausalLMTarget(spread(LlamaForCausalLM(LlamaConfig(attn_implementation="sdpa", **TEXT_LAYERS)),
-                                   seed=5))
+                                   std=0.3, seed=5))
 
 
 DRAFTERS = {
