@@ -100,6 +100,15 @@ def test_zipar_plus_sjd_and_bad_knobs():
         SpeculativeDecoder(model, ModelChainDrafter(perturbed(model, 1, 0.1)), schedule=NextSetSchedule(4, 4, 2))
     with pytest.raises(ValueError, match="max_new_tokens"):
         SpeculativeDecoder(model, schedule=NextSetSchedule(4, 4, 2)).generate(model.class_prompts([0]), 10)
+    calls = []
+    hook = model.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match="eos_token_id"):
+            SpeculativeDecoder(model, schedule=NextSetSchedule(4, 4, 2)).generate(model.class_prompts([0]), 16,
+                                                                                 eos_token_id=3)
+    finally:
+        hook.remove()
+    assert calls == []  # rejected before the prefill
 
 
 # -- SJD ------------------------------------------------------------------------------------------

@@ -158,7 +158,7 @@ class SpeculativeDecoder:
             lens = torch.cat([lens, ulens])
         sched = self.schedule
         ids, lens = sched.lane_prompts(ids, lens)  # one row per lane
-        lane_new = sched.lane_tokens(max_new_tokens)
+        lane_new = sched.lane_tokens(max_new_tokens, eos_token_id)
         B = B * sched.lanes
         block = self.drafter.max_block
         capacity = ids.shape[1] + lane_new + 2 * block + 1

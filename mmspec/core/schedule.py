@@ -28,7 +28,8 @@ class RasterSchedule:
     def check_drafter(self, drafter) -> None:
         pass
 
-    def lane_tokens(self, max_new_tokens: int) -> int:
+    def lane_tokens(self, max_new_tokens: int, eos_token_id) -> int:
+        """Tokens each lane generates (checks the call before any work)."""
         return max_new_tokens
 
     def lane_prompts(self, ids, lens):
@@ -112,7 +113,9 @@ class NextSetSchedule:
               "a model-free chain drafter (none or JacobiDrafter with init random|repeat) with the "
               "next-set schedule", type(drafter).__name__)
 
-    def lane_tokens(self, max_new_tokens: int) -> int:
+    def lane_tokens(self, max_new_tokens: int, eos_token_id) -> int:
+        check(eos_token_id is None, "eos_token_id", "None with the next-set schedule (a grid has a fixed size)",
+              eos_token_id)
         check(max_new_tokens == self.H * self.W, "max_new_tokens",
               f"the grid's token count H * W = {self.H * self.W} with the next-set schedule", max_new_tokens)
         return self.W
@@ -158,7 +161,6 @@ class NextSetSchedule:
         """Start every lane whose upper row has ``window`` tokens (its seed enters the history),
         then: fed = started and not finished; emitting = fed and its row is not complete."""
         B, H, W = state.batch_size, self.H, self.W
-        R = state.rows
         e = self._emitted(state).view(-1, H)
         started = self._started(state).view(-1, H)
         go = torch.zeros_like(started)
@@ -183,7 +185,6 @@ class NextSetSchedule:
         return emitted.view(-1, self.H).sum(1)
 
     def finished(self, state, prompt_lens, max_new, eos):
-        check(eos is None, "eos_token_id", "None with the next-set schedule (a grid has a fixed size)", eos)
         B = state.batch_size
         complete = self._emitted(state)[:B] >= self.W
         cached = (self.cache.cached[:B] - self.base[:B]) >= self.W
