@@ -140,7 +140,8 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
             if callback_on_step_end is not None:
                 callback_on_step_end(self, step, None, {"tokens_done": done})
 
-        out = decoder.generate(self.transformer.class_prompts(labels), N, generator=generator, callback=on_step,
+        out = decoder.generate(self.transformer.class_prompts(labels), N, generator=generator,
+                               callback=on_step if progress is not None or callback_on_step_end is not None else None,
                                uncond_input_ids=self.transformer.uncond_prompts(len(labels)) if guided else None)
         if progress is not None:
             progress.update(N - seen[0])
