@@ -13,6 +13,11 @@
                                      train a draft for it (at most 8 min each)
     mmspec train classifier --out DIR [--vq DIR]
                                      rebuild the AR image bench's classifier (about 3 min)
+    mmspec train vlm [--size target|draft] --out DIR
+                                     rebuild the tiny LLaVA-style VLM (about 26 min) or its draft VLM
+    mmspec train vlm-draft --method eagle|specvlm|vispec --target DIR --out DIR
+                                     train a VLM draft head by online-logit distillation; also runs as
+                                     accelerate launch --num_processes 2 -m mmspec train vlm-draft ...
 """
 
 from __future__ import annotations
@@ -170,6 +175,16 @@ def cmd_train(args) -> int:
         on_vq = "" if args.vq is None else f", {record['vq_recon_accuracy']:.4f} on VQ reconstructions"
         print(f"saved {args.out}: held-out accuracy {record['heldout_accuracy']:.4f}{on_vq}, "
               f"{record['wall_time_s']:.0f} s")
+    elif args.recipe == "vlm-draft":
+        record = recipes.train_vlm_draft(args.out, method=args.method, target_dir=args.target,
+                                         rollout_steps=args.rollout_steps, **common)
+        if record is not None:  # None on the other processes of an accelerate launch
+            print(f"saved {args.out}: held-out top-1 agreement {record['heldout_top1']:.4f}, "
+                  f"{record['wall_time_s']:.0f} s on {record['processes']} process(es)")
+    elif args.recipe == "vlm":
+        record = recipes.train_vlm(args.out, size=args.size, **common)
+        print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f} nats/answer token, "
+              f"{record['wall_time_s']:.0f} s")
     else:
         record = recipes.train_ar_image(args.out, vq_dir=args.vq, **common)
         print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f}, {record['wall_time_s']:.0f} s")
@@ -210,6 +225,9 @@ TRAIN_DEFAULTS = {
     "ar-draft": dict(steps=800, batch_size=16, lr=1e-3, dataset_size=4096),
     # one thread, batch 32: ~0.11 s per step; about 3 minutes, held-out accuracy ~0.965
     "classifier": dict(steps=1600, batch_size=32, lr=3e-3, dataset_size=4096),
+    # two threads, batch 32: ~0.95 s per target step (~26 min), ~0.1 s per draft-VLM step
+    "vlm": dict(steps=1600, batch_size=32, lr=1e-3, dataset_size=16000),
+    "vlm-draft": dict(steps=1000, batch_size=16, lr=1e-3, dataset_size=8000),
 }
 
 
@@ -219,7 +237,9 @@ def _add_train_parser(sub) -> None:
     helps = {"vq": "the VQ tokenizer on procedural shapes",
              "ar-image": "the class-conditional AR image model on a trained VQ's ids",
              "ar-draft": "a draft for the AR image model: EAGLE's feature head or a small chain model",
-             "classifier": "the shapes classifier whose features the AR image bench's FD uses"}
+             "classifier": "the shapes classifier whose features the AR image bench's FD uses",
+             "vlm": "a tiny LLaVA-architecture VLM on procedural image/question/answer data",
+             "vlm-draft": "a draft head for the VLM (eagle, specvlm, vispec) by online-logit distillation"}
     for name, defaults in TRAIN_DEFAULTS.items():
         p = recipes.add_parser(name, help=helps[name])
         if name == "ar-draft":
@@ -230,6 +250,18 @@ def _add_train_parser(sub) -> None:
         if name in ("ar-image", "ar-draft"):
             p.add_argument("--vq", required=True, type=_existing_dir, metavar="DIR",
                            help="folder written by 'mmspec train vq'")
+        if name == "vlm":
+            p.add_argument("--size", default="target", choices=("target", "draft"),
+                           help="target: the model the VLM methods accelerate; draft: the small VLM of "
+                                "'sd' and the transformers peer (default target)")
+        if name == "vlm-draft":
+            p.add_argument("--method", required=True, choices=("eagle", "specvlm", "vispec"),
+                           help="eagle: all image tokens; specvlm: elastic visual compressor; "
+                                "vispec: vision adaptor + global image feature")
+            p.add_argument("--target", required=True, type=_existing_dir, metavar="DIR",
+                           help="folder written by 'mmspec train vlm' (the VLM it drafts for)")
+            p.add_argument("--rollout-steps", type=_positive_int, default=None,
+                           help="anti-shortcut rollout steps (default: 2 for vispec, 1 otherwise)")
         if name == "classifier":
             p.add_argument("--vq", type=_existing_dir, metavar="DIR",
                            help="also report the accuracy on this VQ's reconstructions of held-out images")

@@ -45,7 +45,9 @@ class _VLMCache(HFCacheAdapter):
 
 class VLMTarget(HFCausalLMTarget):
     """``LlavaForConditionalGeneration`` or ``Qwen2VLForConditionalGeneration`` as a ``Target``
-    over the model's text vocabulary; ``hidden`` is the language model's last hidden state.
+    over the model's text vocabulary; ``hidden`` is the language model's last hidden state (after
+    its final norm: the LM head's input, EAGLE's feature). After a prefill, ``prompt_embeds``
+    holds the prompt's merged input embeddings (B, S, H), image features at the placeholders.
 
     Bind the images of a batch with ``bind_images`` before ``SpeculativeDecoder.generate``: they
     stay bound, and every fresh cache's first pass consumes them, until rebound or ``clear_images``.
@@ -58,6 +60,15 @@ class VLMTarget(HFCausalLMTarget):
         self.image_token_id = model.config.image_token_id
         self.mrope = isinstance(model, Qwen2VLForConditionalGeneration)
         self.image_inputs: dict[str, torch.Tensor] = {}
+        # the merged input embeddings of the last fresh-cache pass (image features scattered into
+        # the placeholders): what a vision-aware draft (mmspec.models.vlm_draft) reads
+        self.prompt_embeds: torch.Tensor | None = None
+        self._capture = False
+        model.model.language_model.register_forward_pre_hook(self._capture_embeds, with_kwargs=True)
+
+    def _capture_embeds(self, module, args, kwargs):
+        if self._capture:
+            self.prompt_embeds = kwargs["inputs_embeds"].detach()
 
     def bind_images(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None = None,
                     **vision_kwargs) -> None:
@@ -102,8 +113,13 @@ class VLMTarget(HFCausalLMTarget):
         return super().__call__(tokens, positions, cache, tree_mask)
 
     def forward(self, tokens: torch.Tensor, **model_kwargs) -> ModelOutput:
-        images = self.image_inputs if model_kwargs["past_key_values"].get_seq_length() == 0 else {}
-        out = self.model(input_ids=tokens, output_hidden_states=True, **images, **model_kwargs)
+        fresh = model_kwargs["past_key_values"].get_seq_length() == 0
+        images = self.image_inputs if fresh else {}
+        self._capture = fresh
+        try:
+            out = self.model(input_ids=tokens, output_hidden_states=True, **images, **model_kwargs)
+        finally:
+            self._capture = False
         return ModelOutput(logits=out.logits.float(), hidden=out.hidden_states[-1])
 
     def _prompt_rope(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

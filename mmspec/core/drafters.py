@@ -170,6 +170,10 @@ class FeatureHead(Protocol):
     positions p: the target's (or the head's own predicted) feature (R, T, H) at p - 1 and the
     token at p; it appends them to ``cache`` and returns the predicted feature at p as ``hidden``
     (R, T, H) and the draft logits of the token at p + 1 (R, T, V).
+
+    Optionally ``head.start(cache, state)`` runs once per generation, right after the target's
+    prefill (``state.prefill`` is set), before the first feed: a head that prepares per-prompt
+    inputs there (``mmspec.models.vlm_draft``: the prompt's images) keeps them in its cache.
     """
 
     vocab_size: int
@@ -215,6 +219,9 @@ class EagleTreeDrafter:
         self.features = out.hidden.new_zeros(R, state.tokens.shape[1], H)  # [r, j]: feature at position j
         self.features[:, :S] = out.hidden
         self.cache = self.head.new_cache(R, state.max_len)
+        prepare = getattr(self.head, "start", None)
+        if callable(prepare):
+            prepare(self.cache, state)
         self.fed = torch.zeros_like(state.lengths)  # head entries at positions 1 .. fed are committed
 
     def root_output(self, state: DecodeState) -> ModelOutput:

@@ -116,9 +116,14 @@ def _paint(image: torch.Tensor, colour: torch.Tensor, alpha: torch.Tensor) -> to
 
 
 def render(label: int, generator: torch.Generator, resolution: int = 64,
-           return_mask: bool = False):
+           return_mask: bool = False, return_meta: bool = False):
     """Draw one scene of class ``label``: an image (3, H, W) in [-1, 1], and with ``return_mask``
-    also the main object's coverage (H, W) in [0, 1]. Uses only ``generator`` for randomness."""
+    also the main object's coverage (H, W) in [0, 1]. Uses only ``generator`` for randomness.
+
+    With ``return_meta`` a dict describing the scene comes last: ``label``, ``texture``,
+    ``background`` (two RGB triples), ``distractors`` (a list of ``(shape name, RGB, cx, cy, r)``)
+    and the main object's ``cx``, ``cy`` (in [-1, 1], y downwards), ``r`` and ``angle``. Asking for
+    it draws nothing more: the image is the same either way."""
     check(isinstance(label, int) and 0 <= label < NUM_CLASSES, "label", f"an int in [0, {NUM_CLASSES})", label)
     check(isinstance(resolution, int) and resolution >= 16, "resolution", "an int >= 16", resolution)
     # one draw of uniforms for all scalar choices keeps the per-image op count (and time) low
@@ -128,14 +133,17 @@ def render(label: int, generator: torch.Generator, resolution: int = 64,
     # 1. background: two random colours (kept off black and white) blended by a random texture
     c1 = torch.tensor([0.1 + 0.7 * rnd() for _ in range(3)])
     c2 = torch.tensor([0.1 + 0.7 * rnd() for _ in range(3)])
-    w = _texture(TEXTURES[int(len(TEXTURES) * rnd())], x, y, rnd, generator, resolution)
+    texture = TEXTURES[int(len(TEXTURES) * rnd())]
+    w = _texture(texture, x, y, rnd, generator, resolution)
     image = c1[:, None, None] + (c2 - c1)[:, None, None] * w  # (3, H, W)
+    distractors = []
 
     # 2. distractors: 0-3 small shapes of any colour, under the main object
     for _ in range(int(4 * rnd())):
         shape, r = int(len(SHAPES) * rnd()), 0.06 + 0.08 * rnd()
         cx, cy, angle = 1.6 * rnd() - 0.8, 1.6 * rnd() - 0.8, 2 * math.pi * rnd()
         colour = torch.tensor([rnd(), rnd(), rnd()])
+        distractors.append((SHAPES[shape], colour.tolist(), cx, cy, r))
         image = _paint(image, colour, _coverage(_sdf(shape, x - cx, y - cy, r, angle), resolution))
 
     # 3. main object: palette colour with a little jitter and a linear shading across it
@@ -154,7 +162,11 @@ def render(label: int, generator: torch.Generator, resolution: int = 64,
     sigma = 0.05 * rnd()
     image = image + sigma * torch.randn(image.shape, generator=generator)
     image = image.clamp(0.0, 1.0) * 2.0 - 1.0
-    return (image, mask) if return_mask else image
+    out = (image,) + ((mask,) if return_mask else ())
+    if return_meta:
+        out += (dict(label=label, texture=texture, background=(c1.tolist(), c2.tolist()),
+                     distractors=distractors, cx=cx, cy=cy, r=r, angle=angle),)
+    return out[0] if len(out) == 1 else out
 
 
 def item_seed(seed: int, index: int) -> int:

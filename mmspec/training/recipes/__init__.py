@@ -6,6 +6,8 @@ on shapes), ``train_ar_image`` (the class-conditional AR model on that tokenizer
 from .ar_draft import train_ar_draft
 from .ar_image import train_ar_image
 from .classifier import train_classifier
+from .vlm import train_vlm
+from .vlm_draft import train_vlm_draft
 from .vq import train_vq
 
-__all__ = ["train_ar_draft", "train_ar_image", "train_classifier", "train_vq"]
+__all__ = ["train_ar_draft", "train_ar_image", "train_classifier", "train_vlm", "train_vlm_draft", "train_vq"]

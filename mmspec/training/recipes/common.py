@@ -8,7 +8,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -73,9 +73,11 @@ def json_config(model) -> dict:
     return {k: list(v) if isinstance(v, tuple) else v for k, v in model.config.items() if not k.startswith("_")}
 
 
-def save_atomically(model, out_dir: Path, record: dict, dtype: torch.dtype = torch.float16) -> None:
-    """``model.save_pretrained`` (weights cast to ``dtype``: checkpoints ship as fp16 safetensors)
-    and ``train_log.json`` into a temp sibling of ``out_dir``, then renamed into place. An existing ``out_dir`` is replaced only once the new folder is complete;
+def save_atomically(model, out_dir: Path, record: dict, dtype: torch.dtype = torch.float16,
+                    extra: Callable[[Path], object] | None = None) -> None:
+    """``model.save_pretrained`` (weights cast to ``dtype``: checkpoints ship as fp16 safetensors),
+    ``extra(folder)`` if given (e.g. a processor's ``save_pretrained``) and ``train_log.json`` into
+    a temp sibling of ``out_dir``, then renamed into place. An existing ``out_dir`` is replaced only once the new folder is complete;
     on any failure it is left as it was and the temp folder is removed."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
@@ -87,7 +89,9 @@ def save_atomically(model, out_dir: Path, record: dict, dtype: torch.dtype = tor
         level = diffusers_logging.get_verbosity()
         diffusers_logging.set_verbosity_error()  # not its "modules kept in float32" notice on every cast
         try:
-            model.to(dtype).save_pretrained(tmp, safe_serialization=True)
+            model.to(dtype).save_pretrained(tmp)
+            if extra is not None:
+                extra(tmp)
         finally:
             model.to(original)
             diffusers_logging.set_verbosity(level)

@@ -1,0 +1,111 @@
+"""Train the tiny LLaVA-architecture VLMs (``mmspec.models.vlm``) on ``SceneQADataset``: the
+``"target"`` the VLM methods accelerate and the small ``"draft"`` VLM (the ``sd`` baseline and the
+transformers peer's assistant). Next-token cross-entropy on the answer tokens only (the chat frame,
+question and image placeholders are context), AdamW with warmup and cosine decay."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ...core.errors import check, check_choice
+from ...models.vlm import IMAGE_TOKENS, SIZES, build_processor, new_llava
+from ..data.scene_qa import SceneQADataset, prompt_text
+from .common import batch_indices, check_run_args, heldout_seed, save_atomically, warmup_cosine
+
+IGNORE = -100
+
+
+def encode(processor, items) -> tuple[torch.Tensor, list[list[int]], list[int]]:
+    """``(image, question, answer)`` items -> pixels (N, 3, H, W) as rendered, and per item the
+    token ids of prompt + answer + ``</s>`` and the prompt's length (``<image>`` expanded)."""
+    tok = processor.tokenizer
+    images, seqs, prompt_lens = [], [], []
+    expanded = " ".join([tok.image_token] * IMAGE_TOKENS)
+    for image, question, answer in items:
+        prompt = tok(prompt_text(question).replace(tok.image_token, expanded))["input_ids"]
+        answer_ids = tok(answer)["input_ids"] + [tok.eos_token_id]
+        images.append(image)
+        seqs.append(prompt + answer_ids)
+        prompt_lens.append(len(prompt))
+    return torch.stack(images), seqs, prompt_lens
+
+
+def collate(seqs: list[list[int]], prompt_lens: list[int], pad_id: int):
+    """Right-padded ``input_ids``, ``attention_mask`` and ``labels`` (answer tokens only)."""
+    T = max(map(len, seqs))
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, IGNORE)
+    mask = torch.zeros_like(ids)
+    for i, (s, n) in enumerate(zip(seqs, prompt_lens)):
+        ids[i, : len(s)] = torch.tensor(s)
+        labels[i, n : len(s)] = ids[i, n : len(s)]
+        mask[i, : len(s)] = 1
+    return ids, mask, labels
+
+
+@torch.no_grad()
+def heldout_loss(model, pixels, seqs, prompt_lens, pad_id: int, batch_size: int = 32) -> float:
+    """Mean cross-entropy per answer token over the held-out set (eval mode)."""
+    model.eval()
+    total, count = 0.0, 0
+    for i in range(0, len(seqs), batch_size):
+        ids, mask, labels = collate(seqs[i : i + batch_size], prompt_lens[i : i + batch_size], pad_id)
+        n = int((labels[:, 1:] != IGNORE).sum())
+        out = model(input_ids=ids, attention_mask=mask, pixel_values=pixels[i : i + batch_size], labels=labels)
+        total, count = total + out.loss.item() * n, count + n
+    return total / count
+
+
+def train_vlm(out_dir: str | Path, *, size: str = "target", steps: int, batch_size: int, lr: float, seed: int = 0,
+              dataset_size: int, heldout_size: int = 64, log_every: int = 50, warmup: int = 100,
+              log: Callable[[str], None] = print) -> dict:
+    """Train ``new_llava(size)`` on ``SceneQADataset(dataset_size, seed)`` and save it with its
+    processor to ``out_dir`` (fp16 safetensors and the processor files, written atomically) with
+    ``train_log.json``, whose dict is returned: ``recipe``, ``size``, ``seed``, ``steps``,
+    ``config``, ``train`` (the arguments), ``final_loss``, ``heldout_loss`` (nats per answer
+    token), ``heldout`` (size and seed), ``parameters``, ``wall_time_s``. Seeded: runs at the same
+    thread count give the same weights."""
+    check_choice("size", size, tuple(SIZES))
+    out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
+    check(isinstance(warmup, int) and warmup >= 1, "warmup", "an int >= 1", warmup)
+    start = time.perf_counter()
+    processor = build_processor()
+    pad_id = processor.tokenizer.pad_token_id
+    pixels, seqs, prompt_lens = encode(processor, SceneQADataset(dataset_size, seed))
+    held_seed = heldout_seed(seed)
+    held = encode(processor, SceneQADataset(heldout_size, held_seed))
+    log(f"vlm-{size}: {dataset_size} image/question/answer triples, longest sequence {max(map(len, seqs))} tokens")
+
+    torch.manual_seed(seed)
+    model = new_llava(size)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup=warmup, steps=steps))
+    generator = torch.Generator().manual_seed(seed)
+    loss_value = float("nan")
+    for step, idx in enumerate(batch_indices(len(seqs), batch_size, steps, generator)):
+        ids, mask, labels = collate([seqs[i] for i in idx], [prompt_lens[i] for i in idx], pad_id)
+        loss = model(input_ids=ids, attention_mask=mask, pixel_values=pixels[idx], labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        loss_value = loss.item()
+        if step % log_every == 0 or step == steps - 1:
+            log(f"vlm-{size} step {step:5d}  loss {loss_value:.4f}  {time.perf_counter() - start:.0f}s")
+    held_loss = heldout_loss(model, *held, pad_id)
+    log(f"vlm-{size} held-out loss {held_loss:.4f} nats/answer token")
+    record = dict(recipe="vlm", size=size, seed=seed, steps=steps, config=model.config.to_dict(),
+                  train=dict(batch_size=batch_size, lr=lr, dataset_size=dataset_size, warmup=warmup),
+                  final_loss=loss_value, heldout_loss=held_loss, heldout=dict(size=heldout_size, seed=held_seed),
+                  parameters=sum(p.numel() for p in model.parameters()),
+                  wall_time_s=round(time.perf_counter() - start, 1))
+    model.eval()
+    save_atomically(model, out, record, extra=processor.save_pretrained)
+    return record

@@ -1,0 +1,180 @@
+"""Train a VLM draft head (``mmspec.models.vlm_draft.VLMDraftHead``: ``eagle``, ``specvlm`` or
+``vispec``) by online-logit distillation from a trained VLM target (SpecVLM, Huang et al., 2025):
+every batch runs the frozen target on the fly for its features, merged input embeddings and
+logits; nothing is stored offline. Loss ``1.0 * SmoothL1(features) + 0.1 * CE(target probs)`` on
+the answer positions (the paper's weights; EAGLE's loss with online teacher targets). ``vispec``
+adds ViSpec's anti-shortcut rollout (``rollout_steps=2``: the second step feeds the draft its own
+predicted features).
+
+Built on ``accelerate``: ``mmspec train vlm-draft ...`` runs in one process, and
+``accelerate launch --num_processes 2 -m mmspec train vlm-draft ...`` splits every batch across
+processes (gloo on the CPU, gradients all-reduced); process 0 evaluates and saves.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ...adapters.vlm import VLMTarget
+from ...core.errors import check, check_choice
+from ...models.vlm_draft import BRANCHES, METHODS, VLMDraftHead
+from ..data.scene_qa import SceneQADataset
+from .common import check_run_args, heldout_seed, save_atomically, warmup_cosine
+from .vlm import collate, encode
+
+# rollout steps per method: ViSpec trains on its own predictions, the others teacher-forced
+DEFAULT_ROLLOUT = {"eagle": 1, "specvlm": 1, "vispec": 2}
+
+
+def load_target(target_dir: str | Path):
+    """The trained VLM in ``target_dir`` (fp32, frozen, eval) as a ``VLMTarget``."""
+    from transformers import LlavaForConditionalGeneration
+
+    path = Path(target_dir)
+    check(path.is_dir() and (path / "config.json").is_file(), "target_dir",
+          "a folder written by 'mmspec train vlm'", str(target_dir))
+    model = LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32, use_safetensors=True).eval()
+    model.requires_grad_(False)
+    return VLMTarget(model)
+
+
+@torch.no_grad()
+def teacher(target: VLMTarget, ids, mask, pixels):
+    """The target's features (last hidden, normed), merged input embeddings and logits."""
+    target._capture = True
+    try:
+        out = target.model(input_ids=ids, attention_mask=mask, pixel_values=pixels, output_hidden_states=True)
+    finally:
+        target._capture = False
+    return out.hidden_states[-1], target.prompt_embeds, out.logits
+
+
+def answer_mask(ids: torch.Tensor, prompt_lens, lengths: torch.Tensor) -> torch.Tensor:
+    """(R, S) positions p whose next token p + 1 is an answer token (the drafted region)."""
+    p = torch.arange(ids.shape[1])
+    starts = torch.as_tensor(prompt_lens)[:, None] - 1
+    return (p >= starts) & (p <= lengths[:, None] - 2)
+
+
+class _Distill(nn.Module):
+    """The head plus its loss: what accelerate wraps (the frozen target is not a submodule)."""
+
+    def __init__(self, head: VLMDraftHead, rollout_steps: int):
+        super().__init__()
+        self.head, self.rollout_steps = head, rollout_steps
+
+    def forward(self, ids, mask, pixels, prompt_lens):
+        feats, embeds, logits = teacher(self.head.target, ids, mask, pixels)
+        lengths = mask.sum(1)
+        return self.head.distill_loss(feats, ids, embeds, logits, lengths, answer_mask(ids, prompt_lens, lengths),
+                                      rollout_steps=self.rollout_steps)
+
+
+@torch.no_grad()
+def heldout_top1(head: VLMDraftHead, held, pad_id: int, batch_size: int = 32) -> float:
+    """Teacher-forced top-1 agreement with the target's next token on the held-out answers."""
+    head.eval()
+    pixels, seqs, prompt_lens = held
+    hits = total = 0.0
+    for i in range(0, len(seqs), batch_size):
+        ids, mask, _ = collate(seqs[i : i + batch_size], prompt_lens[i : i + batch_size], pad_id)
+        logs = _Distill(head, 1)(ids, mask, pixels[i : i + batch_size], prompt_lens[i : i + batch_size])
+        n = int(answer_mask(ids, prompt_lens[i : i + batch_size], mask.sum(1)).sum())
+        hits, total = hits + float(logs["step0_top1"]) * n, total + n
+    return hits / total
+
+
+def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path, steps: int, batch_size: int,
+                    lr: float, seed: int = 0, dataset_size: int, heldout_size: int = 64, log_every: int = 50,
+                    warmup: int = 50, rollout_steps: int | None = None,
+                    log: Callable[[str], None] = print) -> dict:
+    """Train ``VLMDraftHead(method)`` for the VLM in ``target_dir`` on ``SceneQADataset(dataset_size,
+    seed)`` and save it to ``out_dir`` (fp16 safetensors, atomically) with ``train_log.json``, whose
+    dict is returned: ``recipe``, ``method``, ``seed``, ``steps``, ``config``, ``train``,
+    ``final_loss``, ``heldout_top1`` (teacher-forced agreement with the target's next token on
+    held-out answers), ``branch_counts`` (SpecVLM: training picks per branch), ``parameters``
+    (the head's own, the shared embedding and LM head excluded), ``processes``, ``wall_time_s``.
+
+    ``batch_size`` is the global batch: under ``accelerate launch`` each of the N processes takes
+    ``batch_size / N`` of it."""
+    from accelerate import Accelerator, DistributedDataParallelKwargs
+
+    check_choice("method", method, METHODS)
+    out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
+                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
+    rollout_steps = DEFAULT_ROLLOUT[method] if rollout_steps is None else rollout_steps
+    check(isinstance(rollout_steps, int) and rollout_steps >= 1, "rollout_steps", "an int >= 1", rollout_steps)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              # SpecVLM's gate leaves the unchosen branches without gradients
+                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=method == "specvlm")])
+    procs = accelerator.num_processes
+    check(batch_size % procs == 0, "batch_size", f"a multiple of the process count ({procs})", batch_size)
+    main = accelerator.is_main_process
+    say = log if main else (lambda msg: None)
+    start = time.perf_counter()
+
+    target = load_target(target_dir)
+    processor_dir = Path(target_dir)
+    from transformers import AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(processor_dir)
+    pad_id = processor.tokenizer.pad_token_id
+    pixels, seqs, prompt_lens = encode(processor, SceneQADataset(dataset_size, seed))
+    held = encode(processor, SceneQADataset(heldout_size, heldout_seed(seed)))
+
+    torch.manual_seed(seed)
+    head = VLMDraftHead.from_target(target, method=method)
+    model = _Distill(head, rollout_steps)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup=warmup, steps=steps))
+    model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
+    torch.manual_seed(seed + 1 + accelerator.process_index)  # pruning and Gumbel draws differ per process
+
+    generator = torch.Generator().manual_seed(seed)  # the same batch order on every process
+    per_epoch = len(seqs) // batch_size
+    branch_counts = [0] * len(BRANCHES)
+    loss_value = float("nan")
+    local = batch_size // procs
+    for step in range(steps):
+        if step % per_epoch == 0:
+            perm = torch.randperm(len(seqs), generator=generator)
+        batch = perm[(step % per_epoch) * batch_size :][:batch_size]
+        idx = batch[accelerator.process_index * local :][:local].tolist()
+        ids, mask, _ = collate([seqs[i] for i in idx], [prompt_lens[i] for i in idx], pad_id)
+        model.train()
+        logs = model(ids, mask, pixels[idx], [prompt_lens[i] for i in idx])
+        optimizer.zero_grad(set_to_none=True)
+        accelerator.backward(logs["loss"])
+        accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        schedule.step()
+        for b in logs["branches"]:
+            if b >= 0:
+                branch_counts[b] += 1
+        loss_value = float(accelerator.reduce(logs["loss"].detach(), "mean"))
+        if step % log_every == 0 or step == steps - 1:
+            tops = "  ".join(f"{k} {float(v):.3f}" for k, v in logs.items() if k.endswith("top1"))
+            say(f"vlm-draft {method} step {step:5d}  loss {loss_value:.4f}  {tops}  {time.perf_counter() - start:.0f}s")
+
+    accelerator.wait_for_everyone()
+    record = None
+    if main:
+        head = accelerator.unwrap_model(model).head
+        top1 = heldout_top1(head, held, pad_id)
+        say(f"vlm-draft {method} held-out top-1 agreement {top1:.4f}")
+        record = dict(recipe="vlm-draft", method=method, seed=seed, steps=steps, config=dict(head.config),
+                      train=dict(batch_size=batch_size, lr=lr, dataset_size=dataset_size, warmup=warmup,
+                                 rollout_steps=rollout_steps, target_dir=str(target_dir)),
+                      final_loss=loss_value, heldout_top1=top1,
+                      branch_counts=dict(zip(BRANCHES, branch_counts)) if method == "specvlm" else None,
+                      parameters=sum(p.numel() for p in head.parameters()), processes=procs,
+                      wall_time_s=round(time.perf_counter() - start, 1))
+        record["config"] = {k: v for k, v in record["config"].items() if not k.startswith("_")}
+        save_atomically(head.eval(), out, record)
+    accelerator.wait_for_everyone()
+    return record
