@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mmspec-installed
 
-.PHONY: run test install bench bench-ar-image assets clean
+.PHONY: run test install bench bench-ar-image bench-vlm assets clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,14 +26,25 @@ bench: $(STAMP)
 bench-ar-image: $(STAMP)
 	$(BIN)/mmspec bench ar-image --json bench-ar-image.json
 
-# rebuild every bundled checkpoint from its seed (about 50 min on 2 cores); model_index.json is static
+bench-vlm: $(STAMP)
+	$(BIN)/mmspec bench vlm --json bench-vlm.json
+
+# rebuild every bundled checkpoint from its seed (about 90 min on 2 cores); model_index.json files and
+# assets/vlm/processor (a copy of the target recipe's processor files) are static
 AR := assets/ar-image
+VLM := assets/vlm
 assets: $(STAMP)
 	$(BIN)/mmspec train vq --out $(AR)/vqvae
 	$(BIN)/mmspec train ar-image --vq $(AR)/vqvae --out $(AR)/transformer
 	$(BIN)/mmspec train ar-draft --kind chain --vq $(AR)/vqvae --out $(AR)/draft_model
 	$(BIN)/mmspec train ar-draft --kind eagle --target $(AR)/transformer --vq $(AR)/vqvae --out $(AR)/eagle_head
 	$(BIN)/mmspec train classifier --out assets/classifier
+	$(BIN)/mmspec train vlm --size target --out $(VLM)/target
+	cp $(VLM)/target/processor_config.json $(VLM)/target/tokenizer.json $(VLM)/target/tokenizer_config.json $(VLM)/processor/
+	$(BIN)/mmspec train vlm --size draft --out $(VLM)/draft_model
+	$(BIN)/mmspec train vlm-draft --method eagle --target $(VLM)/target --out $(VLM)/eagle_head
+	$(BIN)/mmspec train vlm-draft --method specvlm --target $(VLM)/target --out $(VLM)/specvlm_head
+	$(BIN)/mmspec train vlm-draft --method vispec --target $(VLM)/target --out $(VLM)/vispec_head
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -6,6 +6,8 @@
                                      every AR image method on the bundled checkpoints: NFE, wall, FD, accuracy
     mmspec generate ar-image --method gsd --prompt "a red circle" --out DIR
                                      write PNGs from the bundled AR image pipeline
+    mmspec generate vlm --image PATH --prompt "describe the image in detail ." --method vispec
+                                     answer a question about an image with the bundled VLM
     mmspec train vq --out DIR        rebuild the tiny VQ tokenizer from a seed (about 6 min on 2 cores)
     mmspec train ar-image --vq DIR --out DIR
                                      rebuild the AR image model on that tokenizer (about 20 min)
@@ -61,18 +63,25 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def cmd_generate(args) -> int:
-    import torch
-
-    from .pipelines import SpeculativeARImagePipeline
-
-    _set_threads(args.threads)
+def _knobs(items) -> dict:
     knobs = {}
-    for item in args.knob or []:
+    for item in items or []:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"mmspec generate: --knob must be KEY=VALUE, got {item!r}")
         knobs[key] = _knob_value(value)
+    return knobs
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    _set_threads(args.threads)
+    knobs = _knobs(args.knob)
+    if args.kind == "vlm":
+        return _generate_vlm(args, knobs)
+    from .pipelines import SpeculativeARImagePipeline
+
     pipe = SpeculativeARImagePipeline.from_pretrained(args.model)
     out = pipe(prompt=args.prompt, method=args.method, method_knobs=knobs, guidance_scale=args.guidance_scale,
                temperature=args.temperature, num_images_per_prompt=args.num_images,
@@ -81,6 +90,28 @@ def cmd_generate(args) -> int:
     s = out.stats
     print(f"{len(paths)} images in {args.out}: method {args.method}, {s['nfe']} target passes "
           f"({s['tau']:.2f} tokens per pass), {s['wall_seconds']:.2f} s")
+    return 0
+
+
+def _generate_vlm(args, knobs: dict) -> int:
+    import PIL.Image
+    import torch
+
+    from .pipelines import SpeculativeVLMPipeline
+
+    try:
+        image = PIL.Image.open(args.image)
+        image.load()
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"mmspec generate vlm: --image {args.image!r} is not a readable image ({err})")
+    pipe = SpeculativeVLMPipeline.from_pretrained(args.model)
+    out = pipe(images=[image], prompts=[args.prompt], method=args.method, method_knobs=knobs,
+               max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+               generator=torch.Generator().manual_seed(args.seed), show_progress=not args.quiet)
+    s = out.stats
+    print(out.texts[0])
+    print(f"-- method {args.method}: {len(out.tokens[0])} tokens, {s['nfe']} target passes "
+          f"({s['tau']:.2f} tokens per pass), {s['wall_seconds']:.2f} s", file=sys.stderr)
     return 0
 
 
@@ -281,8 +312,23 @@ def _add_train_parser(sub) -> None:
 def _add_generate_parser(sub) -> None:
     from .adapters.ar_image import METHODS
 
-    gen = sub.add_parser("generate", help="write images from a bundled pipeline")
+    from .adapters.vlm_methods import METHODS as VLM_METHODS
+
+    gen = sub.add_parser("generate", help="run a bundled pipeline: images (ar-image) or answers (vlm)")
     kinds = gen.add_subparsers(dest="kind", required=True)
+    v = kinds.add_parser("vlm", help="answer a question about an image with the bundled VLM (lossless methods)")
+    v.add_argument("--image", required=True, metavar="PATH", help="an image file (PNG, JPEG, ...)")
+    v.add_argument("--prompt", required=True, help='a question, e.g. "describe the image in detail ."')
+    v.add_argument("--method", default="none", choices=VLM_METHODS, help="(default none)")
+    v.add_argument("--knob", action="append", metavar="KEY=VALUE", help="a method knob, e.g. tree_depth=5")
+    v.add_argument("--max-new-tokens", type=_positive_int, default=128, help="(default 128)")
+    v.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
+    v.add_argument("--top-p", type=float, default=None, help="nucleus sampling with --temperature > 0")
+    v.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "assets" / "vlm"),
+                   type=_existing_dir, metavar="DIR", help="pipeline folder (default assets/vlm)")
+    v.add_argument("--seed", type=_non_negative_int, default=0, help="(default 0)")
+    v.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
     p = kinds.add_parser("ar-image", help="AR image generation over VQ tokens")
     p.add_argument("--prompt", required=True, nargs="+", help='class prompts, e.g. "a red circle"')
     p.add_argument("--method", default="none",
