@@ -8,6 +8,7 @@ or sink+window rolling caches. Adapters turn model families into its ``Target`` 
 from .acceptance import GreedyMatch, SpeculativeSampling
 from .cache import SinkWindowCache, SlotKVCache, StaticKVCache
 from .decoder import DecodeOutput, DecodeState, SpeculativeDecoder
+from .lookup import PromptLookupDrafter
 from .drafters import EagleTreeDrafter, JacobiDrafter, ModelChainDrafter, ModelTreeDrafter, NullDrafter
 from .logits import LogitsPipeline
 from .relaxed import (GroupedAcceptance, GroupedAcceptanceConfig, LatentProximityAcceptance,
@@ -21,7 +22,7 @@ __all__ = [
     "Acceptance", "DecodeOutput", "DecodeState", "DraftTree", "Drafter", "EagleTreeDrafter", "GreedyMatch",
     "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDrafter", "KVCache", "LatentProximityAcceptance",
     "LatentProximityConfig", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter",
-    "NextSetSchedule", "NullDrafter", "RasterSchedule", "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder",
+    "NextSetSchedule", "NullDrafter", "PromptLookupDrafter", "RasterSchedule", "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder",
     "SpeculativeSampling", "StaticKVCache", "Stats", "Target", "Tree", "dynamic_tree", "latent_neighbours",
     "sampled_tree",
 ]
