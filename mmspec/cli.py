@@ -4,6 +4,7 @@
     mmspec bench core [--json PATH]  the speculation core on synthetic pairs, as a table or JSON
     mmspec bench ar-image [--json PATH]
                                      every AR image method on the bundled checkpoints: NFE, wall, FD, accuracy
+    mmspec bench vlm [--json PATH]   every VLM method and transformers' assisted generation: tau, tokens/s
     mmspec generate ar-image --method gsd --prompt "a red circle" --out DIR
                                      write PNGs from the bundled AR image pipeline
     mmspec generate vlm --image PATH --prompt "describe the image in detail ." --method vispec
@@ -28,7 +29,7 @@ import argparse
 import sys
 from pathlib import Path
 
-BENCHES = ("core", "ar-image")
+BENCHES = ("core", "ar-image", "vlm")
 
 
 def _progress(msg: str) -> None:
@@ -51,6 +52,14 @@ def cmd_bench(args) -> int:
         cfg = core.CoreBenchConfig.quick() if args.quick else core.CoreBenchConfig()
         result = core.run(cfg, progress=None if args.quiet else _progress)
         columns = report.CORE_COLUMNS
+    elif args.name == "vlm":
+        from .bench import vlm
+
+        cfg = vlm.VLMBenchConfig.quick() if args.quick else vlm.VLMBenchConfig()
+        if args.pipeline is not None:
+            cfg.pipeline_dir = args.pipeline
+        result = vlm.run(cfg, progress=None if args.quiet else _progress)
+        columns = vlm.VLM_COLUMNS
     else:
         from .bench import ar_image
 
@@ -355,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("name", choices=BENCHES)
     bench.add_argument("--json", metavar="PATH", help='write {"bench": name, "rows": [...]} here')
     bench.add_argument("--quick", action="store_true", help="smaller sample counts (the showcase's)")
+    bench.add_argument("--pipeline", type=_existing_dir, metavar="DIR",
+                       help="vlm only: the pipeline folder (default assets/vlm)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     showcase.add_argument("--out", default="outputs/showcase", metavar="DIR",
                           help="where the sample grids go (default outputs/showcase)")

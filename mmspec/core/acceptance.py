@@ -129,3 +129,27 @@ class GreedyMatch(SpeculativeSampling):
 
     def sample(self, p, generator):
         return p.argmax(-1)
+
+    def _walk(self, draft: DraftTree, p_all: torch.Tensor, generator) -> Acceptance:
+        """The greedy tree walk without a per-depth loop: a node is accepted iff its token is the
+        target's argmax after its parent and every ancestor is accepted; the path ends at the
+        deepest accepted node (siblings are distinct tokens, so at most one matches per parent;
+        should two match, the first by index wins, as in the sequential walk)."""
+        tree, tokens = draft.tree, draft.tokens
+        B, N1, _ = p_all.shape
+        device = p_all.device
+        best_tok = p_all.argmax(-1)  # (B, N+1): the target's token after every node
+        ok = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device),
+                        tokens == best_tok.gather(1, tree.parents)], 1)  # (B, N+1)
+        anc = tree.ancestor_mask  # (B, N+1, N+1): [b, i, j] j is i or an ancestor of i
+        accepted = ~(anc & ~ok[:, None, :]).any(-1)
+        depth = anc.sum(-1) - 1
+        best = torch.where(accepted, depth, -1).argmax(-1)  # (B,) deepest accepted node, first wins
+        rows = torch.arange(B, device=device)
+        n = depth[rows, best]
+        D = tree.max_depth
+        on_path = anc[rows, best]  # (B, N+1): the best node's ancestors and itself
+        slots = torch.where(on_path, depth, D + 1)  # depth d -> path[d]; others to a spare column
+        path = torch.full((B, D + 2), -1, dtype=torch.long, device=device)
+        path.scatter_(1, slots, torch.arange(N1, device=device).expand(B, N1))
+        return Acceptance(path=path[:, : D + 1], num_accepted=n, next_token=best_tok[rows, best])

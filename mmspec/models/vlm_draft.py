@@ -202,6 +202,7 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
                 self.img_fc.weight.zero_()
                 self.img_fc.weight[:, :H] = torch.eye(H)
         self._bound_to = ()
+        self._rope_table = None
 
     # -- binding ---------------------------------------------------------------------------------
     @classmethod
@@ -241,7 +242,19 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
         return F.linear(hidden.to(head.weight.dtype), head.weight).float()
 
     def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return rotate(x, positions, self.config.rope_theta)
+        """1-D RoPE (``tiny_lm.rotate``'s layout and values), from a cos/sin table grown on
+        demand: drafting calls it twice per pass, and a lookup beats recomputing the angles."""
+        D = x.shape[-1]
+        table = self._rope_table
+        top = int(positions.max()) + 1
+        if table is None or table[0].shape[0] < top or table[0].shape[1] != D // 2 or table[0].device != x.device:
+            size = max(top, 2 * (0 if table is None else table[0].shape[0]), 512)
+            inv_freq = self.config.rope_theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
+            angles = torch.arange(size, device=x.device, dtype=torch.float32)[:, None] * inv_freq
+            table = self._rope_table = (angles.cos(), angles.sin())
+        cos, sin = table[0][positions][:, None], table[1][positions][:, None]  # (B, 1, T, D/2)
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
     # -- the visual part of a prompt -------------------------------------------------------------
     def plan(self, features: torch.Tensor, tokens: torch.Tensor, embeds: torch.Tensor, lengths: torch.Tensor,
