@@ -37,7 +37,7 @@ PEER = ("hf-generate", "hf-assisted", "hf-lookup")
 DEEP = {"tree_top_k": 4, "tree_depth": 10, "tree_total_tokens": 16}  # a deeper, narrower tree
 DEFAULT_ROWS = ("none", "hf-generate", "hf-assisted", "hf-lookup", "sd", "lookup", "eagle", "specvlm", "vispec",
                 ("eagle-deep", "eagle", DEEP), ("specvlm-deep", "specvlm", DEEP), ("vispec-deep", "vispec", DEEP))
-SHOWCASE_ROWS = ("none", "hf-assisted", "lookup", "eagle", "specvlm", "vispec")
+SHOWCASE_ROWS = ("none", "hf-generate", "hf-assisted", "lookup", "eagle", "specvlm", "vispec")
 
 
 @dataclass
