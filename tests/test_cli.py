@@ -51,4 +51,4 @@ def test_json_not_half_written_on_failure(tmp_path):
 def test_unknown_bench_is_rejected(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "video"])
-    assert "invalid choice: 'video' (choose from 'core', 'ar-image')" in capsys.readouterr().err
+    assert "invalid choice: 'video' (choose from 'core', 'ar-image', 'vlm')" in capsys.readouterr().err

@@ -32,7 +32,7 @@ class TreeConfig:
     """EAGLE-2's dynamic tree. EAGLE's own defaults are top_k 10, depth 7, 60 tokens (SpecVLM's
     too) and ViSpec's 8 / 3 / 30. Ours sit between them, smaller in tokens because on this CPU a
     verify pass's cost grows with its width: with the bundled heads, depth 6 is accepted almost
-    whole (tau 7.2 of at most 7 + 1), and ``mmspec bench vlm``'s deeper 4 / 10 / 16 variant raises
+    whole (tau 7.2; a depth-6 tree has 7 levels, so at most 8), and ``mmspec bench vlm``'s deeper 4 / 10 / 16 variant raises
     tau to 8.5 without raising tokens/s (each extra depth costs a head pass)."""
 
     top_k: int = 8
