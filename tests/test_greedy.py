@@ -9,7 +9,7 @@ import torch
 from mmspec.core import (JacobiDrafter, LogitsPipeline, ModelChainDrafter, ModelTreeDrafter,
                          SpeculativeDecoder)
 from mmspec.bench.synthetic import perturbed_copy
-from tiny import tiny_lm
+from tiny import reference_greedy, tiny_lm
 
 V = 48
 PROMPTS = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [17], [30, 31, 32, 33, 34, 35]]
@@ -22,14 +22,6 @@ def models():
     close = perturbed_copy(target, noise=0.05, seed=1)  # accepts often: long paths, gathers
     unrelated = tiny_lm(2, vocab_size=V, dim=16, n_layers=1, init_std=0.3)
     return target, close, unrelated
-
-
-def reference_greedy(model, prompt, n):
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 
 from mmspec.core import LogitsPipeline, PromptLookupDrafter, SpeculativeDecoder, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index
-from tiny import tiny_lm
+from tiny import reference_greedy, tiny_lm
 
 
 def test_lookup_takes_the_first_match_of_the_longest_ngram():
@@ -30,14 +30,6 @@ def test_lookup_takes_the_first_match_of_the_longest_ngram():
 @pytest.fixture(scope="module")
 def target():
     return tiny_lm(0, vocab_size=12, dim=32, n_layers=2, init_std=0.6)
-
-
-def reference_greedy(model, prompt, n):
-    seq = list(prompt)
-    with torch.no_grad():
-        for _ in range(n):
-            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
-    return seq[len(prompt):]
 
 
 PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 7, 2], [1, 2, 3, 1, 2, 3, 1, 2]]

@@ -32,3 +32,12 @@ def noisy_copy(model, scale: float = 0.15, seed: int = 1):
         for p in draft.parameters():
             p.add_(scale * p.std() * torch.randn(p.shape, generator=gen))
     return draft
+
+
+def reference_greedy(model, prompt, n):
+    """Greedy decoding from scratch: no cache, the whole sequence recomputed for every token."""
+    seq = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+    return seq[len(prompt):]
