@@ -138,6 +138,9 @@ class GreedyMatch(SpeculativeSampling):
         tree, tokens = draft.tree, draft.tokens
         B, N1, _ = p_all.shape
         device = p_all.device
+        if N1 == 1:  # nothing drafted: the target's token alone
+            zeros = torch.zeros(B, dtype=torch.long, device=device)
+            return Acceptance(path=zeros[:, None], num_accepted=zeros, next_token=p_all[:, 0].argmax(-1))
         best_tok = p_all.argmax(-1)  # (B, N+1): the target's token after every node
         ok = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device),
                         tokens == best_tok.gather(1, tree.parents)], 1)  # (B, N+1)

@@ -200,7 +200,7 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
             self.img_fc = nn.Linear(2 * H, H, bias=False)
             with torch.no_grad():  # [I | 0]: starts as plain EAGLE
                 self.img_fc.weight.zero_()
-                self.img_fc.weight[:, :H] = torch.eye(H)
+                self.img_fc.weight[:, :H] = 0.5 * torch.eye(H)
         self._bound_to = ()
         self._rope_table = None
 
@@ -258,7 +258,7 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
 
     # -- the visual part of a prompt -------------------------------------------------------------
     def plan(self, features: torch.Tensor, tokens: torch.Tensor, embeds: torch.Tensor, lengths: torch.Tensor,
-             hard_gumbel: bool = False) -> dict:
+             hard_gumbel: bool = False, question_ends: torch.Tensor | None = None) -> dict:
         """What the prompt's images become, per row: ``spans`` [(start, end)] of image
         placeholders among positions < lengths[r], ``visual`` a list of (n, H) tensors (one per
         span: compressed tokens; for ``"eagle"`` the span's embeddings), ``g`` (R, H) the global
@@ -266,7 +266,9 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
         SpecVLM branch per span (-1 elsewhere).
 
         features (R, S, H) the target's features, tokens (R, S), embeds (R, S, H) the target's
-        merged input embeddings, lengths (R,) valid prompt lengths."""
+        merged input embeddings, lengths (R,) valid prompt lengths. ``question_ends`` (R,), default
+        ``lengths``: where the question the SpecVLM gate reads ends (training passes the prompt
+        lengths, so the gate never sees the answer: at inference it reads the prompt only)."""
         R, S, H = features.shape
         method = self.config.method
         is_image = tokens == self.config.image_token_id
@@ -288,7 +290,8 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
                     j += 1
             row_visual, row_branches = [], []
             last_image = max((b for _, b in row_spans), default=-1)
-            question = features[r, last_image + 1 : n].mean(0) if n > last_image + 1 else features.new_zeros(H)
+            q_end = n if question_ends is None else min(n, int(question_ends[r]))
+            question = features[r, last_image + 1 : q_end].mean(0) if q_end > last_image + 1 else features.new_zeros(H)
             for a, b in row_spans:
                 image = embeds[r, a : b + 1].to(self.fc.weight.dtype)
                 if method == "eagle":
@@ -421,7 +424,8 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
     # -- training --------------------------------------------------------------------------------
     def distill_loss(self, features: torch.Tensor, tokens: torch.Tensor, embeds: torch.Tensor,
                      teacher_logits: torch.Tensor, lengths: torch.Tensor, loss_mask: torch.Tensor,
-                     rollout_steps: int = 1, logit_weight: float = 0.1, feature_weight: float = 1.0) -> dict:
+                     rollout_steps: int = 1, logit_weight: float = 0.1, feature_weight: float = 1.0,
+                     prompt_lengths: torch.Tensor | None = None) -> dict:
         """Online-logit distillation (SpecVLM): the teacher's features and logits computed on the
         fly for the batch, loss ``feature_weight * SmoothL1(f^_p, f_p) + logit_weight *
         CE(softmax(z_p), f^_p's logits)`` over entries p with ``loss_mask[:, p]``.
@@ -431,9 +435,15 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
         ``f_{p-1}``), and the steps' losses are averaged.
 
         features (R, S, H), tokens (R, S), embeds (R, S, H) merged embeddings, teacher_logits
-        (R, S, V), lengths (R,) valid lengths, loss_mask (R, S) bool over positions."""
+        (R, S, V), lengths (R,) valid lengths, loss_mask (R, S) bool over positions; prompt_lengths
+        (R,) where the prompts end (the SpecVLM gate's question stops there, as in ``start``),
+        by default one past each row's first scored position (``answer_mask`` scores from the
+        prompt's last position on)."""
         R, S, H = features.shape
-        plan = self.plan(features, tokens, embeds, lengths, hard_gumbel=self.training)
+        if prompt_lengths is None:
+            first = loss_mask.int().argmax(1)  # the first scored position (0 when none)
+            prompt_lengths = torch.where(loss_mask.any(1), first + 1, lengths)
+        plan = self.plan(features, tokens, embeds, lengths, hard_gumbel=self.training, question_ends=prompt_lengths)
         positions = torch.arange(1, S, device=tokens.device).expand(R, S - 1)
         mask = loss_mask[:, 1:S].clone()  # entry p = column p - 1
         for r in range(R):  # image entries are not scored (compressed ones have no output)
