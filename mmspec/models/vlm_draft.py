@@ -200,7 +200,7 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
             self.img_fc = nn.Linear(2 * H, H, bias=False)
             with torch.no_grad():  # [I | 0]: starts as plain EAGLE
                 self.img_fc.weight.zero_()
-                self.img_fc.weight[:, :H] = 0.5 * torch.eye(H)
+                self.img_fc.weight[:, :H] = torch.eye(H)
         self._bound_to = ()
         self._rope_table = None
 
