@@ -1,0 +1,24 @@
+"""One method registry for every modality, the CLI, the bench, the demo and batch generation.
+
+::
+
+    from mmspec import methods
+
+    recipe = methods.resolve("ar-image", "zipar+gsd", {"zipar_window": 4})  # validation only
+    parts = methods.build(recipe, {"target": model, "codebook": vq.codebook()})
+    decoder = SpeculativeDecoder(model, parts.drafter, rule=parts.rule, schedule=parts.schedule)
+
+``names(modality)`` lists the named methods, ``knobs(modality, method)`` their knobs (type,
+default, doc, allowed values); ``register_part`` / ``register_method`` add a drafter, rule or
+schedule and a named recipe of them (see ``registry``). Modalities: ``"ar-image"``
+(``methods.ar_image``), ``"vlm"`` (``methods.vlm``), ``"text"`` (``methods.text``).
+"""
+
+from .registry import (KINDS, Composition, KnobSpec, Method, Modality, Part, Recipe, build, check_config, knob,
+                       knobs, modality, names, parts, register_method, register_modality, register_part, resolve)
+from . import ar_image, text, vlm  # noqa: E402,F401  (the built-in registrations)
+
+__all__ = [
+    "KINDS", "Composition", "KnobSpec", "Method", "Modality", "Part", "Recipe", "build", "check_config", "knob",
+    "knobs", "modality", "names", "parts", "register_method", "register_modality", "register_part", "resolve",
+]

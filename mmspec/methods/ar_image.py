@@ -1,0 +1,129 @@
+"""AR image generation over VQ tokens (``"ar-image"``): every method is a composition on the core.
+
+Parts, by kind (any ``+`` of one of each that the parts allow is a method):
+
+- schedule: ``zipar`` (ZipAR's next-set decoding; raster order otherwise);
+- drafter: ``sd`` (small draft AR model, chain), ``eagle`` (EAGLE-2 tree from the target's
+  features), ``sjd`` (Jacobi window);
+- rule: ``gsd`` (grouped), ``lantern`` (latent proximity); exact speculative sampling otherwise.
+
+``gsd`` implies the ``sjd`` drafter (GSD is SJD with a grouped test) and ``lantern`` implies
+``eagle`` (LANTERN sits on EAGLE-2) unless ``sjd`` is named; ``zipar`` runs a Jacobi window per
+row, never a draft model (draft models keep raster caches). Components: ``target`` (a
+LlamaGen-style model), ``draft_model``, ``eagle_head`` (bound to the target), ``codebook`` (the
+VQ's code vectors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core import JacobiDrafter
+from ..core.drafters import EagleTreeDrafter
+from ..core.errors import check
+from ..core.relaxed import (GroupedAcceptance, GroupedAcceptanceConfig, LatentProximityAcceptance,
+                            LatentProximityConfig, latent_neighbours)
+from ..core.schedule import NextSetSchedule
+from .registry import check_config, knob, register_method, register_modality, register_part
+from .shared import SD, TreeConfig
+
+MODALITY = "ar-image"
+register_modality(MODALITY, components=("target", "draft_model", "eagle_head", "codebook"),
+                  doc="class-conditional image generation over VQ tokens (LlamaGen-style targets)")
+
+
+@dataclass(frozen=True)
+class SJDConfig:
+    """Speculative Jacobi Decoding; window L = 16 and random initialisation are the reference's
+    Lumina-mGPT defaults (its LlamaGen script uses ``repeat``: the left neighbour).
+
+    Args:
+        window: Jacobi window L: tokens drafted (and re-drafted) per pass.
+        init: new window tokens: ``"random"`` (uniform), ``"repeat"`` (the last known token) or
+            ``"spatial"`` (the token one grid row above).
+    """
+
+    window: int = knob(16, min=2)
+    init: str = knob("random", choices=("random", "repeat", "spatial"))
+
+    def __post_init__(self):
+        check_config(self)
+
+
+@dataclass(frozen=True)
+class ZipARConfig:
+    """ZipAR's next-set schedule; the reference's LlamaGen default is 8 (on 24-wide grids).
+
+    Args:
+        window: s, the tokens of the upper row decoded before a row starts (at most the grid's
+            width, checked when the target is known).
+    """
+
+    window: int = knob(8, min=1)
+
+    def __post_init__(self):
+        check_config(self)
+
+
+def _grid(components) -> int:
+    return components["target"].config.grid_size
+
+
+def _zipar(cfg: ZipARConfig, components):
+    grid = _grid(components)
+    check(cfg.window <= grid, "zipar_window", f"an int in [1, {grid}] (the grid's width)", cfg.window)
+    return NextSetSchedule(grid, grid, cfg.window)
+
+
+def _lantern(cfg: LatentProximityConfig, components):
+    V = components["target"].vocab_size
+    k = cfg.k if cfg.k is not None else min(1000, V - 1)
+    return LatentProximityAcceptance(latent_neighbours(components["codebook"], min(k + 1, V - 1)), cfg)
+
+
+register_part(SD, modalities=(MODALITY,))
+register_part(
+    name="eagle", kind="drafter", config=TreeConfig, requires=("eagle_head",),
+    build=lambda cfg, c: EagleTreeDrafter(c["eagle_head"], top_k=cfg.top_k, depth=cfg.depth,
+                                          total_tokens=cfg.total_tokens, mode=cfg.mode),
+    doc="EAGLE-2 dynamic tree from the target's features (Li et al., 2024)", modalities=(MODALITY,))
+register_part(
+    name="sjd", kind="drafter", config=SJDConfig,
+    build=lambda cfg, c: JacobiDrafter(c["target"].vocab_size, window=cfg.window, init=cfg.init,
+                                       grid_width=_grid(c)),
+    traits=lambda cfg: ("lane_safe",) if cfg.init != "spatial" else (),
+    doc="a Jacobi window: the previous pass's samples are the drafts (Teng et al., 2025, SJD)",
+    modalities=(MODALITY,))
+register_part(
+    name="zipar", kind="schedule", config=ZipARConfig, build=_zipar, lossless=False,
+    partners={"drafter": ("lane_safe",)},
+    doc="ZipAR's next-set schedule: a row starts once the row above has `window` tokens (He et al., 2025)",
+    modalities=(MODALITY,))
+register_part(
+    name="gsd", kind="rule", config=GroupedAcceptanceConfig, lossless=False,
+    build=lambda cfg, c: GroupedAcceptance(c["target"].tok_embeddings.weight, cfg),
+    partners={"drafter": ("sjd",)}, implies={"drafter": "sjd"},
+    knob_info={"p_threshold": {"min": 0.0}, "d_threshold": {"min": 0.0}, "half_width": {"min": 1}},
+    doc="GSD's grouped acceptance over the target's embeddings (So et al., 2025)", modalities=(MODALITY,))
+register_part(
+    name="lantern", kind="rule", config=LatentProximityConfig, requires=("codebook",), lossless=False,
+    build=_lantern, partners={"drafter": ("eagle", "sjd", "deterministic")}, implies={"drafter": "eagle"},
+    knob_info={"k": {"min": 1}, "delta": {"min": 0.0, "max": 1.0}, "lam": {"min": 1.0},
+               "rejection": {"choices": ("paper", "reference")}},
+    doc="LANTERN's relaxed test over latent proximity sets of the codebook (Jang et al., 2025)",
+    modalities=(MODALITY,))
+
+for _name, _doc in (
+    ("none", "target-only AR decoding (the baseline)"),
+    ("sd", "a small draft AR model drafts a chain; exact speculative sampling"),
+    ("eagle", "EAGLE-2 tree from the target's features; exact speculative sampling (q = 1)"),
+    ("lantern", "EAGLE-2 tree verified with LANTERN's relaxed test (TVD <= delta per token)"),
+    ("sjd", "Speculative Jacobi Decoding: Jacobi window, exact speculative sampling"),
+    ("gsd", "Grouped Speculative Decoding: Jacobi window, grouped acceptance"),
+    ("zipar", "ZipAR's next-set schedule alone (several rows in flight)"),
+    ("zipar+sjd", "next-set schedule with a Jacobi window per row"),
+    ("zipar+gsd", "next-set schedule, a Jacobi window per row, grouped acceptance"),
+    ("sjd+lantern", "Jacobi drafts verified with LANTERN's test on drafted q"),
+    ("zipar+sjd+lantern", "next-set schedule, Jacobi drafts per row, LANTERN's test"),
+):
+    register_method(_name, "" if _name == "none" else _name, doc=_doc, modalities=(MODALITY,))

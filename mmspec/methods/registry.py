@@ -1,0 +1,472 @@
+"""The method registry: parts, named methods and modalities, and the one way a name becomes core objects.
+
+A *part* is a named drafter, acceptance rule or decoding schedule with a frozen config dataclass
+(its knobs), a builder ``build(config, components) -> core object``, the model components it
+needs, and whether it keeps the target's distribution. A *method* is a named, documented recipe of
+parts (``"gsd"`` = Jacobi drafter + grouped rule). A *modality* (``"ar-image"``, ``"vlm"``,
+``"text"``) lists the parts and methods it supports, the components its callers pass, and default
+knob overrides. Any ``a+b+c`` of a modality's parts resolves wherever the parts' declared partners
+allow it, so the grammar is the same for every modality.
+
+Knobs are flat and prefixed by the part's knob prefix (``sjd_window``, ``tree_depth``), validated
+from the config's field types and metadata (``knob(default, min=..., choices=...)``) before any
+model exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import math
+import re
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+from ..core.errors import check, check_choice
+
+KINDS = ("schedule", "drafter", "rule")
+"""A recipe holds at most one part of each kind, in this order."""
+
+_TYPE_WORDS = {bool: "a bool", int: "an int", float: "a float", str: "a str"}
+
+
+def knob(default, *, min: float | None = None, max: float | None = None, choices: Iterable | None = None):
+    """A config field that is a user knob: its default and allowed values (bounds inclusive)."""
+    meta = {"min": min, "max": max, "choices": None if choices is None else tuple(choices)}
+    return field(default=default, metadata=meta)
+
+
+@dataclass(frozen=True)
+class KnobSpec:
+    """One knob as a UI or a validator sees it.
+
+    ``type`` is ``int``, ``float``, ``str`` or ``bool``; ``optional`` allows ``None``; ``choices``
+    lists the allowed values of a str knob; ``min``/``max`` bound a number (inclusive, ``None``:
+    unbounded). ``default`` is the value this modality and method use when the knob is not given.
+    """
+
+    name: str
+    type: type
+    default: Any
+    doc: str = ""
+    choices: tuple | None = None
+    min: float | None = None
+    max: float | None = None
+    optional: bool = False
+    part: str = ""
+
+    def allowed(self) -> str:
+        """What the knob accepts, in words: ``"an int >= 2"``, ``"one of 'random', 'repeat'"``."""
+        if self.choices is not None:
+            text = "one of " + ", ".join(repr(c) for c in self.choices)
+        else:
+            text = _TYPE_WORDS[self.type]
+            if self.min is not None and self.max is not None:
+                text += f" in [{_num(self.min)}, {_num(self.max)}]"
+            elif self.min is not None:
+                text += f" >= {_num(self.min)}"
+            elif self.max is not None:
+                text += f" <= {_num(self.max)}"
+        return f"None or {text}" if self.optional else text
+
+    def validate(self, value):
+        """``value`` as the config stores it (an int given for a float knob becomes a float);
+        ``ValueError`` naming the knob and what it accepts otherwise."""
+        if value is None and self.optional:
+            return None
+        if self.type is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            value = float(value) if ok else value
+        elif self.type is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        else:
+            ok = isinstance(value, self.type)
+        if ok and self.choices is not None:
+            ok = value in self.choices
+        if ok and self.min is not None:
+            ok = value >= self.min
+        if ok and self.max is not None:
+            ok = value <= self.max
+        check(ok, self.name, self.allowed(), value)
+        return value
+
+
+def _num(x) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def config_specs(config: type, prefix: str = "", info: Mapping[str, Mapping] | None = None,
+                 part: str = "") -> dict[str, KnobSpec]:
+    """The knobs of a config dataclass: type from its annotations, default from the field, doc from
+    the class docstring's ``Args:`` section, bounds and choices from ``knob(...)`` metadata or
+    ``info`` (for configs defined where ``knob`` cannot be imported, e.g. the core's)."""
+    check(dataclasses.is_dataclass(config) and isinstance(config, type), "config", "a dataclass type", config)
+    hints = typing.get_type_hints(config)
+    docs = _arg_docs(config)
+    specs = {}
+    for f in dataclasses.fields(config):
+        kind, optional = _plain_type(hints[f.name], f"{config.__name__}.{f.name}")
+        meta = {**f.metadata, **dict((info or {}).get(f.name, {}))}
+        check(f.default is not dataclasses.MISSING, f"{config.__name__}.{f.name}", "a field with a default", None)
+        name = f"{prefix}_{f.name}" if prefix else f.name
+        specs[f.name] = KnobSpec(name, kind, f.default, docs.get(f.name, ""), meta.get("choices"), meta.get("min"),
+                                 meta.get("max"), optional, part)
+    return specs
+
+
+def _plain_type(hint, where: str) -> tuple[type, bool]:
+    optional = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional = len(args) < len(typing.get_args(hint))
+        hint = args[0] if len(args) == 1 else hint
+    check(hint in _TYPE_WORDS, where, "annotated int, float, str or bool (optionally | None)", hint)
+    return hint, optional
+
+
+def _arg_docs(config: type) -> dict[str, str]:
+    """``{field: text}`` from a Google-style ``Args:`` section of the class docstring."""
+    doc = inspect.getdoc(config) or ""
+    out, current = {}, None
+    in_args = False
+    for line in doc.splitlines():
+        if line.strip() == "Args:":
+            in_args = True
+            continue
+        if not in_args:
+            continue
+        m = re.match(r"^    (\w+)(?: \([^)]*\))?: (.*)$", line)
+        if m:
+            current = m.group(1)
+            out[current] = m.group(2).strip()
+        elif line.startswith("        ") and current:
+            out[current] += " " + line.strip()
+        elif line.strip() and not line.startswith(" "):
+            in_args = False
+    return out
+
+
+def check_config(config) -> None:
+    """Validate a config instance's knob fields by their specs (call it from ``__post_init__``);
+    errors name the field."""
+    for name, spec in config_specs(type(config)).items():
+        spec.validate(getattr(config, name))
+
+
+Traits = Iterable[str] | Callable[[Any], Iterable[str]]
+
+
+@dataclass(frozen=True)
+class Part:
+    """A named drafter, rule or schedule.
+
+    Args:
+        name: what methods call it (``"sjd"``), unique within a modality.
+        kind: ``"schedule"``, ``"drafter"`` or ``"rule"``.
+        config: the frozen config dataclass of its knobs.
+        build: ``build(config, components) -> core object``; ``components`` maps component names
+            to objects (``"target"`` always, plus what ``requires`` names).
+        requires: model components it needs besides the target, e.g. ``("draft_model",)``.
+        lossless: whether decoding keeps the target's distribution (greedy bit-identical).
+        doc: one line: what it is and the paper it comes from.
+        prefix: its knob prefix (the name unless several parts share knobs, e.g. the VLM's trees).
+        traits: properties partners can ask for, e.g. ``"lane_safe"`` (a model-free chain drafter
+            the next-set schedule can run per row) or ``"deterministic"`` (drafts with q = 1);
+            static, or a function of the config.
+        partners: ``{kind: names or traits}``: a partner of that kind, when the recipe has one, must
+            be one of these names or carry one of these traits (``gsd``: ``{"drafter": ("sjd",)}``).
+        implies: ``{kind: part}`` added when the recipe has no part of that kind (``gsd`` -> ``sjd``).
+        knob_info: per field ``{"min", "max", "choices"}`` for configs without ``knob`` metadata.
+    """
+
+    name: str
+    kind: str
+    config: type
+    build: Callable[[Any, Mapping[str, Any]], Any]
+    requires: tuple[str, ...] = ()
+    lossless: bool = True
+    doc: str = ""
+    prefix: str = ""
+    traits: Traits = ()
+    partners: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    implies: Mapping[str, str] = field(default_factory=dict)
+    knob_info: Mapping[str, Mapping] = field(default_factory=dict)
+
+    def __post_init__(self):
+        check(isinstance(self.name, str) and re.fullmatch(r"[a-z][a-z0-9_-]*", self.name) is not None, "name",
+              "a lower-case part name without '+' (letters, digits, '_', '-')", self.name)
+        check_choice("kind", self.kind, KINDS)
+        check(callable(self.build), "build", "a callable build(config, components)", self.build)
+        check(isinstance(self.requires, tuple) and all(isinstance(r, str) for r in self.requires), "requires",
+              "a tuple of component names", self.requires)
+        check(isinstance(self.lossless, bool), "lossless", "True or False", self.lossless)
+        for kind, allowed in self.partners.items():
+            check_choice("partners", kind, KINDS)
+            check(isinstance(allowed, tuple), f"partners[{kind!r}]", "a tuple of part names or traits", allowed)
+        for kind in self.implies:
+            check_choice("implies", kind, KINDS)
+        if not self.prefix:
+            object.__setattr__(self, "prefix", self.name.replace("-", "_"))
+        object.__setattr__(self, "specs", config_specs(self.config, self.prefix, self.knob_info, self.name))
+
+    def traits_of(self, config) -> frozenset[str]:
+        return frozenset(self.traits(config) if callable(self.traits) else self.traits)
+
+    def make_config(self, values: Mapping[str, Any]):
+        """The config from ``{field: validated value}``; a cross-field error raised by the config
+        is re-named with this part's prefix (``delta`` -> ``lantern_delta``)."""
+        try:
+            return self.config(**values)
+        except ValueError as err:
+            msg = str(err)
+            head = msg.split(" ", 1)[0]
+            if head in self.specs:
+                msg = self.specs[head].name + msg[len(head):]
+            raise ValueError(msg) from None
+
+
+@dataclass(frozen=True)
+class Method:
+    """A named recipe: its parts (``"zipar+gsd"``) and knob presets, documented."""
+
+    name: str
+    parts: str
+    doc: str = ""
+    knobs: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Modality:
+    """What one modality supports: its parts, named methods (in listing order), the components
+    its callers pass to ``build`` and default knob overrides (``{"tree_depth": 6}``)."""
+
+    name: str
+    components: tuple[str, ...]
+    doc: str = ""
+    defaults: dict[str, Any] = field(default_factory=dict)
+    parts: dict[str, Part] = field(default_factory=dict)
+    methods: dict[str, Method] = field(default_factory=dict)
+
+    def accepted_components(self) -> tuple[str, ...]:
+        extra = [r for p in self.parts.values() for r in p.requires if r not in self.components]
+        return self.components + tuple(dict.fromkeys(extra))
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A resolved method: validated parts and configs, no model involved.
+
+    ``parts`` are part names in kind order (schedule, drafter, rule); ``configs`` maps each part to
+    its config; ``knobs`` every knob of the recipe with its resolved value; ``requires`` the model
+    components ``build`` needs besides the target; ``lossless`` holds when every part is."""
+
+    name: str
+    modality: str
+    parts: tuple[str, ...]
+    kinds: tuple[str, ...]
+    configs: Mapping[str, Any]
+    knobs: Mapping[str, Any]
+    requires: tuple[str, ...]
+    lossless: bool
+    doc: str
+
+    def part(self, kind: str) -> str | None:
+        """The part of ``kind`` (``"drafter"``, ...) or None."""
+        check_choice("kind", kind, KINDS)
+        return dict(zip(self.kinds, self.parts)).get(kind)
+
+
+@dataclass
+class Composition:
+    """The core objects of a recipe; ``None`` where the recipe has no part of that kind (the
+    decoder then uses no drafter, its exact rule and raster order)."""
+
+    drafter: Any
+    rule: Any
+    schedule: Any
+
+
+_MODALITIES: dict[str, Modality] = {}
+
+
+def register_modality(name: str, *, components: Iterable[str], defaults: Mapping[str, Any] | None = None,
+                      doc: str = "") -> Modality:
+    """Declare a modality and the component names its callers pass (``"target"`` first)."""
+    check(isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9-]*", name) is not None, "name",
+          "a lower-case modality name", name)
+    check(name not in _MODALITIES, "name", "a modality not registered yet", name)
+    components = tuple(components)
+    check("target" in components, "components", "component names including 'target'", components)
+    mod = Modality(name, components, doc)
+    _MODALITIES[name] = mod
+    for knob_name, value in (defaults or {}).items():
+        mod.defaults[knob_name] = value  # checked against the parts when a method resolves
+    return mod
+
+
+def modality(name: str) -> Modality:
+    check_choice("modality", name, sorted(_MODALITIES))
+    return _MODALITIES[name]
+
+
+def register_part(part: Part | None = None, *, modalities: Iterable[str], **fields) -> Part:
+    """Add a part to ``modalities``: ``register_part(Part(...), modalities=...)`` or the Part's
+    fields as keywords (``name=..., kind=..., config=..., build=..., ...``)."""
+    if part is None:
+        part = Part(**fields)
+    else:
+        check(not fields, "register_part", "a Part or its fields as keywords, not both", sorted(fields))
+    check(isinstance(part, Part), "part", "a mmspec.methods.Part", part)
+    mods = [modality(m) for m in ([modalities] if isinstance(modalities, str) else modalities)]
+    check(len(mods) > 0, "modalities", "at least one registered modality", modalities)
+    for mod in mods:
+        check(part.name not in mod.parts, "name", f"a part name not yet used in {mod.name!r}", part.name)
+        mod.parts[part.name] = part
+    return part
+
+
+def register_method(name: str, parts: str | None = None, *, modalities: Iterable[str], doc: str = "",
+                    knobs: Mapping[str, Any] | None = None) -> Method:
+    """Name a recipe for ``modalities``: ``parts`` is a ``+`` composition of their parts (default:
+    ``name``; ``""`` for no part), ``knobs`` presets that user knobs override. The recipe is
+    resolved here, so a bad registration fails at import time."""
+    check(isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9_+-]*", name) is not None, "name",
+          "a lower-case method name", name)
+    method = Method(name, name if parts is None else parts, doc, dict(knobs or {}))
+    mods = [modality(m) for m in ([modalities] if isinstance(modalities, str) else modalities)]
+    check(len(mods) > 0, "modalities", "at least one registered modality", modalities)
+    for mod in mods:
+        check(name not in mod.methods, "name", f"a method name not yet used in {mod.name!r}", name)
+        _resolve(mod, name, method.parts, method.knobs, {}, doc)
+    for mod in mods:
+        mod.methods[name] = method
+    return method
+
+
+def names(modality_name: str) -> tuple[str, ...]:
+    """The named methods of a modality, in registration order (what the bench, CLI and demo list)."""
+    return tuple(modality(modality_name).methods)
+
+
+def parts(modality_name: str) -> dict[str, Part]:
+    """The parts a modality supports, by name."""
+    return dict(modality(modality_name).parts)
+
+
+def resolve(modality_name: str, method: str, knobs: Mapping[str, Any] | None = None) -> Recipe:
+    """Validate ``method`` and ``knobs`` for a modality; no model is needed.
+
+    ``method`` is a named method or a ``+`` composition of the modality's parts. Unknown methods,
+    parts or knobs, wrong knob types, out-of-range values and compositions the parts do not allow
+    raise ``ValueError`` naming the argument and the allowed values."""
+    mod = modality(modality_name)
+    check(knobs is None or (isinstance(knobs, Mapping) and all(isinstance(k, str) for k in knobs)),
+          "method_knobs", "a mapping of knob names to values (or None)", knobs)
+    check(isinstance(method, str) and method.strip() != "", "method", _method_choices(mod), method)
+    named = mod.methods.get(method)
+    if named is not None:
+        return _resolve(mod, method, named.parts, named.knobs, dict(knobs or {}), named.doc)
+    return _resolve(mod, method, method, {}, dict(knobs or {}), "")
+
+
+def knobs(modality_name: str, method: str) -> dict[str, KnobSpec]:
+    """``{knob: KnobSpec}`` of every knob ``method`` accepts, defaults as this modality uses them."""
+    recipe = resolve(modality_name, method)
+    mod = modality(modality_name)
+    out = {}
+    for part_name in recipe.parts:
+        for spec in mod.parts[part_name].specs.values():
+            out[spec.name] = dataclasses.replace(spec, default=recipe.knobs[spec.name])
+    return out
+
+
+def build(recipe: Recipe, components: Mapping[str, Any]) -> Composition:
+    """Build ``recipe``'s core objects from model ``components`` (``{"target": ..., ...}``).
+
+    Unknown component names and a missing (or ``None``) component the recipe needs raise
+    ``ValueError`` naming it, before any part is built."""
+    check(isinstance(recipe, Recipe), "recipe", "a Recipe from mmspec.methods.resolve", type(recipe).__name__)
+    mod = modality(recipe.modality)
+    check(isinstance(components, Mapping), "components", "a mapping of component names to objects",
+          type(components).__name__)
+    allowed = mod.accepted_components()
+    unknown = sorted(set(components) - set(allowed))
+    check(not unknown, "components", f"names among {', '.join(allowed)} for {mod.name!r}", unknown)
+    check(components.get("target") is not None, "target", f"the target model for method {recipe.name!r}", None)
+    for part_name in recipe.parts:
+        for need in mod.parts[part_name].requires:
+            check(components.get(need) is not None, need,
+                  f"given for method {recipe.name!r} (its part {part_name!r} needs it)", None)
+    view = types.MappingProxyType(dict(components))
+    built = {kind: mod.parts[p].build(recipe.configs[p], view) for kind, p in zip(recipe.kinds, recipe.parts)}
+    return Composition(built.get("drafter"), built.get("rule"), built.get("schedule"))
+
+
+def _method_choices(mod: Modality) -> str:
+    by_kind = [", ".join(p.name for p in mod.parts.values() if p.kind == k) for k in KINDS]
+    grammar = " | ".join(g for g in by_kind if g)
+    return (f"one of the {mod.name} methods ({', '.join(repr(m) for m in mod.methods)}) or a '+' "
+            f"composition of its parts ({grammar})")
+
+
+def _resolve(mod: Modality, name: str, spec: str, presets: Mapping[str, Any], given: dict, doc: str) -> Recipe:
+    tokens = [] if spec == "" or spec == "none" else spec.split("+")
+    for t in tokens:
+        check(t in mod.parts, "method", _method_choices(mod), name)
+    check(len(set(tokens)) == len(tokens), "method", "a composition naming each part at most once", name)
+    chosen: dict[str, Part] = {}
+    for t in tokens:
+        part = mod.parts[t]
+        check(part.kind not in chosen, "method",
+              f"a composition with at most one {part.kind} ({chosen.get(part.kind, part).name} or {t})", name)
+        chosen[part.kind] = part
+    for part in list(chosen.values()):  # a rule's implied drafter, ...
+        for kind, implied in part.implies.items():
+            if kind not in chosen:
+                check(implied in mod.parts, "method", f"parts registered in {mod.name!r} ({part.name} implies "
+                      f"{implied})", name)
+                chosen[kind] = mod.parts[implied]
+    ordered = [chosen[k] for k in KINDS if k in chosen]
+
+    # knobs: config defaults < modality defaults < method presets < the caller's
+    specs = {s.name: (p, f, s) for p in ordered for f, s in p.specs.items()}
+    for source, values in (("method_knobs", given), (f"{name!r}'s presets", presets)):
+        unknown = sorted(set(values) - set(specs))
+        check(not unknown, "method_knobs" if source == "method_knobs" else source,
+              f"knobs of {name!r} (method knobs: {', '.join(sorted(specs)) or 'none'})",
+              unknown[0] if len(unknown) == 1 else unknown)
+    values: dict[str, Any] = {}
+    for knob_name, (part, fname, spec) in specs.items():
+        if knob_name in given:
+            values[knob_name] = spec.validate(given[knob_name])
+        elif knob_name in presets:
+            values[knob_name] = spec.validate(presets[knob_name])
+        elif knob_name in mod.defaults:
+            values[knob_name] = spec.validate(mod.defaults[knob_name])
+        else:
+            values[knob_name] = spec.default
+    configs = {p.name: p.make_config({f: values[s.name] for f, s in p.specs.items()}) for p in ordered}
+
+    # every part's declared partners, by name or trait
+    for part in ordered:
+        for kind, allowed in part.partners.items():
+            other = chosen.get(kind)
+            if other is None:
+                continue
+            if other.name in allowed or other.traits_of(configs[other.name]) & set(allowed):
+                continue
+            fits = [p.name for p in mod.parts.values() if p.kind == kind
+                    and (p.name in allowed or p.traits_of(_default_config(p, mod)) & set(allowed))]
+            check(False, "method", f"{part.name!r} with a {kind} among {', '.join(fits) or 'none'}"
+                  + ("" if kind in part.implies else " or none"), name)
+    requires = tuple(dict.fromkeys(r for p in ordered for r in p.requires))
+    doc = doc or " + ".join(p.doc for p in ordered) or "the target alone"
+    return Recipe(name, mod.name, tuple(p.name for p in ordered), tuple(p.kind for p in ordered),
+                  types.MappingProxyType(configs), types.MappingProxyType(values), requires,
+                  all(p.lossless for p in ordered), doc)
+
+
+def _default_config(part: Part, mod: Modality):
+    return part.make_config({f: mod.defaults.get(s.name, s.default) for f, s in part.specs.items()})

@@ -1,0 +1,104 @@
+"""VLM answers (``"vlm"``): every method is a drafter in the core's one loop, verified by its exact
+rule, so every method is lossless.
+
+======== =====================================================================================
+none     the target alone
+sd       a small draft VLM (same tokenizer) drafting a chain (Leviathan et al., 2023)
+lookup   prompt lookup: n-gram matches in the context (Saxena, 2023; transformers' prompt lookup)
+eagle    EAGLE-2 dynamic tree from a draft head that sees every image token (SpecVLM's EagleVLM)
+specvlm  the same tree, the head's image through SpecVLM's elastic visual compressor
+vispec   the same tree, the head's image through ViSpec's vision adaptor + global feature
+======== =====================================================================================
+
+Components: ``target`` (a ``VLMTarget``), ``draft`` (the ``VLMTarget`` of the draft VLM),
+``eagle_head`` / ``specvlm_head`` / ``vispec_head`` (``VLMDraftHead``s, bound to the target here).
+The three head methods share the ``tree_*`` knobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import core
+from ..core.errors import check
+from .shared import SDConfig
+from .registry import check_config, knob, register_method, register_modality, register_part
+
+MODALITY = "vlm"
+HEADS = ("eagle", "specvlm", "vispec")
+register_modality(MODALITY, components=("target", "draft") + tuple(f"{h}_head" for h in HEADS),
+                  doc="answers about an image from a LLaVA-style VLM")
+
+
+@dataclass(frozen=True)
+class TreeConfig:
+    """EAGLE-2's dynamic tree. EAGLE's own defaults are top_k 10, depth 7, 60 tokens (SpecVLM's
+    too) and ViSpec's 8 / 3 / 30. Ours sit between them, smaller in tokens because on this CPU a
+    verify pass's cost grows with its width: with the bundled heads, depth 6 is accepted almost
+    whole (tau 7.2; a depth-6 tree has 7 levels, so at most 8), and ``mmspec bench vlm``'s deeper
+    4 / 10 / 16 variant raises tau to 8.5 without raising tokens/s (each extra depth costs a head
+    pass).
+
+    Args:
+        top_k: children expanded per node.
+        depth: levels below the root's children (a depth-d tree has d + 1 levels).
+        total_tokens: nodes kept for verification.
+    """
+
+    top_k: int = knob(8, min=1)
+    depth: int = knob(6, min=1)
+    total_tokens: int = knob(24, min=1)
+
+    def __post_init__(self):
+        check_config(self)
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    """Prompt lookup (transformers' ``prompt_lookup_num_tokens``, 10 in its examples, and
+    ``max_matching_ngram_size``, 2 by default).
+
+    Args:
+        num_tokens: tokens copied after a match.
+        max_ngram: the longest n-gram matched (down to 1).
+    """
+
+    num_tokens: int = knob(10, min=1)
+    max_ngram: int = knob(2, min=1)
+
+    def __post_init__(self):
+        check_config(self)
+
+
+def _head_part(method: str):
+    def build(cfg: TreeConfig, components):
+        head = components[f"{method}_head"]
+        check(head.config.method == method, f"{method}_head", f"a head trained with method={method!r}",
+              head.config.method)
+        return core.EagleTreeDrafter(head.bind(components["target"]), top_k=cfg.top_k, depth=cfg.depth,
+                                     total_tokens=cfg.total_tokens)
+
+    return build
+
+
+register_part(
+    name="sd", kind="drafter", config=SDConfig, requires=("draft",),
+    build=lambda cfg, c: core.ModelChainDrafter(c["draft"], gamma=cfg.gamma),
+    doc="a small draft VLM (same tokenizer, sees the image) drafting a chain (Leviathan et al., 2023)",
+    modalities=(MODALITY,))
+register_part(
+    name="lookup", kind="drafter", config=LookupConfig, traits=("lane_safe", "deterministic"),
+    build=lambda cfg, c: core.PromptLookupDrafter(num_tokens=cfg.num_tokens, max_ngram=cfg.max_ngram),
+    doc="prompt lookup: n-gram matches in the row's context (Saxena, 2023)", modalities=(MODALITY,))
+_HEAD_DOCS = {
+    "eagle": "EAGLE-2 dynamic tree from a head that sees every image token (SpecVLM's EagleVLM)",
+    "specvlm": "EAGLE-2 tree from a head seeing the image through SpecVLM's elastic visual compressor",
+    "vispec": "EAGLE-2 tree from a head seeing the image through ViSpec's vision adaptor + global feature",
+}
+for _h in HEADS:
+    register_part(name=_h, kind="drafter", config=TreeConfig, prefix="tree", requires=(f"{_h}_head",),
+                  build=_head_part(_h), doc=_HEAD_DOCS[_h], modalities=(MODALITY,))
+
+register_method("none", "", doc="the target alone (the baseline)", modalities=(MODALITY,))
+for _name in ("sd", "lookup") + HEADS:
+    register_method(_name, modalities=(MODALITY,))
