@@ -135,9 +135,6 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         ids, pixels = self.prepare_inputs(images, prompts)
 
         target, draft = self.views()
-        target.bind_images(pixels)
-        if method == "sd":
-            draft.bind_images(pixels)
         heads = {m: getattr(self, f"{m}_head") for m in HEAD_METHODS}
         drafter = build_drafter(method, target, draft=draft, heads=heads, knobs=method_knobs)
         decoder = SpeculativeDecoder(target, drafter, logits=LogitsPipeline(temperature=temperature, top_p=top_p))
@@ -154,13 +151,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
                 callback(self, step, done)
 
         eos = self.processor.tokenizer.eos_token_id
-        try:
-            out = decoder.generate(ids, max_new_tokens, generator=generator, eos_token_id=eos,
-                                   callback=on_step if progress is not None or callback is not None else None)
-        finally:
-            target.clear_images()
-            if draft is not None:
-                draft.clear_images()
+        out = decoder.generate(ids, max_new_tokens, generator=generator, eos_token_id=eos,
+                               conditioning=target.vision_inputs(pixels),
+                               callback=on_step if progress is not None or callback is not None else None)
         if progress is not None:
             progress.close()
         tokens = [row[:n].tolist() for row, n in zip(out.sequences, out.lengths)]

@@ -98,7 +98,8 @@ def tiny_llama_draft() -> HFCausalLMTarget:
 DRAFTERS = {
     "none": lambda target: None,
     "jacobi": lambda target: JacobiDrafter(VOCAB, window=4),
-    "tree-llama": lambda target: ModelTreeDrafter(tiny_llama_draft(), top_k=3, depth=3, total_tokens=10),
+    "tree-llama": lambda target: ModelTreeDrafter(tiny_llama_draft(), top_k=3, depth=3, total_tokens=10,
+                                                  conditioned=False),  # a text LM: no images
     "tree-self": lambda target: ModelTreeDrafter(target, top_k=3, depth=3, total_tokens=10),
 }
 
@@ -115,9 +116,8 @@ def test_greedy_matches_transformers_generate(family, drafter, rows):
     assert all(len(set(row)) > 2 for row in expected), "the target's greedy text is trivially constant"
 
     target = VLMTarget(model)
-    target.bind_images(**images)
     decoder = SpeculativeDecoder(target, DRAFTERS[drafter](target), logits=LogitsPipeline(temperature=0))
-    out = decoder.generate(prompts, NEW_TOKENS)
+    out = decoder.generate(prompts, NEW_TOKENS, conditioning=target.vision_inputs(**images))
 
     assert out.sequences.tolist() == expected
     if drafter == "tree-self":  # the target drafting for itself: every tree's greedy path is accepted
@@ -149,9 +149,9 @@ def test_batch_matches_transformers_batched_generate(family):
     prompts, images = inputs(2)
     expected = hf_greedy_batched(family, model, prompts, images, NEW_TOKENS)
     target = VLMTarget(model)
-    target.bind_images(**images)
-    drafter = ModelTreeDrafter(tiny_llama_draft(), top_k=3, depth=3, total_tokens=10)
-    out = SpeculativeDecoder(target, drafter, logits=LogitsPipeline(temperature=0)).generate(prompts, NEW_TOKENS)
+    drafter = ModelTreeDrafter(tiny_llama_draft(), top_k=3, depth=3, total_tokens=10, conditioned=False)
+    out = SpeculativeDecoder(target, drafter, logits=LogitsPipeline(temperature=0)).generate(
+        prompts, NEW_TOKENS, conditioning=target.vision_inputs(**images))
     assert out.sequences.tolist() == expected
 
 
@@ -170,12 +170,11 @@ def test_decode_steps_see_the_image_at_the_model_positions(family):
     model = build()
     prompts, images = inputs(2)
     target = VLMTarget(model)
-    target.bind_images(**images)
     width = max(len(p) for p in prompts)
     ids = torch.tensor([p + [0] * (width - len(p)) for p in prompts])  # right-padded, as the core does
     lens = torch.tensor([len(p) for p in prompts])
     cache = target.new_cache(2, 64)
-    out = target(ids, torch.arange(width).expand_as(ids), cache)
+    out = target(ids, torch.arange(width).expand_as(ids), cache, **target.vision_inputs(**images))
     cache.truncate(lens)
     torch.testing.assert_close(model.lm_head(out.hidden), out.logits)  # hidden is the LM head's input
     if family == "qwen2-vl":  # an image's grid ids span fewer positions than its tokens
@@ -198,7 +197,27 @@ def test_decode_steps_see_the_image_at_the_model_positions(family):
                               reference_logits(family, model, contexts[0], row_images(family, images, 0)))
 
 
-def test_bind_images_rejects_missing_grids():
+def test_vision_inputs_rejects_missing_grids():
     target = VLMTarget(tiny_qwen2_vl())
     with pytest.raises(ValueError, match="image_grid_thw"):
-        target.bind_images(pixel_values=torch.zeros(16, 24))
+        target.vision_inputs(pixel_values=torch.zeros(16, 24))
+
+
+def test_conditioning_reaches_the_prompt_pass_only():
+    """Images are inputs of a call, not state of the model: a decode pass refuses them, and the
+    model object holds no hooks afterwards."""
+    model = tiny_llava()
+    prompts, images = llava_inputs(1)
+
+    def ours():  # transformers installs hooks of its own (output capturing); we install none
+        fns = [f for m in model.modules() for f in (*m._forward_pre_hooks.values(), *m._forward_hooks.values())]
+        return [f for f in fns if getattr(getattr(f, "__self__", f), "__module__", "").startswith("mmspec")]
+
+    target = VLMTarget(model)
+    cache = target.new_cache(1, 64)
+    ids = torch.tensor(prompts)
+    out = target(ids, torch.arange(ids.shape[1])[None], cache, **target.vision_inputs(**images))
+    assert out.prompt_embeds is not None and out.prompt_embeds.shape[:2] == ids.shape
+    with pytest.raises(ValueError, match="conditioning must be given with the prompt pass only"):
+        target(ids[:, -1:], cache.next_positions()[:, None], cache, **target.vision_inputs(**images))
+    assert ours() == []

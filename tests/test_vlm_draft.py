@@ -68,9 +68,9 @@ def force_branch(head, branch):
 
 def decode(target, rows, head=None):
     prompts, images = llava_inputs(rows)
-    target.bind_images(**images)
     drafter = None if head is None else EagleTreeDrafter(head, **TREE)
-    return SpeculativeDecoder(target, drafter, logits=LogitsPipeline(temperature=0)).generate(prompts, NEW_TOKENS)
+    return SpeculativeDecoder(target, drafter, logits=LogitsPipeline(temperature=0)).generate(
+        prompts, NEW_TOKENS, conditioning=target.vision_inputs(**images))
 
 
 @pytest.fixture(scope="module")
@@ -166,8 +166,9 @@ def drafting_path(head, target, ids, P, feats, embeds, widths):
     entries follow. Returns the (R, S-1, H) hidden at column p - 1 for entry p, and the cache."""
     R, S = ids.shape
     Pm = int(P.max())
-    target.prompt_embeds = embeds[:, :Pm]  # as the prefill leaves them
-    state = SimpleNamespace(prefill=ModelOutput(logits=None, hidden=feats[:, :Pm]), tokens=ids, prompt_lengths=P)
+    # what the prefill returns: features and merged input embeddings over the padded prompts
+    state = SimpleNamespace(prefill=ModelOutput(logits=None, hidden=feats[:, :Pm], prompt_embeds=embeds[:, :Pm]),
+                            tokens=ids, prompt_lengths=P)
     cache = head.new_cache(R, 64)
     head.start(cache, state)
     got = torch.full((R, S - 1, HIDDEN), float("nan"))
@@ -292,13 +293,11 @@ def test_prefill_gives_the_training_inputs(target):
     prompts, images = llava_inputs(2)
     Pm = int(P.max())
     padded = torch.tensor([p + [0] * (Pm - len(p)) for p in prompts])
-    target.bind_images(**images)
-    target.prompt_embeds = None
-    out = target(padded, torch.arange(Pm).expand(2, -1), target.new_cache(2, 64))
+    out = target(padded, torch.arange(Pm).expand(2, -1), target.new_cache(2, 64), **target.vision_inputs(**images))
     for r in range(2):
         n = int(P[r])
         torch.testing.assert_close(out.hidden[r, :n], feats[r, :n], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(target.prompt_embeds[r, :n], embeds[r, :n], atol=1e-6, rtol=0)
+        torch.testing.assert_close(out.prompt_embeds[r, :n], embeds[r, :n], atol=1e-6, rtol=0)
 
 
 # -- 3. ViSpec starts as EAGLE -----------------------------------------------------------------
@@ -409,11 +408,11 @@ def test_misuse_of_a_planned_cache(target):
     with pytest.raises(ValueError, match="tree_mask needs a cache"):
         head(feats[:, :2], ids[:, 1:3], torch.tensor([[1, 2]] * 2), None, torch.ones(2, 2, 2, dtype=torch.bool))
     cache = head.new_cache(2, 64)
-    state = SimpleNamespace(prefill=ModelOutput(logits=None, hidden=feats[:, :11]), tokens=ids, prompt_lengths=P)
-    target.prompt_embeds = embeds[:, :5]  # from another pass
-    with pytest.raises(ValueError, match="target must be a VLMTarget whose prefill just ran"):
+    state = SimpleNamespace(prefill=ModelOutput(logits=None, hidden=feats[:, :11], prompt_embeds=embeds[:, :5]),
+                            tokens=ids, prompt_lengths=P)  # embeddings from another pass
+    with pytest.raises(ValueError, match="state.prefill must be a VLMTarget's prompt pass output"):
         head.start(cache, state)
-    target.prompt_embeds = embeds[:, :11]
+    state.prefill.prompt_embeds = embeds[:, :11]
     head.start(cache, state)
     with pytest.raises(ValueError, match="positions must be the first feed into a planned cache"):
         head(feats[:, 1:3], ids[:, 2:4], torch.tensor([[2, 3]] * 2), cache)
@@ -479,11 +478,11 @@ def test_vlm_draft_recipe_writes_a_loadable_head(tiny_vlm_dir, tmp_path, method)
     processor = AutoProcessor.from_pretrained(tiny_vlm_dir)
     pixels, seqs, prompt_lens = encode(processor, SceneQADataset(2, 7))
     prompts = [s[:n] for s, n in zip(seqs, prompt_lens)]
-    vlm.bind_images(pixels)
-    plain = SpeculativeDecoder(vlm, None, logits=LogitsPipeline(temperature=0)).generate(prompts, 8)
-    vlm.bind_images(pixels)
+    images = vlm.vision_inputs(pixels)
+    plain = SpeculativeDecoder(vlm, None, logits=LogitsPipeline(temperature=0)).generate(prompts, 8,
+                                                                                         conditioning=images)
     drafted = SpeculativeDecoder(vlm, EagleTreeDrafter(head, **TREE),
-                                 logits=LogitsPipeline(temperature=0)).generate(prompts, 8)
+                                 logits=LogitsPipeline(temperature=0)).generate(prompts, 8, conditioning=images)
     assert torch.equal(drafted.sequences, plain.sequences)
 
 

@@ -118,9 +118,7 @@ def sampling_case(pipe, heldout):
 def _sample(pipe, method, case, rule=None, n=2000, rows=250, seed=0):
     ids, pixels, logits, joint = case
     target, draft = pipe.views()
-    target.bind_images(pixels.expand(rows, -1, -1, -1))
-    if draft is not None:
-        draft.bind_images(pixels.expand(rows, -1, -1, -1))
+    images = target.vision_inputs(pixels.expand(rows, -1, -1, -1))
     heads = {m: getattr(pipe, f"{m}_head") for m in ("eagle", "specvlm", "vispec")}
     gen = torch.Generator().manual_seed(seed)
     samples = []
@@ -128,10 +126,7 @@ def _sample(pipe, method, case, rule=None, n=2000, rows=250, seed=0):
         drafter = build_drafter(method, target, draft=draft, heads=heads)
         kw = {} if rule is None else {"rule": rule}
         dec = SpeculativeDecoder(target, drafter, logits=logits, **kw)
-        samples.append(dec.generate([ids] * rows, 3, generator=gen).sequences)
-    target.clear_images()
-    if draft is not None:
-        draft.clear_images()
+        samples.append(dec.generate([ids] * rows, 3, generator=gen, conditioning=images).sequences)
     cells = {c: i for i, c in enumerate(joint)}
     seqs = [tuple(s) for s in torch.cat(samples).tolist()]
     assert all(s in cells for s in seqs), "a sample outside the target's support"

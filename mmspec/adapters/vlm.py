@@ -2,10 +2,10 @@
 
 A VLM target is a text ``HFCausalLMTarget`` whose prompts carry images. The prompt is text ids
 with the model's image placeholder token repeated once per image feature (as the model's own
-processor writes it); the pixels are bound to the target beforehand with ``bind_images``. The first
-pass on every fresh cache (the core's prefill, or a draft runner's first feed when the same view
-also drafts) runs the vision tower and scatters its features into the placeholder embeddings, as
-the model's own ``forward`` does. Every later pass is plain text.
+processor writes it); the pixels travel with the call as the decoder's ``conditioning`` and reach
+the prompt pass only (the core's prefill, or a draft VLM's first feed). That pass runs the vision
+tower and scatters its features into the placeholder embeddings, as the model's own ``forward``
+does. Every later pass is plain text.
 
 Positions. LLaVA's language model uses 1-D RoPE over all tokens, image tokens included, so the
 core's positions are the model's. Qwen2-VL uses 3-D M-RoPE: its ``get_rope_index`` gives an image's
@@ -17,10 +17,9 @@ every later token at core position ``p`` (its number of valid slots, holes exclu
 id ``p + rope_deltas`` on all three axes. Right padding is harmless: pads are text, so they leave
 the valid tokens' ids and the row's delta unchanged, and the core truncates them from the cache.
 
-Limits: images only (no Qwen2-VL video inputs); the placeholder count is checked by the model, so a
-fresh cache's first pass must hold exactly the bound images' placeholders (a draft runner's first
-feed includes the first generated token: should the model generate its image token there, that
-pass fails).
+Limits: images only (no Qwen2-VL video inputs); the prompt pass must hold exactly as many
+placeholders as the images have features (a draft runner's first feed includes the first generated
+token: should the model generate its image token there, that pass fails).
 """
 
 from __future__ import annotations
@@ -46,11 +45,14 @@ class _VLMCache(HFCacheAdapter):
 class VLMTarget(HFCausalLMTarget):
     """``LlavaForConditionalGeneration`` or ``Qwen2VLForConditionalGeneration`` as a ``Target``
     over the model's text vocabulary; ``hidden`` is the language model's last hidden state (after
-    its final norm: the LM head's input, EAGLE's feature). After a prefill, ``prompt_embeds``
-    holds the prompt's merged input embeddings (B, S, H), image features at the placeholders.
+    its final norm: the LM head's input, EAGLE's feature).
 
-    Bind the images of a batch with ``bind_images`` before ``SpeculativeDecoder.generate``: they
-    stay bound, and every fresh cache's first pass consumes them, until rebound or ``clear_images``.
+    Images are conditioning of the call, not state of the model: pass them to
+    ``SpeculativeDecoder.generate(conditioning=target.vision_inputs(pixel_values, ...))``. The
+    prompt pass (a fresh cache's first pass) runs the vision tower, scatters its features into the
+    placeholder embeddings as the model's own ``forward`` does, and returns those merged input
+    embeddings as ``ModelOutput.prompt_embeds`` (what vision-aware draft heads read). Every later
+    pass is plain text.
     """
 
     def __init__(self, model):
@@ -59,34 +61,24 @@ class VLMTarget(HFCausalLMTarget):
         super().__init__(model)
         self.image_token_id = model.config.image_token_id
         self.mrope = isinstance(model, Qwen2VLForConditionalGeneration)
-        self.image_inputs: dict[str, torch.Tensor] = {}
-        # the merged input embeddings of the last fresh-cache pass (image features scattered into
-        # the placeholders): what a vision-aware draft (mmspec.models.vlm_draft) reads
-        self.prompt_embeds: torch.Tensor | None = None
-        self._capture = False
-        model.model.language_model.register_forward_pre_hook(self._capture_embeds, with_kwargs=True)
 
-    def _capture_embeds(self, module, args, kwargs):
-        if self._capture:
-            self.prompt_embeds = kwargs["inputs_embeds"].detach()
-
-    def bind_images(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None = None,
-                    **vision_kwargs) -> None:
-        """Bind the pixels of the prompts' images, in prompt order (row 0's images first).
+    def vision_inputs(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None = None,
+                      **vision_kwargs) -> dict:
+        """Check the prompts' images (in prompt order, row 0's first) and return them as the
+        ``conditioning`` of a ``generate`` call.
 
         Args:
             pixel_values: what the model's image processor returns: LLaVA (images, C, H, W),
-                Qwen2-VL (patches, C * T * P * P). ``None`` binds no images (text-only prompts).
+                Qwen2-VL (patches, C * T * P * P). ``None``: text-only prompts.
             image_grid_thw: Qwen2-VL's (images, 3) patch grids; required for Qwen2-VL, refused
                 for LLaVA.
-            vision_kwargs: passed to the model's forward on the prefill (e.g. LLaVA's
-                ``vision_feature_layer``, ``image_sizes``).
+            vision_kwargs: passed to the model's image features (LLaVA's ``vision_feature_layer``,
+                ``image_sizes``, ...).
         """
         if pixel_values is None:
             check(image_grid_thw is None and not vision_kwargs, "image_grid_thw and vision_kwargs",
                   "nothing when pixel_values is None", sorted(vision_kwargs) or "image_grid_thw")
-            self.image_inputs = {}
-            return
+            return {}
         check(isinstance(pixel_values, torch.Tensor), "pixel_values", "a tensor", type(pixel_values).__name__)
         if self.mrope:
             check(isinstance(image_grid_thw, torch.Tensor) and image_grid_thw.dim() == 2
@@ -95,36 +87,43 @@ class VLMTarget(HFCausalLMTarget):
             vision_kwargs = dict(vision_kwargs, image_grid_thw=image_grid_thw.to(self.device))
         else:
             check(image_grid_thw is None, "image_grid_thw", "None for LLaVA", "a tensor")
-        self.image_inputs = dict(vision_kwargs, pixel_values=pixel_values.to(self.device, self.model.dtype))
-
-    def clear_images(self) -> None:
-        self.image_inputs = {}
+        return dict(vision_kwargs, pixel_values=pixel_values.to(self.device, self.model.dtype))
 
     def new_cache(self, batch_size: int, max_len: int) -> _VLMCache:
         return _VLMCache(DynamicCache(config=self.model.config), batch_size, self.device)
 
     @torch.no_grad()
-    def __call__(self, tokens, positions, cache, tree_mask=None) -> ModelOutput:
+    def __call__(self, tokens, positions, cache, tree_mask=None, **conditioning) -> ModelOutput:
+        fresh = cache.seq_length == 0
+        check(fresh or not conditioning, "conditioning", "given with the prompt pass only (a fresh cache)",
+              sorted(conditioning))
         if self.mrope:
             if cache.rope_deltas is None:  # the prompt pass: ids from the model's own rule
-                positions, cache.rope_deltas = self._prompt_rope(tokens)
+                positions, cache.rope_deltas = self._prompt_rope(tokens, conditioning.get("image_grid_thw"))
             else:  # text only: the same id on the three axes, shifted per row
                 positions = (positions + cache.rope_deltas).expand(3, *positions.shape)
-        return super().__call__(tokens, positions, cache, tree_mask)
+        mask = cache.step(tokens.shape[1], tree_mask, self.model.dtype)  # (B, 1, T, S + T)
+        embeds = self.input_embeds(tokens, **conditioning)
+        out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                         past_key_values=cache.cache, use_cache=True, output_hidden_states=True)
+        return ModelOutput(logits=out.logits.float(), hidden=out.hidden_states[-1],
+                           prompt_embeds=embeds if fresh else None)
 
-    def forward(self, tokens: torch.Tensor, **model_kwargs) -> ModelOutput:
-        fresh = model_kwargs["past_key_values"].get_seq_length() == 0
-        images = self.image_inputs if fresh else {}
-        self._capture = fresh
-        try:
-            out = self.model(input_ids=tokens, output_hidden_states=True, **images, **model_kwargs)
-        finally:
-            self._capture = False
-        return ModelOutput(logits=out.logits.float(), hidden=out.hidden_states[-1])
+    def input_embeds(self, tokens: torch.Tensor, **conditioning) -> torch.Tensor:
+        """(B, T, E) token embeddings with the images' features (``conditioning``, as
+        ``vision_inputs`` returns it) scattered into the placeholders, as the model's forward does."""
+        embeds = self.model.get_input_embeddings()(tokens)
+        if "pixel_values" not in conditioning:
+            return embeds
+        images = self.model.model.get_image_features(**conditioning, return_dict=True).pooler_output
+        feats = torch.cat(list(images), 0).to(embeds.device, embeds.dtype)  # (N, E)
+        slots = tokens == self.image_token_id
+        check(int(slots.sum()) == feats.shape[0], "pixel_values",
+              f"as many image features as the prompts' {int(slots.sum())} image placeholders", feats.shape[0])
+        return embeds.masked_scatter(slots[..., None].expand_as(embeds), feats)
 
-    def _prompt_rope(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prompt_rope(self, tokens: torch.Tensor, grid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(3, B, T) M-RoPE ids of whole prompts and the (B, 1) offsets of the text after them."""
-        grid = self.image_inputs.get("image_grid_thw")
         kinds = (tokens == self.image_token_id).int()  # text 0, image 1 (no video)
         return self.model.model.get_rope_index(tokens, image_grid_thw=grid if kinds.any() else None,
                                                mm_token_type_ids=kinds)

@@ -7,8 +7,8 @@ root), so the baseline and the methods share every line of cache and sampling co
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -38,6 +38,9 @@ class DecodeState:
     # its ``hidden``); cleared afterwards so the prompt's logits are not held while decoding
     prefill: ModelOutput | None = None
     prompt_lengths: torch.Tensor | None = None  # (R,) where each row's generated tokens start
+    # the call's conditioning (``generate(conditioning=...)``): fed with the prompt pass of the
+    # target, and of any draft model that sees the prompt the same way (``_DraftModelRunner``)
+    conditioning: Mapping[str, Any] = field(default_factory=dict)
 
     @property
     def rows(self) -> int:
@@ -126,7 +129,7 @@ class SpeculativeDecoder:
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, *, uncond_input_ids=None,
                  generator: torch.Generator | None = None, eos_token_id: int | None = None,
-                 pad_token_id: int = 0,
+                 pad_token_id: int = 0, conditioning: Mapping[str, Any] | None = None,
                  callback: Callable[[int, DecodeState], None] | None = None) -> DecodeOutput:
         """Generate up to ``max_new_tokens`` per row.
 
@@ -137,6 +140,9 @@ class SpeculativeDecoder:
             generator: the only source of randomness.
             eos_token_id: a row stops after emitting it.
             pad_token_id: fills ``sequences`` after each row's end (any int; never fed to a model).
+            conditioning: keyword inputs of the prompt pass (e.g. a VLM's ``pixel_values`` for
+                every target row, the uncond half included): given to the target's prefill and
+                to a draft model's first feed, never bound to a model object.
             callback: called after every decode pass with (step, state).
         """
         check(isinstance(max_new_tokens, int) and max_new_tokens >= 1, "max_new_tokens", "an int >= 1",
@@ -164,8 +170,9 @@ class SpeculativeDecoder:
         capacity = ids.shape[1] + lane_new + 2 * block + 1
         history = torch.full((ids.shape[0], capacity), 0, dtype=torch.long, device=device)
         history[:, : ids.shape[1]] = ids
+        conditioning = dict(conditioning or {})
         state = DecodeState(history, lens.clone(), B, self.logits, generator, capacity,
-                            prompt_lengths=lens.clone())
+                            prompt_lengths=lens.clone(), conditioning=conditioning)
         stats = Stats()
         draft_forwards_before = self.drafter.forwards
         target, cache = sched.bind(self.target, state)
@@ -173,7 +180,7 @@ class SpeculativeDecoder:
         # 1. prefill the prompts; the first token comes from the target alone
         with stats.timed("prefill", device):
             positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
-            out = target(ids, positions, cache)
+            out = target(ids, positions, cache, **conditioning)
             cache.truncate(lens)
             last = out.logits[torch.arange(state.rows, device=device), (lens - 1).clamp(min=0)]  # (R, V)
             probs = self.logits(last)  # (B, V)

@@ -33,10 +33,15 @@ class _DraftModelRunner:
     slots. Drafting appends draft tokens (and, for trees, whole levels of siblings) past that
     point, so each round cuts the cache back to ``exact`` and feeds the history from there: the
     root and whatever drafts were accepted since.
+
+    ``conditioned``: the first feed (the draft's prompt pass) takes the call's conditioning, as the
+    target's prefill did (a draft VLM sees the images); False for a draft that reads tokens only.
     """
 
-    def __init__(self, model):
+    def __init__(self, model, conditioned: bool = True):
+        check(isinstance(conditioned, bool), "conditioned", "True or False", conditioned)
         self.model = model
+        self.conditioned = conditioned
         self.vocab_size = model.vocab_size
         self.forwards = 0
         self.cache = self.exact = None
@@ -52,7 +57,10 @@ class _DraftModelRunner:
         width = int((state.lengths - self.exact).max())
         positions = self.exact[:, None] + torch.arange(width, device=self.exact.device)  # (R, W)
         feed = state.tokens.gather(1, positions.clamp(max=state.tokens.shape[1] - 1))
-        logits = self.model(feed, positions, self.cache).logits  # (R, W, V)
+        # the first feed is the draft's prompt pass: it takes the call's conditioning as the target's did
+        first = self.conditioned and bool((self.exact == 0).all())
+        conditioning = state.conditioning if first else {}
+        logits = self.model(feed, positions, self.cache, **conditioning).logits  # (R, W, V)
         self.forwards += 1
         last = (state.lengths - 1 - self.exact)[:, None, None].expand(-1, 1, logits.shape[-1])
         self.cache.truncate(state.lengths)  # right padding of shorter rows is not history
@@ -73,8 +81,8 @@ class _DraftModelRunner:
 class _ModelDrafter:
     """What drafters built on a small draft model share: its runner and pass count."""
 
-    def __init__(self, model):
-        self.runner = _DraftModelRunner(model)
+    def __init__(self, model, conditioned: bool = True):
+        self.runner = _DraftModelRunner(model, conditioned)
         self.vocab_size = model.vocab_size
 
     @property
@@ -93,11 +101,12 @@ class ModelChainDrafter(_ModelDrafter):
 
     Samples ``gamma`` tokens from the draft's processed distribution q (same logits pipeline as
     the target, so with guidance the draft is guided too) and hands q to the acceptance rule.
+    ``conditioned=False`` keeps the call's conditioning (e.g. images) from the draft model.
     """
 
-    def __init__(self, model, gamma: int = 4):
+    def __init__(self, model, gamma: int = 4, conditioned: bool = True):
         check(isinstance(gamma, int) and gamma >= 1, "gamma", "an int >= 1", gamma)
-        super().__init__(model)
+        super().__init__(model, conditioned)
         self.gamma = gamma
         self.max_block = gamma + 1
 
@@ -125,8 +134,8 @@ class ModelTreeDrafter(_ModelDrafter):
     """
 
     def __init__(self, model, top_k: int = 4, depth: int = 4, total_tokens: int = 16,
-                 mode: str = "topk"):
-        super().__init__(model)
+                 mode: str = "topk", conditioned: bool = True):
+        super().__init__(model, conditioned)
         self.top_k, self.depth, self.total_tokens, self.mode = top_k, depth, total_tokens, mode
         self.max_block = _tree_block(model.vocab_size, top_k, depth, total_tokens, mode)
 

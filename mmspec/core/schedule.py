@@ -233,7 +233,7 @@ class _LaneTarget:
         self.schedule, self.target = schedule, target
         self.vocab_size = target.vocab_size
 
-    def __call__(self, tokens, positions, cache: _LaneCache, tree_mask=None) -> ModelOutput:
+    def __call__(self, tokens, positions, cache: _LaneCache, tree_mask=None, **conditioning) -> ModelOutput:
         sch = self.schedule
         RL, T = tokens.shape
         H = sch.H
@@ -257,7 +257,7 @@ class _LaneTarget:
         flat_pos = pos.flatten(1)
         key_ok = valid.repeat_interleave(T, 1) & (t_of == 0)  # other lanes' roots only
         cross = ~same & key_ok[:, None, :] & (flat_pos[:, None, :] < flat_pos[:, :, None])
-        out = self.target(tok.flatten(1), flat_pos, cache.slot, own | cross)
+        out = self.target(tok.flatten(1), flat_pos, cache.slot, own | cross, **conditioning)
         cache.packing = (lanes, valid, T)
 
         def unpack(x):

@@ -20,6 +20,9 @@ if TYPE_CHECKING:
 class ModelOutput:
     logits: torch.Tensor  # (B, T, V)
     hidden: torch.Tensor | None = None  # (B, T, H): the LM head's input, for feature drafters
+    # (B, T, E) the input embeddings a prompt pass actually fed (a VLM's image features scattered
+    # into its placeholders): what vision-aware drafters read from ``DecodeState.prefill``
+    prompt_embeds: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -39,6 +42,10 @@ class Target(Protocol):
 
     ``tree_mask`` (B, T, R + T) bool says which of the block's tokens (and R earlier uncommitted
     ones) each token sees; ``None`` means causal. The block is appended to ``cache``.
+
+    ``conditioning`` is what the caller passed to ``SpeculativeDecoder.generate(conditioning=...)``
+    (a VLM's ``pixel_values``, ...): it reaches the target with the prompt pass (the prefill) only,
+    and is never stored on the model, so one model object serves any number of calls.
     """
 
     vocab_size: int
@@ -46,7 +53,7 @@ class Target(Protocol):
     def new_cache(self, batch_size: int, max_len: int) -> KVCache: ...
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                 tree_mask: torch.Tensor | None = None) -> ModelOutput: ...
+                 tree_mask: torch.Tensor | None = None, **conditioning) -> ModelOutput: ...
 
 
 class Drafter(Protocol):

@@ -388,12 +388,13 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
     @torch.no_grad()
     def start(self, cache: _DraftCache, state) -> None:
         """After the target's prefill: plan the prompt's images from the target's features
-        (``state.prefill.hidden``), its merged embeddings (``target.prompt_embeds``) and the
-        prompt lengths, for the first feed to use."""
-        embeds = self.target.prompt_embeds
+        (``state.prefill.hidden``), its merged input embeddings (``state.prefill.prompt_embeds``)
+        and the prompt lengths, for the first feed to use."""
+        self.target  # noqa: B018 -- a head drafts only once bound to its target (raises otherwise)
+        embeds = state.prefill.prompt_embeds
         hidden = state.prefill.hidden
-        check(embeds is not None and embeds.shape[:2] == hidden.shape[:2], "target",
-              "a VLMTarget whose prefill just ran (its prompt_embeds match the prefill)", None)
+        check(embeds is not None and embeds.shape[:2] == hidden.shape[:2], "state.prefill",
+              "a VLMTarget's prompt pass output (its prompt_embeds match its hidden states)", None)
         S = hidden.shape[1]
         cache.plan = self.plan(hidden, state.tokens[:, :S], embeds, state.prompt_lengths)
         cache.g = cache.plan["g"]

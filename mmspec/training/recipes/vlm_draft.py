@@ -46,12 +46,9 @@ def load_target(target_dir: str | Path):
 @torch.no_grad()
 def teacher(target: VLMTarget, ids, mask, pixels):
     """The target's features (last hidden, normed), merged input embeddings and logits."""
-    target._capture = True
-    try:
-        out = target.model(input_ids=ids, attention_mask=mask, pixel_values=pixels, output_hidden_states=True)
-    finally:
-        target._capture = False
-    return out.hidden_states[-1], target.prompt_embeds, out.logits
+    embeds = target.input_embeds(ids, **target.vision_inputs(pixels))
+    out = target.model(inputs_embeds=embeds, attention_mask=mask, output_hidden_states=True)
+    return out.hidden_states[-1], embeds, out.logits
 
 
 def answer_mask(ids: torch.Tensor, prompt_lens, lengths: torch.Tensor) -> torch.Tensor:
