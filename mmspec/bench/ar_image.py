@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..adapters.ar_image import compose, parse_method
+from .. import methods
 from ..core import LogitsPipeline, SpeculativeDecoder
 from ..core.exactness import P_THRESHOLD, chisquare_pvalue
 from ..core.schedule import NextSetSchedule
@@ -30,24 +30,20 @@ from .quality import frechet_distance, extract_features, reference_stats, Refere
 EXACT_CHUNK = 1000
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 
-# (row label, method, knobs): the papers' defaults unless the label says otherwise
-DEFAULT_METHODS = (
-    ("none", "none", {}),
-    ("sd", "sd", {}),
-    ("eagle", "eagle", {}),
-    ("lantern", "lantern", {}),
-    ("lantern++", "lantern", {"lantern_lam": 5.0, "lantern_k": 10}),
-    ("sjd", "sjd", {}),
-    ("sjd-spatial", "sjd", {"sjd_init": "spatial"}),
-    ("gsd", "gsd", {}),
-    ("zipar", "zipar", {}),
-    ("zipar-s4", "zipar", {"zipar_window": 4}),
-    ("zipar+sjd", "zipar+sjd", {"zipar_window": 4}),
-    ("zipar+gsd", "zipar+gsd", {"zipar_window": 4}),
-    ("zipar+gsd-s2", "zipar+gsd", {"zipar_window": 2}),
-    ("sjd+lantern", "sjd+lantern", {}),
-    ("zipar+sjd+lantern", "zipar+sjd+lantern", {"zipar_window": 4}),
-)
+MODALITY = "ar-image"
+# knobs the bench runs a named method with (the papers' defaults otherwise) ...
+BENCH_KNOBS = {"zipar+sjd": {"zipar_window": 4}, "zipar+gsd": {"zipar_window": 4},
+               "zipar+sjd+lantern": {"zipar_window": 4}}
+# ... and extra rows, (label, method, knobs), each listed after its method's row
+VARIANTS = {
+    "lantern": (("lantern++", "lantern", {"lantern_lam": 5.0, "lantern_k": 10}),),
+    "sjd": (("sjd-spatial", "sjd", {"sjd_init": "spatial"}),),
+    "zipar": (("zipar-s4", "zipar", {"zipar_window": 4}),),
+    "zipar+gsd": (("zipar+gsd-s2", "zipar+gsd", {"zipar_window": 2}),),
+}
+# (row label, method, knobs): every named AR image method of the registry, then its variants
+DEFAULT_METHODS = tuple(row for m in methods.names(MODALITY)
+                        for row in ((m, m, BENCH_KNOBS.get(m, {})),) + VARIANTS.get(m, ()))
 
 SHOWCASE_METHODS = tuple(m for m in DEFAULT_METHODS if m[0] in ("none", "sjd", "gsd", "lantern", "zipar+gsd"))
 
@@ -101,8 +97,9 @@ def second_token_pvalue(pipe, method: str, knobs: dict, cfg: ARImageBenchConfig)
     uncond = model(torch.cat([torch.full((V, 1), u), x1], 1)).logits[:, -1]
     second = logits(torch.cat([cond, uncond]))  # (V, V): p(x2 | x1)
     marginal = (first[0].double()[:, None] * second.double()).sum(0)
-    parts = compose(parse_method(method, **knobs), model, draft_model=pipe.draft_model, eagle_head=pipe.eagle_head,
-                    codebook=pipe.vqvae.codebook())
+    parts = methods.build(methods.resolve(MODALITY, method, knobs), {
+        "target": model, "draft_model": pipe.draft_model, "eagle_head": pipe.eagle_head,
+        "codebook": pipe.vqvae.codebook()})
     dec = SpeculativeDecoder(model, parts.drafter, rule=parts.rule, logits=logits)
     g = torch.Generator().manual_seed(cfg.seed + 12345)
     samples = []
@@ -116,6 +113,8 @@ def second_token_pvalue(pipe, method: str, knobs: dict, cfg: ARImageBenchConfig)
 @torch.no_grad()
 def run(cfg: ARImageBenchConfig, progress=None) -> dict:
     say = progress or (lambda msg: None)
+    # bad methods or knobs fail before any model loads
+    recipes = [methods.resolve(MODALITY, method, knobs) for _, method, knobs in cfg.methods]
     pipe, classifier = load(cfg)
     model = pipe.transformer
     num_classes = model.config.num_classes
@@ -125,9 +124,8 @@ def run(cfg: ARImageBenchConfig, progress=None) -> dict:
     floor = _real_floor(classifier, cfg, ref)
 
     rows, grids = [], {}
-    for label, method, knobs in cfg.methods:
+    for (label, method, knobs), recipe in zip(cfg.methods, recipes):
         say(f"{label}: {cfg.images} images")
-        parse_method(method, **knobs)  # bad knobs fail before any work
         tokens, nfe, draft, taus, walls = [], [], [], [], []
         for i, c in enumerate(labels):
             g = torch.Generator().manual_seed(cfg.seed + i)
@@ -147,11 +145,11 @@ def run(cfg: ARImageBenchConfig, progress=None) -> dict:
         row = {"method": label, "composition": method, "knobs": _short(knobs),
                "nfe": statistics.fmean(nfe), "draft_nfe": statistics.fmean(draft), "tau": statistics.fmean(taus),
                "wall_s": statistics.fmean(walls), "fd": frechet_distance(feats, ref), "class_acc": acc,
-               "lossless": parse_method(method, **knobs).lossless}
-        if method == "zipar":
+               "lossless": recipe.lossless}
+        if recipe.parts == ("zipar",):
             g = model.config.grid_size
-            row["nfe_closed_form"] = NextSetSchedule.closed_form_nfe(g, g, knobs.get("zipar_window", 8))
-        if row["lossless"] and method != "none" and cfg.exact_samples:
+            row["nfe_closed_form"] = NextSetSchedule.closed_form_nfe(g, g, recipe.knobs["zipar_window"])
+        if row["lossless"] and recipe.parts and cfg.exact_samples:  # the baseline needs no test
             say(f"{label}: distribution test, {cfg.exact_samples} samples")
             p = second_token_pvalue(pipe, method, knobs, cfg)
             row["exact_p"] = p

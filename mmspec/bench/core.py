@@ -18,8 +18,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from ..core import (JacobiDrafter, LogitsPipeline, ModelChainDrafter, ModelTreeDrafter,
-                    SpeculativeDecoder)
+from .. import methods
+from ..core import LogitsPipeline, SpeculativeDecoder
 from ..core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index
 from .synthetic import (IIDDrafter, IIDTarget, expected_tau, iid_pair_distributions, layer_skip_pair,
                         small_vocab_pair)
@@ -44,16 +44,20 @@ class CoreBenchConfig:
         return cls(new_tokens=64, iid_rows=1_000, iid_tokens=80, alphas=(0.8,), gammas=(4,), repeats=1)
 
 
-# name -> (factory(draft model, vocab size), what it is)
-METHODS = {
-    "none": (lambda d, V: None, "target only (baseline)"),
-    "sd": (lambda d, V: ModelChainDrafter(d, gamma=4), "chain, draft model, gamma=4"),
-    "tree": (lambda d, V: ModelTreeDrafter(d, top_k=4, depth=4, total_tokens=16),
-             "EAGLE-2 dynamic tree (top-k nodes, q=1), top_k=4 depth=4 total_tokens=16"),
-    "tree-sampled": (lambda d, V: ModelTreeDrafter(d, top_k=2, depth=3, mode="sample"),
-                     "sampled tree (nodes drawn without replacement), 2 children, depth=3"),
-    "jacobi": (lambda d, V: JacobiDrafter(V, window=8), "Jacobi window 8 (SJD drafts, no draft model)"),
-}
+MODALITY = "text"
+METHODS = methods.names(MODALITY)
+"""The layer-skip rows: the text modality's named methods (``mmspec.methods.text``)."""
+
+
+def _what(method: str) -> str:
+    """The row's description: the method's doc and its resolved knobs."""
+    recipe = methods.resolve(MODALITY, method)
+    knobs = " ".join(f"{k}={v}" for k, v in recipe.knobs.items())
+    return f"{recipe.doc}, {knobs}" if knobs else recipe.doc
+
+
+def _drafter(method: str, target, draft):
+    return methods.build(methods.resolve(MODALITY, method), {"target": target, "draft_model": draft}).drafter
 
 
 def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
@@ -78,7 +82,7 @@ def exactness_pvalue(method: str, samples: int, seed: int) -> float:
     """The core's distribution test for one method on the 8-token pair."""
     target, draft = small_vocab_pair(seed)
     prompt, n, pipeline = [3, 1, 4], 3, LogitsPipeline(temperature=1.0)
-    dec = SpeculativeDecoder(target, METHODS[method][0](draft, target.vocab_size), logits=pipeline)
+    dec = SpeculativeDecoder(target, _drafter(method, target, draft), logits=pipeline)
     out = dec.generate(torch.tensor([prompt]).expand(samples, -1), n, generator=torch.Generator().manual_seed(seed))
     joint = exact_joint(target, prompt, n, pipeline)
     return chisquare_pvalue(sequence_index(out.sequences[:, :n], target.vocab_size), joint)
@@ -95,9 +99,9 @@ def run(config: CoreBenchConfig | None = None, progress=None) -> dict:
     for temperature in (0.0, 1.0):
         pipeline = LogitsPipeline(temperature=temperature)
         base_out = base_time = None
-        for name, (make, what) in METHODS.items():
+        for name in METHODS:
             say(f"core: {name} at temperature {temperature}")
-            dec = SpeculativeDecoder(target, make(draft, V), logits=pipeline)
+            dec = SpeculativeDecoder(target, _drafter(name, target, draft), logits=pipeline)
             out, seconds = _timed_generate(dec, prompts, cfg.new_tokens, cfg.seed, cfg.repeats)
             if name == "none":
                 base_out, base_time = out, seconds
@@ -108,7 +112,7 @@ def run(config: CoreBenchConfig | None = None, progress=None) -> dict:
                 pval = exactness_pvalue(name, cfg.exact_samples, cfg.seed)
                 exact = pval >= P_THRESHOLD
             rows.append({
-                "method": name, "pair": "layer-skip", "temperature": temperature, "what": what,
+                "method": name, "pair": "layer-skip", "temperature": temperature, "what": _what(name),
                 "nfe": out.stats.nfe_per_sample, "batch_nfe": out.stats.target_forwards,
                 "draft_nfe": out.stats.draft_forwards,
                 "nfe_speedup": base_out.stats.nfe_per_sample / out.stats.nfe_per_sample,

@@ -27,16 +27,18 @@ from pathlib import Path
 
 import torch
 
-from ..adapters.vlm_methods import HEAD_METHODS
+from .. import methods
 from ..training.data.scene_qa import _DESCRIBE, SceneQADataset
 from ..training.recipes.common import heldout_seed
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
-OURS = ("none", "sd", "lookup", "eagle", "specvlm", "vispec")
+MODALITY = "vlm"
+OURS = methods.names(MODALITY)
 PEER = ("hf-generate", "hf-assisted", "hf-lookup")
 DEEP = {"tree_top_k": 4, "tree_depth": 10, "tree_total_tokens": 16}  # a deeper, narrower tree
-DEFAULT_ROWS = ("none", "hf-generate", "hf-assisted", "hf-lookup", "sd", "lookup", "eagle", "specvlm", "vispec",
-                ("eagle-deep", "eagle", DEEP), ("specvlm-deep", "specvlm", DEEP), ("vispec-deep", "vispec", DEEP))
+# every named VLM method of the registry after the peers, then a deeper tree for each method with tree knobs
+DEFAULT_ROWS = (("none",) + PEER + tuple(m for m in OURS if m != "none")
+                + tuple((f"{m}-deep", m, DEEP) for m in OURS if set(DEEP) <= set(methods.knobs(MODALITY, m))))
 SHOWCASE_ROWS = ("none", "hf-generate", "hf-assisted", "lookup", "eagle", "specvlm", "vispec")
 
 
@@ -98,13 +100,18 @@ def _hf_call(pipe, row: str, image, prompt: str, max_new_tokens: int) -> list[in
     return out[0, input_ids.shape[1] :].tolist()
 
 
+def _drafts(method: str) -> tuple[str, ...]:
+    """The pipeline components a row drafts with (the registry's ``requires``; the draft VLM's view
+    ``draft`` is the pipeline's ``draft_model``)."""
+    if method in PEER:
+        return ("draft_model",) if method == "hf-assisted" else ()
+    return tuple("draft_model" if c == "draft" else c for c in methods.resolve(MODALITY, method).requires)
+
+
 def _available(pipe, row: str) -> str | None:
     """Why ``row`` cannot run on this pipeline (a missing component), or None."""
-    if row in ("sd", "hf-assisted") and pipe.draft_model is None:
-        return "no draft_model"
-    if row in HEAD_METHODS and getattr(pipe, f"{row}_head") is None:
-        return f"no {row}_head"
-    return None
+    missing = [c for c in _drafts(row) if getattr(pipe, c) is None]
+    return f"no {missing[0]}" if missing else None
 
 
 def run(cfg: VLMBenchConfig, progress=None) -> dict:
@@ -113,6 +120,9 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
     from ..pipelines import SpeculativeVLMPipeline
 
     say = progress or (lambda msg: None)
+    for _, method, knobs in (_spec(r) for r in cfg.rows):  # bad rows fail before the pipeline loads
+        if method not in PEER:
+            methods.resolve(MODALITY, method, knobs)
     pipe = SpeculativeVLMPipeline.from_pretrained(cfg.pipeline_dir)
     pipe.set_progress_bar_config(disable=True)
     images, prompts = bench_prompts(cfg.prompts)
@@ -165,12 +175,9 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
             continue
         a = acc[label]
         made = sum(map(len, a["tokens"]))
-        if method in ("sd", "hf-assisted"):
-            draft_params, train_s = _params(pipe.draft_model), _train_seconds(folder / "draft_model")
-        elif method in HEAD_METHODS:
-            draft_params, train_s = _params(getattr(pipe, f"{method}_head")), _train_seconds(folder / f"{method}_head")
-        else:
-            draft_params, train_s = 0, None
+        drafts = _drafts(method)
+        draft_params = sum(_params(getattr(pipe, c)) for c in drafts)
+        train_s = _train_seconds(folder / drafts[0]) if drafts else None
         rows.append(dict(method=label, knobs=knobs, prompts=cfg.prompts, tokens=made, nfe=a["nfe"] / cfg.prompts,
                          tau=(made - cfg.prompts) / max(1, a["nfe"] - cfg.prompts), seconds=a["seconds"],
                          tokens_per_s=made / a["seconds"],

@@ -14,8 +14,9 @@ schedule and a named recipe of them (see ``registry``). Modalities: ``"ar-image"
 (``methods.ar_image``), ``"vlm"`` (``methods.vlm``), ``"text"`` (``methods.text``).
 """
 
-from .registry import (KINDS, Composition, KnobSpec, Method, Modality, Part, Recipe, build, check_config, knob,
-                       knobs, modality, names, parts, register_method, register_modality, register_part, resolve)
+from .knobs import KnobSpec, check_config, knob
+from .registry import (KINDS, Composition, Method, Modality, Part, Recipe, build, knobs, modality, names, parts,
+                       register_method, register_modality, register_part, resolve)
 from . import ar_image, text, vlm  # noqa: E402,F401  (the built-in registrations)
 
 __all__ = [

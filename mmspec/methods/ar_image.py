@@ -24,7 +24,8 @@ from ..core.errors import check
 from ..core.relaxed import (GroupedAcceptance, GroupedAcceptanceConfig, LatentProximityAcceptance,
                             LatentProximityConfig, latent_neighbours)
 from ..core.schedule import NextSetSchedule
-from .registry import check_config, knob, register_method, register_modality, register_part
+from .knobs import check_config, knob
+from .registry import register_method, register_modality, register_part
 from .shared import SD, TreeConfig
 
 MODALITY = "ar-image"

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core import ModelChainDrafter
-from .registry import Part, check_config, knob
+from .knobs import check_config, knob
+from .registry import Part
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core import JacobiDrafter, ModelTreeDrafter
-from .registry import check_config, knob, register_method, register_modality, register_part
+from .knobs import check_config, knob
+from .registry import register_method, register_modality, register_part
 from .shared import SD, TreeConfig
 
 MODALITY = "text"

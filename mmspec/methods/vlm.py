@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from .. import core
 from ..core.errors import check
 from .shared import SDConfig
-from .registry import check_config, knob, register_method, register_modality, register_part
+from .knobs import check_config, knob
+from .registry import register_method, register_modality, register_part
 
 MODALITY = "vlm"
 HEADS = ("eagle", "specvlm", "vispec")
