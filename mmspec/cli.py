@@ -341,9 +341,9 @@ def _add_train_parser(sub) -> None:
 
 
 def _add_generate_parser(sub) -> None:
-    from .adapters.ar_image import METHODS
+    from . import methods
 
-    from .adapters.vlm_methods import METHODS as VLM_METHODS
+    METHODS, VLM_METHODS = methods.names("ar-image"), methods.names("vlm")
 
     gen = sub.add_parser("generate", help="run a bundled pipeline: images (ar-image) or answers (vlm)")
     kinds = gen.add_subparsers(dest="kind", required=True)
