@@ -1,0 +1,297 @@
+"""The method registry (``mmspec.methods``): adding a method is one drafter, its registration and
+this test; every bad name, knob or composition is refused with a message naming it.
+
+The toy drafter below is registered for the ``"ar-image"`` and ``"text"`` modalities in this file
+only (a fixture restores the registry afterwards). Lossless claims are checked bit for bit under
+greedy decoding, and under sampling by the core's distribution test: seed 0, N = 20,000 rows of
+the first 3 tokens of an 8-token tiny LM against the exact joint (512 cells), chi-square at
+p >= 1e-3; the same test must reject the toy with an always-accept rule.
+"""
+
+import re
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from mmspec import methods
+from mmspec.core import LogitsPipeline, SpeculativeDecoder, SpeculativeSampling
+from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index
+from mmspec.core.tree import DraftTree, Tree
+from mmspec.methods import registry
+from mmspec.models.llamagen import LlamaGenModel
+from tiny import reference_greedy, spread, tiny_lm
+
+
+# -- the toy drafter: one class, one config, one registration -----------------------------------
+class RepeatDrafter:
+    """Drafts each row's last token ``gamma`` times: deterministic (q = None), no model."""
+
+    vocab_size = None
+    forwards = 0
+    lane_safe = True  # reads only each row's own last token: the next-set schedule may run it per row
+
+    def __init__(self, gamma: int):
+        self.gamma, self.max_block = gamma, gamma + 1
+
+    def start(self, state):
+        pass
+
+    def propose(self, state):
+        B = state.batch_size
+        last = state.tokens[torch.arange(B), state.lengths[:B] - 1]  # (B,)
+        tokens = last[:, None].repeat(1, self.gamma)  # (B, gamma)
+        return DraftTree(tokens, Tree.chain(B, self.gamma, tokens.device))
+
+    def update(self, state, draft, acceptance, target_probs, target_out):
+        pass
+
+
+@dataclass(frozen=True)
+class RepeatConfig:
+    """Repeat drafting.
+
+    Args:
+        gamma: draft tokens per round.
+    """
+
+    gamma: int = methods.knob(3, min=1, max=16)
+
+    def __post_init__(self):
+        methods.check_config(self)
+
+
+def register_repeat():
+    methods.register_part(
+        name="repeat", kind="drafter", config=RepeatConfig, lossless=True,
+        build=lambda cfg, components: RepeatDrafter(cfg.gamma),
+        traits=("lane_safe", "deterministic"),  # model-free chain; q = 1 drafts
+        doc="the last token, repeated", modalities=("ar-image", "text"))
+    methods.register_method("repeat", doc="repeat drafting, exact verification", modalities=("ar-image", "text"))
+
+
+@pytest.fixture
+def repeat():
+    saved = {name: (dict(m.parts), dict(m.methods), dict(m.defaults)) for name, m in registry._MODALITIES.items()}
+    register_repeat()
+    yield
+    for name, (parts, named, defaults) in saved.items():
+        mod = registry._MODALITIES[name]
+        mod.parts, mod.methods, mod.defaults = parts, named, defaults
+
+
+def decode(target, recipe, prompts, n, components=None, logits=None, seed=0, **kw):
+    parts = methods.build(recipe, {"target": target, **(components or {})})
+    dec = SpeculativeDecoder(target, parts.drafter, rule=parts.rule, schedule=parts.schedule,
+                             logits=logits or LogitsPipeline(temperature=0.0))
+    return dec.generate(prompts, n, generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def tiny_ar(seed=0):
+    torch.manual_seed(seed)
+    return LlamaGenModel(vocab_size=32, grid_size=4, num_classes=4, dim=32, n_layers=2, n_heads=2, mlp_hidden=64,
+                         initializer_range=0.2).eval()
+
+
+# -- adding a method ------------------------------------------------------------------------------
+def test_a_registered_drafter_resolves_by_name_with_its_knob_validated(repeat):
+    for modality in ("ar-image", "text"):
+        assert "repeat" in methods.names(modality)
+        recipe = methods.resolve(modality, "repeat", {"repeat_gamma": 5})
+        assert recipe.parts == ("repeat",) and recipe.lossless and recipe.requires == ()
+        assert recipe.knobs == {"repeat_gamma": 5} and recipe.configs["repeat"] == RepeatConfig(5)
+        spec = methods.knobs(modality, "repeat")["repeat_gamma"]
+        assert (spec.type, spec.default, spec.min, spec.max, spec.doc) == (int, 3, 1, 16, "draft tokens per round.")
+    with pytest.raises(ValueError, match=re.escape("repeat_gamma must be an int in [1, 16], got 17")):
+        methods.resolve("text", "repeat", {"repeat_gamma": 17})
+    with pytest.raises(ValueError, match=re.escape("repeat_gamma must be an int in [1, 16], got 2.0")):
+        methods.resolve("ar-image", "repeat", {"repeat_gamma": 2.0})
+    with pytest.raises(ValueError, match="method must be one of the vlm methods"):
+        methods.resolve("vlm", "repeat")  # not registered for the VLM
+
+
+def test_a_registered_drafter_composes_where_the_parts_allow(repeat):
+    # ZipAR takes lane-safe drafters, LANTERN deterministic (q = 1) drafts: both compose by name
+    assert methods.resolve("ar-image", "zipar+repeat").parts == ("zipar", "repeat")
+    lantern = methods.resolve("ar-image", "repeat+lantern", {"lantern_delta": 0.05})
+    assert lantern.parts == ("repeat", "lantern") and not lantern.lossless and lantern.requires == ("codebook",)
+    # GSD is SJD's test replaced: only the Jacobi drafter
+    with pytest.raises(ValueError, match=re.escape("method must be 'gsd' with a drafter among sjd, got 'repeat+gsd'")):
+        methods.resolve("ar-image", "repeat+gsd")
+    with pytest.raises(ValueError, match=re.escape("at most one drafter (repeat or sjd), got 'repeat+sjd'")):
+        methods.resolve("ar-image", "repeat+sjd")
+    with pytest.raises(ValueError, match="method must be one of the text methods"):
+        methods.resolve("text", "zipar+repeat")  # the text modality has no next-set schedule
+
+
+def test_a_registered_drafter_is_lossless_under_greedy(repeat):
+    # text: a tiny LM with spread weights, whose greedy continuations repeat tokens
+    lm = spread(tiny_lm(0, vocab_size=16, dim=32))
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6], [5, 3, 5, 8, 9, 7]]
+    base = decode(lm, methods.resolve("text", "none"), prompts, 24)
+    out = decode(lm, methods.resolve("text", "repeat"), prompts, 24)
+    assert torch.equal(out.sequences, base.sequences)
+    assert out.sequences[0].tolist() == reference_greedy(lm, prompts[0], 24)
+    assert out.stats.target_forwards < base.stats.target_forwards  # repeats were accepted
+    # ar-image: a tiny LlamaGen with classifier-free guidance, alone and under LANTERN at delta 0
+    model = tiny_ar()
+    labels = [0, 3, 1]
+    guided = LogitsPipeline(temperature=0.0, guidance_scale=3.0)
+    kw = dict(logits=guided, uncond_input_ids=model.uncond_prompts(len(labels)))
+    base = decode(model, methods.resolve("ar-image", "none"), model.class_prompts(labels), 16, **kw)
+    out = decode(model, methods.resolve("ar-image", "repeat"), model.class_prompts(labels), 16, **kw)
+    assert torch.equal(out.sequences, base.sequences)
+    codebook = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    relaxed = decode(model, methods.resolve("ar-image", "repeat+lantern", {"lantern_delta": 0.0}),
+                     model.class_prompts(labels), 16, {"codebook": codebook}, **kw)
+    assert torch.equal(relaxed.sequences, base.sequences)  # delta 0: LANTERN's test is exact
+    grid = decode(model, methods.resolve("ar-image", "zipar+repeat", {"zipar_window": 2}), model.class_prompts(labels),
+                  16, **kw)  # the next-set schedule runs the toy per row
+    assert grid.sequences.shape == (3, 16) and grid.stats.target_forwards < base.stats.target_forwards
+
+
+class AlwaysAccept(SpeculativeSampling):
+    """Broken: accept every draft."""
+
+    def accept_prob(self, p, q, x):
+        return torch.ones_like(p[:, 0])
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_a_registered_drafter_keeps_the_sampled_distribution(repeat, broken):
+    lm = tiny_lm(0, vocab_size=8)
+    prompt, n, N, sampled = [3, 1, 4], 3, 20_000, LogitsPipeline(temperature=1.0)
+    parts = methods.build(methods.resolve("text", "repeat", {"repeat_gamma": 2}), {"target": lm})
+    dec = SpeculativeDecoder(lm, parts.drafter, rule=AlwaysAccept() if broken else parts.rule, logits=sampled)
+    out = dec.generate(torch.tensor([prompt]).expand(N, -1), n, generator=torch.Generator().manual_seed(0))
+    p = chisquare_pvalue(sequence_index(out.sequences[:, :n], 8), exact_joint(lm, prompt, n, sampled))
+    assert (p < P_THRESHOLD) if broken else (p >= P_THRESHOLD), p
+
+
+# -- what the built-in modalities list ----------------------------------------------------------
+def test_names_per_modality():
+    assert methods.names("ar-image") == ("none", "sd", "eagle", "lantern", "sjd", "gsd", "zipar", "zipar+sjd",
+                                         "zipar+gsd", "sjd+lantern", "zipar+sjd+lantern")
+    assert methods.names("vlm") == ("none", "sd", "lookup", "eagle", "specvlm", "vispec")
+    assert methods.names("text") == ("none", "sd", "tree", "tree-sampled", "jacobi")
+
+
+def test_recipes_and_modality_defaults():
+    gsd = methods.resolve("ar-image", "zipar+gsd", {"zipar_window": 4})
+    assert gsd.parts == ("zipar", "sjd", "gsd") and gsd.kinds == ("schedule", "drafter", "rule")
+    assert gsd.part("rule") == "gsd" and not gsd.lossless and gsd.knobs["zipar_window"] == 4
+    assert methods.resolve("ar-image", "lantern").requires == ("eagle_head", "codebook")
+    assert methods.resolve("ar-image", "sd").lossless and methods.resolve("vlm", "vispec").requires == ("vispec_head",)
+    # one tree config, each modality's defaults: EAGLE-2 (LANTERN's) for ar-image, the bench's for text
+    assert {k: v.default for k, v in methods.knobs("ar-image", "eagle").items()} == {
+        "eagle_top_k": 10, "eagle_depth": 4, "eagle_total_tokens": 59, "eagle_mode": "topk"}
+    assert {k: v.default for k, v in methods.knobs("text", "tree").items()} == {
+        "tree_top_k": 4, "tree_depth": 4, "tree_total_tokens": 16, "tree_mode": "topk"}
+    assert methods.resolve("text", "tree-sampled").knobs == {"tree_top_k": 2, "tree_depth": 3, "tree_total_tokens": 16,
+                                                             "tree_mode": "sample"}
+    assert {k: v.default for k, v in methods.knobs("vlm", "eagle").items()} == {
+        "tree_top_k": 8, "tree_depth": 6, "tree_total_tokens": 24}
+    assert methods.resolve("vlm", "eagle", {"tree_depth": 5}).configs["eagle"].depth == 5
+    for name in ("ar-image", "vlm", "text"):  # every modality default is a knob of one of its parts
+        mod = methods.modality(name)
+        knob_names = {s.name for p in mod.parts.values() for s in p.specs.values()}
+        assert set(mod.defaults) <= knob_names
+    spec = methods.knobs("ar-image", "sjd")["sjd_init"]
+    assert spec.choices == ("random", "repeat", "spatial") and spec.allowed() == "one of 'random', 'repeat', 'spatial'"
+    assert methods.knobs("ar-image", "lantern")["lantern_lam"].allowed() == "None or a float >= 1"
+
+
+def test_the_old_entry_points_are_the_registry():
+    from mmspec.adapters import ar_image, vlm_methods
+
+    assert ar_image.METHODS == methods.names("ar-image") and vlm_methods.METHODS == methods.names("vlm")
+    m = ar_image.parse_method("gsd", sjd_window=8)
+    assert (m.schedule, m.drafter, m.rule, m.components) == (None, "sjd", "gsd", ("sjd", "gsd"))
+    assert m.configs["sjd"].window == 8 and not m.lossless
+    assert vlm_methods.parse_knobs("eagle", {"tree_depth": 3}) == {"tree": vlm_methods.TreeConfig(depth=3)}
+    assert vlm_methods.method_knobs("lookup") == {"lookup_num_tokens": 10, "lookup_max_ngram": 2}
+
+
+# -- refused, with the message ------------------------------------------------------------------
+AR_METHODS = "'none', 'sd', 'eagle', 'lantern', 'sjd', 'gsd', 'zipar', 'zipar+sjd', 'zipar+gsd', 'sjd+lantern', " \
+             "'zipar+sjd+lantern'"
+
+
+@pytest.mark.parametrize("modality, method, knobs, message", [
+    ("video", "none", None, "modality must be one of 'ar-image', 'text', 'vlm', got 'video'"),
+    ("ar-image", "medusa", None, f"method must be one of the ar-image methods ({AR_METHODS}) or a '+' composition "
+                                 "of its parts (zipar | sd, eagle, sjd | gsd, lantern), got 'medusa'"),
+    ("ar-image", "", None, "method must be one of the ar-image methods"),
+    ("ar-image", 3, None, "method must be one of the ar-image methods"),
+    ("ar-image", "sjd+", None, "got 'sjd+'"),
+    ("ar-image", "none+sjd", None, "got 'none+sjd'"),
+    ("vlm", "zipar", None, "method must be one of the vlm methods ('none', 'sd', 'lookup', 'eagle', 'specvlm', "
+                           "'vispec') or a '+' composition of its parts (sd, lookup, eagle, specvlm, vispec)"),
+    ("ar-image", "sjd+sjd", None, "method must be a composition naming each part at most once, got 'sjd+sjd'"),
+    ("ar-image", "gsd+lantern", None, "method must be a composition with at most one rule (gsd or lantern)"),
+    ("ar-image", "sd+eagle", None, "method must be a composition with at most one drafter (sd or eagle)"),
+    ("ar-image", "zipar+eagle", None, "method must be 'zipar' with a drafter among sjd or none, got 'zipar+eagle'"),
+    ("ar-image", "zipar+sd", None, "method must be 'zipar' with a drafter among sjd or none, got 'zipar+sd'"),
+    ("ar-image", "zipar+sjd", {"sjd_init": "spatial"},
+     "method must be 'zipar' with a drafter among sjd or none ('sjd' is not lane_safe with these knobs)"),
+    ("ar-image", "sd+gsd", None, "method must be 'gsd' with a drafter among sjd, got 'sd+gsd'"),
+    ("ar-image", "sd+lantern", None, "method must be 'lantern' with a drafter among eagle, sjd, got 'sd+lantern'"),
+    ("ar-image", "sjd", {"gsd_p_threshold": 0.1},
+     "method_knobs must be knobs of 'sjd' (method knobs: sjd_init, sjd_window), got 'gsd_p_threshold'"),
+    ("ar-image", "none", {"sjd_window": 8}, "method_knobs must be knobs of 'none' (method knobs: none), got 'sjd_window'"),
+    ("vlm", "lookup", {"tree_depth": 3},
+     "method_knobs must be knobs of 'lookup' (method knobs: lookup_max_ngram, lookup_num_tokens), got 'tree_depth'"),
+    ("vlm", "eagle", {"tree_width": 3}, "method_knobs must be knobs of 'eagle'"),
+    ("ar-image", "sjd", [("sjd_window", 8)], "method_knobs must be a mapping of knob names to values (or None)"),
+    ("ar-image", "sjd", {"sjd_window": 1}, "sjd_window must be an int >= 2, got 1"),
+    ("ar-image", "sjd", {"sjd_window": 8.0}, "sjd_window must be an int >= 2, got 8.0"),
+    ("ar-image", "sjd", {"sjd_window": True}, "sjd_window must be an int >= 2, got True"),
+    ("ar-image", "sjd", {"sjd_window": "8"}, "sjd_window must be an int >= 2, got '8'"),
+    ("ar-image", "sjd", {"sjd_init": "left"}, "sjd_init must be one of 'random', 'repeat', 'spatial', got 'left'"),
+    ("ar-image", "sjd", {"sjd_init": None}, "sjd_init must be one of 'random', 'repeat', 'spatial', got None"),
+    ("ar-image", "lantern", {"lantern_delta": 2.0}, "lantern_delta must be a float in [0, 1], got 2.0"),
+    ("ar-image", "lantern", {"lantern_delta": False}, "lantern_delta must be a float in [0, 1], got False"),
+    ("ar-image", "lantern", {"lantern_k": 0}, "lantern_k must be None or an int >= 1, got 0"),
+    ("ar-image", "lantern", {"lantern_lam": 0.5}, "lantern_lam must be None or a float >= 1, got 0.5"),
+    ("ar-image", "lantern", {"lantern_lam": 2.0, "lantern_delta": 0.2},
+     "lantern_delta must be left at its default 0.1 when lam is set"),
+    ("ar-image", "gsd", {"gsd_p_threshold": float("nan")}, "gsd_p_threshold must be a float >= 0, got nan"),
+    ("ar-image", "gsd", {"gsd_half_width": 0}, "gsd_half_width must be an int >= 1, got 0"),
+    ("ar-image", "zipar", {"zipar_window": 0}, "zipar_window must be an int >= 1, got 0"),
+    ("ar-image", "eagle", {"eagle_mode": "beam"}, "eagle_mode must be one of 'topk', 'sample', got 'beam'"),
+    ("vlm", "eagle", {"tree_depth": 0}, "tree_depth must be an int >= 1, got 0"),
+    ("vlm", "sd", {"sd_gamma": 2.5}, "sd_gamma must be an int >= 1, got 2.5"),
+    ("text", "jacobi", {"jacobi_init": "spatial"}, "jacobi_init must be one of 'random', 'repeat', got 'spatial'"),
+])
+def test_resolve_refuses(modality, method, knobs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        methods.resolve(modality, method, knobs)
+
+
+def test_build_refuses_missing_and_unknown_components():
+    target = tiny_ar()
+    with pytest.raises(ValueError, match=re.escape("draft_model must be given for method 'sd' (its part 'sd' needs it)")):
+        methods.build(methods.resolve("ar-image", "sd"), {"target": target})
+    with pytest.raises(ValueError, match=re.escape("codebook must be given for method 'sjd+lantern'")):
+        methods.build(methods.resolve("ar-image", "sjd+lantern"), {"target": target, "codebook": None})
+    with pytest.raises(ValueError, match=re.escape("components must be names among target, draft, eagle_head, "
+                                                   "specvlm_head, vispec_head for 'vlm', got ['draft_model']")):
+        methods.build(methods.resolve("vlm", "sd"), {"target": target, "draft_model": target})
+    with pytest.raises(ValueError, match="target must be the target model"):
+        methods.build(methods.resolve("text", "none"), {})
+    with pytest.raises(ValueError, match=re.escape("zipar_window must be an int in [1, 4] (the grid's width), got 8")):
+        methods.build(methods.resolve("ar-image", "zipar"), {"target": target})  # the grid is known only here
+    with pytest.raises(ValueError, match="recipe must be a Recipe"):
+        methods.build("sjd", {"target": target})
+
+
+def test_registration_is_checked():
+    with pytest.raises(ValueError, match="name must be a part name not yet used in 'ar-image'"):
+        methods.register_part(methods.parts("ar-image")["sjd"], modalities=("ar-image",))
+    with pytest.raises(ValueError, match="kind must be one of 'schedule', 'drafter', 'rule', got 'verifier'"):
+        methods.Part(name="x", kind="verifier", config=RepeatConfig, build=lambda c, m: None)
+    with pytest.raises(ValueError, match="name must be a lower-case part name without"):
+        methods.Part(name="a+b", kind="drafter", config=RepeatConfig, build=lambda c, m: None)
+    with pytest.raises(ValueError, match="method must be 'gsd' with a drafter among sjd"):
+        methods.register_method("sd-gsd", "sd+gsd", modalities=("ar-image",))  # resolved when registered
+    assert "sd-gsd" not in methods.names("ar-image")
