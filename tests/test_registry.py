@@ -150,6 +150,25 @@ def test_a_registered_drafter_is_lossless_under_greedy(repeat):
     assert grid.sequences.shape == (3, 16) and grid.stats.target_forwards < base.stats.target_forwards
 
 
+def test_a_registered_drafter_runs_in_the_pipeline_by_name(repeat):
+    from mmspec.models.vq import TinyVQModel
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    torch.manual_seed(0)
+    vq = TinyVQModel().eval()
+    torch.manual_seed(1)
+    target = LlamaGenModel(vocab_size=vq.config.codebook_size, grid_size=vq.grid_size, num_classes=16, dim=32,
+                           n_layers=1, n_heads=2, mlp_hidden=64, initializer_range=0.3).eval()
+    pipe = SpeculativeARImagePipeline(transformer=target, vqvae=vq)
+    pipe.set_progress_bar_config(disable=True)
+    kw = dict(class_labels=[3, 7], temperature=0.0, output_type="latent")
+    base = pipe(method="none", **kw)
+    out = pipe(method="repeat", method_knobs={"repeat_gamma": 5}, **kw)
+    assert torch.equal(out.images, base.images) and out.stats["nfe"] < base.stats["nfe"]
+    with pytest.raises(ValueError, match="repeat_gamma"):
+        pipe(method="repeat", method_knobs={"repeat_gamma": 0}, **kw)
+
+
 class AlwaysAccept(SpeculativeSampling):
     """Broken: accept every draft."""
 
@@ -285,6 +304,19 @@ def test_build_refuses_missing_and_unknown_components():
         methods.build("sjd", {"target": target})
 
 
+def test_lantern_builds_its_neighbour_table_once_per_codebook():
+    from mmspec.core.relaxed import latent_neighbours
+
+    target, recipe = tiny_ar(), methods.resolve("ar-image", "sjd+lantern", {"lantern_k": 5})
+    codebook = torch.randn(32, 8, generator=torch.Generator().manual_seed(0))
+    first = methods.build(recipe, {"target": target, "codebook": codebook}).rule.neighbours
+    again = methods.build(recipe, {"target": target, "codebook": codebook.clone()}).rule.neighbours
+    assert again.data_ptr() == first.data_ptr()  # the same content: the table is reused
+    assert torch.equal(first, latent_neighbours(codebook, 6))
+    other = methods.build(recipe, {"target": target, "codebook": codebook.flip(0)}).rule.neighbours
+    assert torch.equal(other, latent_neighbours(codebook.flip(0), 6)) and not torch.equal(other, first)
+
+
 def test_registration_is_checked():
     with pytest.raises(ValueError, match="name must be a part name not yet used in 'ar-image'"):
         methods.register_part(methods.parts("ar-image")["sjd"], modalities=("ar-image",))
@@ -294,4 +326,14 @@ def test_registration_is_checked():
         methods.Part(name="a+b", kind="drafter", config=RepeatConfig, build=lambda c, m: None)
     with pytest.raises(ValueError, match="method must be 'gsd' with a drafter among sjd"):
         methods.register_method("sd-gsd", "sd+gsd", modalities=("ar-image",))  # resolved when registered
-    assert "sd-gsd" not in methods.names("ar-image")
+    with pytest.raises(ValueError, match=re.escape("knobs must be knobs of 'sjd-8' (method knobs: sjd_init, sjd_window), "
+                                                   "got 'sd_gamma'")):
+        methods.register_method("sjd-8", "sjd", knobs={"sd_gamma": 8}, modalities=("ar-image",))
+    assert "sd-gsd" not in methods.names("ar-image") and "sjd-8" not in methods.names("ar-image")
+
+    @dataclass
+    class Mutable:
+        gamma: int = 3
+
+    with pytest.raises(ValueError, match="config must be a frozen dataclass type"):
+        methods.Part(name="x", kind="drafter", config=Mutable, build=lambda c, m: None)

@@ -16,7 +16,10 @@ VQ's code vectors).
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+
+import torch
 
 from ..core import JacobiDrafter
 from ..core.drafters import EagleTreeDrafter
@@ -76,10 +79,25 @@ def _zipar(cfg: ZipARConfig, components):
     return NextSetSchedule(grid, grid, cfg.window)
 
 
+# the last codebook's neighbour table: building it takes V x V distances (1 GiB at a 16k codebook),
+# and a pipeline builds its method on every call with the same codebook
+_NEIGHBOURS: dict = {}
+
+
+def neighbour_table(codebook: torch.Tensor, count: int) -> torch.Tensor:
+    """``latent_neighbours(codebook, count)``, computed once per codebook content and count."""
+    data = codebook.detach().float().cpu().contiguous()
+    key = (hashlib.sha1(data.numpy().tobytes()).hexdigest(), tuple(data.shape), str(codebook.device), count)
+    if key not in _NEIGHBOURS:
+        _NEIGHBOURS.clear()
+        _NEIGHBOURS[key] = latent_neighbours(codebook, count)
+    return _NEIGHBOURS[key]
+
+
 def _lantern(cfg: LatentProximityConfig, components):
     V = components["target"].vocab_size
     k = cfg.k if cfg.k is not None else min(1000, V - 1)
-    return LatentProximityAcceptance(latent_neighbours(components["codebook"], min(k + 1, V - 1)), cfg)
+    return LatentProximityAcceptance(neighbour_table(components["codebook"], min(k + 1, V - 1)), cfg)
 
 
 register_part(SD, modalities=(MODALITY,))

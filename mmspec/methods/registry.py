@@ -65,12 +65,16 @@ class Part:
     partners: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     implies: Mapping[str, str] = field(default_factory=dict)
     knob_info: Mapping[str, Mapping] = field(default_factory=dict)
+    specs: Mapping[str, KnobSpec] = field(init=False, repr=False, compare=False, default=None)
+    """``{field: KnobSpec}`` of the config, named with the prefix (derived)."""
 
     def __post_init__(self):
         check(isinstance(self.name, str) and re.fullmatch(r"[a-z][a-z0-9_-]*", self.name) is not None, "name",
               "a lower-case part name without '+' (letters, digits, '_', '-')", self.name)
         check_choice("kind", self.kind, KINDS)
         check(callable(self.build), "build", "a callable build(config, components)", self.build)
+        check(dataclasses.is_dataclass(self.config) and self.config.__dataclass_params__.frozen, "config",
+              "a frozen dataclass type (its knobs)", self.config)
         check(isinstance(self.requires, tuple) and all(isinstance(r, str) for r in self.requires), "requires",
               "a tuple of component names", self.requires)
         check(isinstance(self.lossless, bool), "lossless", "True or False", self.lossless)
@@ -81,6 +85,8 @@ class Part:
             check_choice("implies", kind, KINDS)
         if not self.prefix:
             object.__setattr__(self, "prefix", self.name.replace("-", "_"))
+        check(re.fullmatch(r"[a-z][a-z0-9_]*", self.prefix) is not None, "prefix", "a lower-case identifier",
+              self.prefix)
         object.__setattr__(self, "specs", config_specs(self.config, self.prefix, self.knob_info, self.name))
 
     def traits_of(self, config) -> frozenset[str]:
@@ -138,8 +144,8 @@ class Recipe:
     modality: str
     parts: tuple[str, ...]
     kinds: tuple[str, ...]
-    configs: Mapping[str, Any]
-    knobs: Mapping[str, Any]
+    configs: dict[str, Any]
+    knobs: dict[str, Any]
     requires: tuple[str, ...]
     lossless: bool
     doc: str
@@ -165,16 +171,15 @@ _MODALITIES: dict[str, Modality] = {}
 
 def register_modality(name: str, *, components: Iterable[str], defaults: Mapping[str, Any] | None = None,
                       doc: str = "") -> Modality:
-    """Declare a modality and the component names its callers pass (``"target"`` first)."""
+    """Declare a modality, the component names its callers pass to ``build`` (``"target"`` among
+    them) and default knob overrides (checked against its parts when a method resolves)."""
     check(isinstance(name, str) and re.fullmatch(r"[a-z][a-z0-9-]*", name) is not None, "name",
           "a lower-case modality name", name)
     check(name not in _MODALITIES, "name", "a modality not registered yet", name)
     components = tuple(components)
     check("target" in components, "components", "component names including 'target'", components)
-    mod = Modality(name, components, doc)
+    mod = Modality(name, components, doc, dict(defaults or {}))
     _MODALITIES[name] = mod
-    for knob_name, value in (defaults or {}).items():
-        mod.defaults[knob_name] = value  # checked against the parts when a method resolves
     return mod
 
 
@@ -195,6 +200,7 @@ def register_part(part: Part | None = None, *, modalities: Iterable[str], **fiel
     check(len(mods) > 0, "modalities", "at least one registered modality", modalities)
     for mod in mods:
         check(part.name not in mod.parts, "name", f"a part name not yet used in {mod.name!r}", part.name)
+    for mod in mods:
         mod.parts[part.name] = part
     return part
 
@@ -303,14 +309,15 @@ def _resolve(mod: Modality, name: str, spec: str, presets: Mapping[str, Any], gi
     ordered = [chosen[k] for k in KINDS if k in chosen]
 
     # knobs: config defaults < modality defaults < method presets < the caller's
-    specs = {s.name: (p, f, s) for p in ordered for f, s in p.specs.items()}
-    for source, values in (("method_knobs", given), (f"{name!r}'s presets", presets)):
+    specs = {s.name: s for p in ordered for s in p.specs.values()}
+    check(len(specs) == sum(len(p.specs) for p in ordered), "method",
+          "parts whose knobs have distinct names (their prefixes collide)", name)
+    for source, values in (("method_knobs", given), ("knobs", presets)):  # the caller's, the registration's
         unknown = sorted(set(values) - set(specs))
-        check(not unknown, "method_knobs" if source == "method_knobs" else source,
-              f"knobs of {name!r} (method knobs: {', '.join(sorted(specs)) or 'none'})",
+        check(not unknown, source, f"knobs of {name!r} (method knobs: {', '.join(sorted(specs)) or 'none'})",
               unknown[0] if len(unknown) == 1 else unknown)
     values: dict[str, Any] = {}
-    for knob_name, (part, fname, spec) in specs.items():
+    for knob_name, spec in specs.items():
         if knob_name in given:
             values[knob_name] = spec.validate(given[knob_name])
         elif knob_name in presets:
@@ -336,9 +343,8 @@ def _resolve(mod: Modality, name: str, spec: str, presets: Mapping[str, Any], gi
                   + ("" if kind in part.implies else " or none") + why, name)
     requires = tuple(dict.fromkeys(r for p in ordered for r in p.requires))
     doc = doc or " + ".join(p.doc for p in ordered) or "the target alone"
-    return Recipe(name, mod.name, tuple(p.name for p in ordered), tuple(p.kind for p in ordered),
-                  types.MappingProxyType(configs), types.MappingProxyType(values), requires,
-                  all(p.lossless for p in ordered), doc)
+    return Recipe(name, mod.name, tuple(p.name for p in ordered), tuple(p.kind for p in ordered), configs, values,
+                  requires, all(p.lossless for p in ordered), doc)
 
 
 def _default_config(part: Part, mod: Modality):
