@@ -1,0 +1,278 @@
+"""mmspec's Gradio demo: one tab per modality, baseline and a chosen method side by side.
+
+    make demo            # or: mmspec demo [--host 127.0.0.1] [--port 7860]
+    python demos/app.py
+
+The module defines ``demo`` (a ``gr.Blocks``) and does not launch at import. Models load from
+``assets/`` on the first request, once, and every user shares them (``mmspec.serve.Models``);
+model events go through one queue that runs at most ``CONCURRENCY`` of them at a time. The
+server listens on 127.0.0.1 unless ``--host`` says otherwise.
+
+Method dropdowns and knob inputs come from the method registry (``mmspec.methods``), so a new
+method shows up here by itself. A new modality is one ``*_tab()`` builder below, one entry in
+``TABS``, and its runner in ``mmspec/serve.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+
+import gradio as gr
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make the repository importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mmspec import methods, serve  # noqa: E402
+
+log = logging.getLogger("mmspec.demo")
+
+CONCURRENCY = int(os.environ.get("MMSPEC_DEMO_CONCURRENCY", "2"))  # model events running at once (2 cores here)
+QUEUE_SIZE = 64  # waiting requests beyond this are refused with a message, not queued forever
+MODELS = serve.Models()
+SCENES = 8  # bundled procedural scenes offered in the VLM tab
+
+
+# ---------------------------------------------------------------- shared pieces
+
+def _error(err: Exception) -> str:
+    """A readable message for the page: a bad input says what is wrong; anything else is logged
+    with its traceback on the server and shown as one line."""
+    if isinstance(err, ValueError):
+        return f"**Error:** {err}"
+    log.exception("demo request failed")
+    return f"**Internal error** ({type(err).__name__}): {err}"
+
+
+def _knob_inputs(kind: str, prefix: str, method: str) -> dict[str, gr.components.Component]:
+    """One input per knob any method of ``kind`` takes, shown only for the selected ``method``."""
+    shown = serve.method_defaults(kind, method)
+    comps = {}
+    for name, spec in serve.knob_specs(kind).items():
+        label, info = name, (spec.doc.replace("``", "")[:160] + f" ({spec.allowed()})")
+        common = dict(label=label, info=info, visible=name in shown, elem_id=f"{prefix}-knob-{name}")
+        if spec.choices is not None:
+            comps[name] = gr.Dropdown(choices=list(spec.choices), value=shown.get(name, spec.default), **common)
+        elif spec.type is bool:
+            comps[name] = gr.Checkbox(value=shown.get(name, spec.default), **common)
+        elif spec.type is str:
+            comps[name] = gr.Textbox(value=shown.get(name, spec.default), **common)
+        else:  # int or float; an empty optional knob means None
+            comps[name] = gr.Number(value=shown.get(name, spec.default), precision=0 if spec.type is int else None, **common)
+    return comps
+
+
+def _show_knobs(kind: str, names: list[str]):
+    """The method-change handler: show the method's knobs with its defaults, hide the others."""
+    def update(method):
+        try:
+            defaults = serve.method_defaults(kind, method)
+        except ValueError:
+            defaults = {}
+        return [gr.update(visible=n in defaults, value=defaults.get(n)) if n in defaults else gr.update(visible=False)
+                for n in names]
+    return update
+
+
+def _collect_knobs(kind: str, method: str, names: list[str], values) -> dict:
+    """The selected method's knobs from the inputs (ints from number boxes arrive as floats)."""
+    mine = methods.knobs(kind, method)
+    knobs = {}
+    for name, value in zip(names, values):
+        if name not in mine:
+            continue
+        spec = mine[name]
+        if spec.type is int and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if value is None and not spec.optional:
+            raise ValueError(f"{name}: expected {spec.allowed()}; got an empty box")
+        knobs[name] = value
+    return knobs
+
+
+def _int(value, name: str) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name}: expected an int; got {value!r}")
+    return value
+
+
+# ---------------------------------------------------------------- AR image
+
+AR_EMPTY = (None, None, None, "", "", "")
+
+
+def ar_generate(prompt, method, seed, guidance_scale, *knob_values):
+    """Baseline and ``method`` on the same seed -> (baseline image, method image, per-token picture,
+    baseline stats, method stats + lossless/lossy note, error)."""
+    names = list(serve.knob_specs("ar-image"))
+    try:
+        seed = serve.check_seed(_int(seed, "seed"))
+        knobs = _collect_knobs("ar-image", method, names, knob_values)
+        recipe = serve.resolve("ar-image", method, knobs)
+        cfg = float(guidance_scale if guidance_scale is not None else 1.0)
+        with serve.GAUGE:
+            base = serve.run_ar(MODELS, [prompt], [seed], "none", {}, guidance_scale=cfg)[0]
+            ours = base if method == "none" else serve.run_ar(MODELS, [prompt], [seed], method, knobs, guidance_scale=cfg)[0]
+            quality = serve.class_confidence(MODELS, [base.image, ours.image], [prompt, prompt])
+    except Exception as err:  # shown in the page, never as a dead page
+        return (*AR_EMPTY[:5], _error(err))
+    if ours.commit_pass is not None:
+        grid = serve.commit_grid_image(ours.commit_pass)
+        passes = int(ours.commit_pass.max()) + 1
+        grid_note = (f"{passes} passes for 256 tokens: cells of one colour were committed by one target pass "
+                     "(white: the prefill's token)")
+    else:
+        grid, grid_note = None, "the per-token picture is not available for ZipAR's next-set schedule yet"
+    kind = "lossless" if recipe.lossless else "**lossy**"
+    note = (f"{method}: {kind}. Quality: classifier p(requested class) = {quality[1]:.3f} "
+            f"(baseline {quality[0]:.3f})")
+    base_md = f"**baseline (none)** - {serve.stats_line(base.stats)}"
+    ours_md = f"**{method}** - {serve.stats_line(ours.stats, base.stats)}\n\n{note}\n\n{grid_note}"
+    return base.image, ours.image, grid, base_md, ours_md, ""
+
+
+def ar_tab():
+    names = methods.names("ar-image")
+    with gr.Row():
+        with gr.Column(scale=1):
+            prompt = gr.Dropdown(list(serve.ar_prompts()), value=serve.ar_prompts()[0], label="class prompt",
+                                 elem_id="ar-prompt")
+            first = "gsd" if "gsd" in names else names[0]
+            method = gr.Dropdown(list(names), value=first, label="method", elem_id="ar-method")
+            with gr.Row():
+                seed = gr.Number(value=0, precision=0, label="seed", elem_id="ar-seed")
+                cfg = gr.Number(value=2.0, label="CFG scale", elem_id="ar-cfg")
+            with gr.Accordion("method knobs (the papers' defaults)", open=True):
+                knobs = _knob_inputs("ar-image", "ar", first)
+            run = gr.Button("Generate", variant="primary", elem_id="ar-run")
+        with gr.Column(scale=2):
+            error = gr.Markdown("", elem_id="ar-error")
+            with gr.Row():
+                base_img = gr.Image(label="baseline", format="png", height=192, interactive=False,
+                                    elem_id="ar-base-img")
+                ours_img = gr.Image(label="method", format="png", height=192, interactive=False,
+                                    elem_id="ar-ours-img")
+                grid_img = gr.Image(label="which pass committed each token", format="png", height=192,
+                                    interactive=False, elem_id="ar-grid-img")
+            base_stats = gr.Markdown("", elem_id="ar-base-stats")
+            ours_stats = gr.Markdown("", elem_id="ar-ours-stats")
+    knob_list = list(knobs.values())
+    method.change(_show_knobs("ar-image", list(knobs)), inputs=method, outputs=knob_list, queue=False)
+    run.click(ar_generate, inputs=[prompt, method, seed, cfg, *knob_list],
+              outputs=[base_img, ours_img, grid_img, base_stats, ours_stats, error], api_name="ar_generate")
+
+
+# ---------------------------------------------------------------- VLM
+
+def _scene_choices() -> list[str]:
+    return [f"scene {i}" for i in range(SCENES)]
+
+
+def pick_scene(choice):
+    try:
+        return serve.scene(int(str(choice).split()[-1]))
+    except Exception as err:
+        raise gr.Error(str(err))
+
+
+def vlm_answer(image, question, method, max_new_tokens, *knob_values):
+    """Streams (answer pieces, baseline stats, method stats, error) as the method decodes."""
+    names = list(serve.knob_specs("vlm"))
+    try:
+        image = serve.as_rgb(image)
+        knobs = _collect_knobs("vlm", method, names, knob_values)
+        serve.resolve("vlm", method, knobs)
+        max_new = _int(max_new_tokens, "max_new_tokens")
+        question = question if isinstance(question, str) else ""
+        if not question.strip():
+            raise ValueError("question: expected a non-empty question about the image; got an empty box")
+    except Exception as err:
+        yield None, "", "", _error(err)
+        return
+    with serve.GAUGE:
+        try:
+            ours = None
+            for done, result in serve.stream_vlm(MODELS, image, question, 0, method, knobs, max_new):
+                ours = result
+                if result is None:
+                    yield [(f"decoding ... {done} tokens so far", None)], "", f"**{method}** decoding: {done} tokens", ""
+            base = ours if method == "none" else serve.run_vlm(MODELS, [image], [question], [0], "none", {}, max_new)[0]
+        except Exception as err:
+            yield None, "", "", _error(err)
+            return
+    pieces = serve.vlm_pieces(MODELS, ours.tokens, ours.commit_pass)
+    drafted = sum(1 for _, label in pieces if label == "draft")
+    same = "yes, token for token" if ours.tokens == base.tokens else "**NO: the answers differ**"
+    base_md = f"**baseline (none)** - {serve.stats_line(base.stats)}"
+    ours_md = (f"**{method}** - {serve.stats_line(ours.stats, base.stats)}\n\n"
+               f"{drafted} of {len(pieces)} words came from accepted drafts (marked). "
+               f"Greedy answer equal to the baseline's: {same}")
+    yield pieces, base_md, ours_md, ""
+
+
+def vlm_tab():
+    names = methods.names("vlm")
+    with gr.Row():
+        with gr.Column(scale=1):
+            scene = gr.Dropdown(_scene_choices(), value="scene 0", label="bundled scene (or upload below)",
+                                elem_id="vlm-scene")
+            image = gr.Image(value=serve.scene(0), label="image", format="png", type="numpy", height=192,
+                             elem_id="vlm-image")
+            question = gr.Textbox("describe the image in detail .", label="question", elem_id="vlm-question")
+            first = "vispec" if "vispec" in names else names[0]
+            method = gr.Dropdown(list(names), value=first, label="method", elem_id="vlm-method")
+            max_new = gr.Number(value=64, precision=0, label="max new tokens", elem_id="vlm-max-new")
+            with gr.Accordion("method knobs", open=False):
+                knobs = _knob_inputs("vlm", "vlm", first)
+            run = gr.Button("Answer", variant="primary", elem_id="vlm-run")
+        with gr.Column(scale=2):
+            error = gr.Markdown("", elem_id="vlm-error")
+            answer = gr.HighlightedText(label="answer (highlighted: tokens from accepted drafts)",
+                                        color_map={"draft": "#7fd17f"}, show_legend=True, elem_id="vlm-answer")
+            base_stats = gr.Markdown("", elem_id="vlm-base-stats")
+            ours_stats = gr.Markdown("", elem_id="vlm-ours-stats")
+    knob_list = list(knobs.values())
+    scene.change(pick_scene, inputs=scene, outputs=image, queue=False)
+    method.change(_show_knobs("vlm", list(knobs)), inputs=method, outputs=knob_list, queue=False)
+    run.click(vlm_answer, inputs=[image, question, method, max_new, *knob_list],
+              outputs=[answer, base_stats, ours_stats, error], api_name="vlm_answer")
+
+
+# ---------------------------------------------------------------- the app
+
+TABS = (("AR image", ar_tab), ("VLM", vlm_tab))
+
+
+def build() -> gr.Blocks:
+    with gr.Blocks(title="mmspec: speculative decoding for multimodal generation") as blocks:
+        gr.Markdown("# mmspec\nSpeculative decoding for multimodal generation, on the bundled tiny models "
+                    "(CPU). Each request runs the baseline and the chosen method on the same seed.")
+        with gr.Tabs():
+            for label, tab in TABS:
+                with gr.Tab(label, elem_id=f"tab-{label.lower().replace(' ', '-')}"):
+                    tab()
+    blocks.queue(default_concurrency_limit=CONCURRENCY, max_size=QUEUE_SIZE)
+    return blocks
+
+
+demo = build()
+
+
+def launch(host: str = "127.0.0.1", port: int | None = None, **kwargs):
+    """Serve ``demo`` on ``host`` (localhost unless asked) and block until interrupted."""
+    return demo.launch(server_name=host, server_port=port, **kwargs)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: localhost only)")
+    parser.add_argument("--port", type=int, default=None, help="port (default: gradio's, 7860 or the next free)")
+    args = parser.parse_args()
+    launch(args.host, args.port)

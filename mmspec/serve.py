@@ -1,0 +1,395 @@
+"""Serving the bundled pipelines to people: the one module the demo (``demos/app.py``) and
+``mmspec batch`` call pipelines through.
+
+``Models`` loads each pipeline lazily from ``assets/``, once, and shares it (thread-safe);
+``run_ar`` / ``run_vlm`` run one request or one batch of same-kind jobs and return plain results:
+uint8 images or texts, the decode's stats and, per generated token, the decode pass that committed
+it (``commit_pass``; 0 is the prefill). Every pipeline call lives here, so a change of the
+pipelines' calling contract is a change to this file only.
+
+Where ``commit_pass`` comes from: the step callback reports how many tokens each row holds after
+every pass. For one row in raster order (every AR method without ZipAR's next-set schedule, and
+every VLM method) the tokens a pass added are the ones after the previous count, so the map is
+exact; a pass that adds ``k`` tokens committed ``k - 1`` accepted drafts and one token of the
+target's own (the correction or bonus token). ZipAR's lanes fill several grid rows per pass and the
+count does not say which positions, so ``commit_pass`` is ``None`` there (the pipeline exposes no
+per-position state to callbacks yet).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import torch
+
+from . import methods
+from .core.errors import check
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+KINDS = ("ar-image", "vlm")
+"""Job kinds (= registry modalities) this module can run; a new modality adds its runner here."""
+
+
+# ---------------------------------------------------------------- models, loaded once and shared
+
+class Models:
+    """The bundled pipelines and the quality classifier, each loaded on first use and then shared
+    by every caller (the demo's users, a batch's jobs). Loading is serialised by a lock, so two
+    first requests arriving together load a model once."""
+
+    def __init__(self, assets: str | Path = ASSETS):
+        self.assets = Path(assets)
+        self._lock = threading.Lock()
+        self._loaded: dict[str, Any] = {}
+        self.loads = 0  # how many loads ran (the load test checks it stays at one per model)
+
+    def _get(self, name: str, load: Callable[[], Any]):
+        with self._lock:
+            if name not in self._loaded:
+                self._loaded[name] = load()
+                self.loads += 1
+            return self._loaded[name]
+
+    def ar_image(self):
+        def load():
+            from .pipelines import SpeculativeARImagePipeline
+
+            pipe = SpeculativeARImagePipeline.from_pretrained(str(self.assets / "ar-image"))
+            pipe.set_progress_bar_config(disable=True)
+            return pipe
+        return self._get("ar-image", load)
+
+    def vlm(self):
+        def load():
+            from .pipelines import SpeculativeVLMPipeline
+
+            pipe = SpeculativeVLMPipeline.from_pretrained(str(self.assets / "vlm"))
+            pipe.set_progress_bar_config(disable=True)
+            return pipe
+        return self._get("vlm", load)
+
+    def classifier(self):
+        def load():
+            from .models import load_checkpoint
+            from .models.classifier import ShapesClassifier
+
+            return load_checkpoint(ShapesClassifier, str(self.assets / "classifier")).eval()
+        return self._get("classifier", load)
+
+
+class ActivityGauge:
+    """Counts requests running at once (and the most ever seen): what the load test reads to
+    check that the demo's queue bounds concurrency."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.active = 0
+        self.peak = 0
+        self.total = 0
+
+    def __enter__(self):
+        with self._lock:
+            self.active += 1
+            self.total += 1
+            self.peak = max(self.peak, self.active)
+        return self
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self.active -= 1
+
+
+GAUGE = ActivityGauge()
+
+
+# ---------------------------------------------------------------- inputs
+
+def ar_prompts() -> tuple[str, ...]:
+    """The class prompts the bundled AR model draws (``"a red circle"``, ...)."""
+    from .training.data.shapes import CLASS_PROMPTS
+
+    return tuple(CLASS_PROMPTS)
+
+
+def check_ar_prompt(prompt) -> str:
+    """``prompt`` normalised (case and spaces), or ``ValueError`` listing the class prompts."""
+    norm = " ".join(str(prompt).lower().split()) if isinstance(prompt, str) else None
+    check(norm in ar_prompts(), "prompt", "one of the class prompts: " + ", ".join(ar_prompts()), prompt)
+    return norm
+
+
+def check_seed(seed) -> int:
+    check(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**63, "seed",
+          "an int in [0, 2**63)", seed)
+    return seed
+
+
+def resolve(kind: str, method: str, knobs: dict | None):
+    """The registry's validation of a method and its knobs (``ValueError`` naming the knob)."""
+    return methods.resolve(kind, method, knobs or {})
+
+
+def scene(index: int) -> np.ndarray:
+    """Bundled procedural scene ``index`` (held out from training) as a (64, 64, 3) uint8 array."""
+    from .bench.vlm import bench_prompts
+
+    check(isinstance(index, int) and 0 <= index < 16, "scene", "an int in [0, 16)", index)
+    images, _ = bench_prompts(index + 1)
+    return (images[index].permute(1, 2, 0).clamp(0, 1).numpy() * 255).round().astype(np.uint8)
+
+
+def as_rgb(image) -> np.ndarray:
+    """An uploaded image as (H, W, 3) uint8, or ``ValueError`` saying what is wrong with it."""
+    check(image is not None, "image", "an uploaded image or a bundled scene", None)
+    if not isinstance(image, np.ndarray):
+        import PIL.Image
+
+        check(isinstance(image, PIL.Image.Image), "image", "a PIL image or an (H, W, 3) uint8 array",
+              type(image).__name__)
+        image = np.asarray(image.convert("RGB"))
+    if image.ndim == 3 and image.shape[-1] == 4:
+        image = image[..., :3]
+    check(image.ndim == 3 and image.shape[-1] == 3, "image", "an RGB image (H, W, 3)", image.shape)
+    check(image.dtype == np.uint8, "image", "uint8 pixels", image.dtype)
+    check(min(image.shape[:2]) >= 16, "image", "at least 16 x 16 pixels", image.shape[:2])
+    return image
+
+
+# ---------------------------------------------------------------- results
+
+@dataclass
+class Result:
+    """One request's (or batch row's) output: ``image`` (H, W, 3) uint8 or ``text``; ``stats``
+    of its decode; ``commit_pass`` per generated token (raster order), or None when unknown."""
+
+    stats: dict
+    image: np.ndarray | None = None
+    text: str | None = None
+    tokens: list[int] | None = None
+    commit_pass: np.ndarray | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def _plain_stats(stats: dict, wall: float, batch: int) -> dict:
+    out = {k: (round(float(v), 4) if isinstance(v, float) else v) for k, v in stats.items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    out["wall_seconds"] = round(wall, 4)
+    out["batch"] = batch
+    return out
+
+
+def _commit_passes(counts: list[int], total: int) -> np.ndarray:
+    """(total,) pass index per token from the token count after the prefill and each pass."""
+    passes = np.zeros(total, dtype=np.int32)
+    prev = 0
+    for step, done in enumerate(counts):
+        done = min(done, total)
+        passes[prev:done] = step
+        prev = max(prev, done)
+    passes[prev:] = len(counts)  # anything the last callback did not report
+    return passes
+
+
+def _generators(seeds: list[int]) -> torch.Generator:
+    check(len(seeds) == 1, "seeds", "one seed per call (the pipelines take one generator)", seeds)
+    return torch.Generator().manual_seed(check_seed(seeds[0]))
+
+
+# ---------------------------------------------------------------- AR image
+
+def ar_batchable(method: str, temperature: float) -> bool:
+    """Whether several AR jobs may share one pipeline call without changing any job's image: not
+    while the pipeline draws every row from one generator (a row would depend on its batch)."""
+    return False
+
+
+def run_ar(models: Models, prompts: list[str], seeds: list[int], method: str = "none", knobs: dict | None = None,
+           guidance_scale: float = 2.0, temperature: float = 1.0, top_k: int | None = None,
+           top_p: float | None = None) -> list[Result]:
+    """Generate one image per prompt with its seed; every input is checked before any model runs."""
+    prompts = [check_ar_prompt(p) for p in prompts]
+    check(len(seeds) == len(prompts), "seeds", f"one seed per prompt ({len(prompts)})", seeds)
+    recipe = resolve("ar-image", method, knobs)
+    check(isinstance(guidance_scale, (int, float)) and not isinstance(guidance_scale, bool) and guidance_scale >= 0,
+          "guidance_scale", "a number >= 0", guidance_scale)
+    pipe = models.ar_image()
+    raster = recipe.part("schedule") is None
+    counts: list[int] = []
+    N = pipe.transformer.num_image_tokens
+
+    def on_step(p, step, timestep, kwargs):
+        counts.append(int(kwargs["tokens_done"]))
+        return {}
+
+    counts.append(1)  # the prefill emits the first token
+    t0 = time.perf_counter()
+    out = pipe(prompt=prompts, method=method, method_knobs=dict(knobs or {}), guidance_scale=guidance_scale,
+               temperature=temperature, top_k=top_k, top_p=top_p, generator=_generators(seeds), output_type="np",
+               callback_on_step_end=on_step, show_progress=False)
+    wall = time.perf_counter() - t0
+    images = (np.asarray(out.images) * 255).round().astype(np.uint8)  # (B, H, W, 3)
+    stats = _plain_stats(out.stats, wall, len(prompts))
+    passes = _commit_passes(counts, N) if raster and len(prompts) == 1 else None
+    return [Result(stats=stats, image=img, tokens=out.tokens[i].flatten().tolist(),
+                   commit_pass=passes, extra={"lossless": recipe.lossless}) for i, img in enumerate(images)]
+
+
+@torch.no_grad()
+def class_confidence(models: Models, images: list[np.ndarray], prompts: list[str]) -> list[float]:
+    """The quality figure shown beside lossy methods: the bundled classifier's probability of the
+    class each image was asked for (the bench's class accuracy, per image)."""
+    labels = [ar_prompts().index(check_ar_prompt(p)) for p in prompts]
+    x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1  # (B, 3, H, W) in [-1, 1]
+    probs = models.classifier()(x).softmax(-1)  # (B, classes)
+    return [round(float(probs[i, c]), 4) for i, c in enumerate(labels)]
+
+
+# ---------------------------------------------------------------- VLM
+
+def vlm_batchable(method: str, temperature: float) -> bool:
+    """Greedy answers do not depend on the batch they are decoded in (the pipeline pads rows and
+    masks them), so greedy jobs batch; sampled ones do not (one generator for the batch)."""
+    return temperature == 0
+
+
+def run_vlm(models: Models, images: list, questions: list[str], seeds: list[int], method: str = "none",
+            knobs: dict | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
+            on_pass: Callable[[int, int], None] | None = None) -> list[Result]:
+    """Answer each question about its image. ``on_pass(step, tokens_done)`` is called after every
+    target pass (for one row: the answer's length so far)."""
+    images = [as_rgb(im) for im in images]
+    check(len(questions) == len(images) and all(isinstance(q, str) and q.strip() for q in questions), "question",
+          "a non-empty question per image", questions)
+    check(len(seeds) == len(images), "seeds", f"one seed per image ({len(images)})", seeds)
+    resolve("vlm", method, knobs)
+    check(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and 1 <= max_new_tokens <= 512,
+          "max_new_tokens", "an int in [1, 512]", max_new_tokens)
+    pipe = models.vlm()
+    counts: list[int] = [1]
+
+    def on_step(p, step, done):
+        counts.append(int(done))
+        if on_pass is not None:
+            on_pass(step, int(done))
+
+    t0 = time.perf_counter()
+    out = pipe(images=images, prompts=questions, method=method, method_knobs=dict(knobs or {}),
+               max_new_tokens=max_new_tokens, temperature=temperature, generator=_generators(seeds[:1]),
+               callback=on_step, show_progress=False)
+    wall = time.perf_counter() - t0
+    stats = _plain_stats(out.stats, wall, len(images))
+    results = []
+    for text, toks in zip(out.texts, out.tokens):
+        passes = _commit_passes(counts, len(toks)) if len(images) == 1 else None
+        results.append(Result(stats=stats, text=text, tokens=list(toks), commit_pass=passes))
+    return results
+
+
+def vlm_pieces(models: Models, tokens: list[int], commit_pass: np.ndarray | None) -> list[tuple[str, str | None]]:
+    """The answer as ``(word, label)`` pieces for display: ``"draft"`` for tokens that came from
+    accepted drafts, ``None`` for the target's own tokens (one per pass: the correction or bonus
+    token, and the prefill's first token). Special tokens are dropped."""
+    tok = models.vlm().processor.tokenizer
+    special = set(tok.all_special_ids)
+    pieces = []
+    for i, t in enumerate(tokens):
+        if t in special:
+            continue
+        last_of_pass = commit_pass is None or i + 1 == len(tokens) or commit_pass[i + 1] != commit_pass[i]
+        word = tok.decode([t])
+        pieces.append((word + " ", None if last_of_pass else "draft"))
+    return pieces
+
+
+def stream_vlm(models: Models, image, question: str, seed: int, method: str, knobs: dict | None,
+               max_new_tokens: int = 64, temperature: float = 0.0) -> Iterator[tuple[int, Result | None]]:
+    """Run one VLM request on a worker thread and yield ``(tokens_done, None)`` after every pass as
+    it is decoded, then ``(tokens_done, result)`` once. Errors are raised in the caller's thread."""
+    updates: queue.Queue = queue.Queue()
+    box: dict = {}
+
+    def work():
+        try:
+            box["result"] = run_vlm(models, [image], [question], [seed], method, knobs, max_new_tokens, temperature,
+                                    on_pass=lambda step, done: updates.put(done))[0]
+        except BaseException as err:  # handed to the caller's thread below
+            box["error"] = err
+        finally:
+            updates.put(None)
+
+    worker = threading.Thread(target=work, daemon=True)
+    worker.start()
+    done = 0
+    while (item := updates.get()) is not None:
+        done = item
+        yield done, None
+    worker.join()
+    if "error" in box:
+        raise box["error"]
+    yield len(box["result"].tokens), box["result"]
+
+
+# ---------------------------------------------------------------- the per-token picture
+
+def _pass_colour(k: np.ndarray) -> np.ndarray:
+    """A colour per pass index: hues spaced by the golden angle, so consecutive passes differ
+    clearly; the prefill (0) is white. (N,) ints -> (N, 3) uint8."""
+    h = (k * 0.618033988749895) % 1.0
+    s, v = 0.65, 0.95
+    i = np.floor(h * 6).astype(int) % 6
+    f = h * 6 - np.floor(h * 6)
+    p, q, t = v * (1 - s), v * (1 - s * f), v * (1 - s * (1 - f))
+    r = np.select([i == j for j in range(6)], [v, q, p, p, t, v])
+    g = np.select([i == j for j in range(6)], [t, v, v, q, p, p])
+    b = np.select([i == j for j in range(6)], [p, p, t, v, v, q])
+    out = (np.stack([r, g, b], -1) * 255).round().astype(np.uint8)
+    out[k == 0] = 255
+    return out
+
+
+def commit_grid_image(commit_pass: np.ndarray, grid: int = 16, cell: int = 16) -> np.ndarray:
+    """The per-token picture: the (grid x grid) token grid, each cell coloured by the decode pass
+    that committed its token; cells committed together share a colour and are joined (no border
+    between them). Returns (grid * cell, grid * cell, 3) uint8."""
+    check(commit_pass is not None and commit_pass.size == grid * grid, "commit_pass",
+          f"{grid * grid} pass indices", None if commit_pass is None else commit_pass.shape)
+    k = commit_pass.reshape(grid, grid)
+    img = np.repeat(np.repeat(_pass_colour(k.flatten()).reshape(grid, grid, 3), cell, 0), cell, 1)
+    dark = np.array([40, 40, 40], np.uint8)
+    for r in range(grid):
+        for c in range(grid):
+            y, x = r * cell, c * cell
+            if c + 1 < grid and k[r, c + 1] != k[r, c]:
+                img[y:y + cell, x + cell - 1] = dark
+            if r + 1 < grid and k[r + 1, c] != k[r, c]:
+                img[y + cell - 1, x:x + cell] = dark
+    return img
+
+
+def stats_line(stats: dict, baseline: dict | None = None) -> str:
+    """``NFE 90 | tau 2.89 | wall 1.01 s | speed-up 2.1x`` (speed-up over ``baseline``'s wall)."""
+    parts = [f"NFE {stats.get('nfe', '?')}", f"tau {stats.get('tau', 0):.2f}", f"wall {stats['wall_seconds']:.2f} s"]
+    if baseline is not None and stats["wall_seconds"] > 0:
+        parts.append(f"speed-up {baseline['wall_seconds'] / stats['wall_seconds']:.2f}x")
+        parts.append(f"NFE x {baseline.get('nfe', 0) / max(1, stats.get('nfe', 1)):.2f}")
+    return " | ".join(parts)
+
+
+def knob_specs(kind: str) -> dict[str, methods.KnobSpec]:
+    """Every knob any method of ``kind`` takes (first method's spec wins; defaults are per method,
+    see ``method_defaults``)."""
+    out: dict[str, methods.KnobSpec] = {}
+    for name in methods.names(kind):
+        for spec in methods.knobs(kind, name).values():
+            out.setdefault(spec.name, spec)
+    return out
+
+
+def method_defaults(kind: str, method: str) -> dict[str, Any]:
+    return {name: spec.default for name, spec in methods.knobs(kind, method).items()}
