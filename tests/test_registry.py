@@ -215,6 +215,9 @@ def test_recipes_and_modality_defaults():
         mod = methods.modality(name)
         knob_names = {s.name for p in mod.parts.values() for s in p.specs.values()}
         assert set(mod.defaults) <= knob_names
+    for name in ("ar-image", "vlm", "text"):  # every knob documented, for the CLI's and a UI's help
+        for part in methods.parts(name).values():
+            assert part.doc and all(spec.doc for spec in part.specs.values()), (name, part.name)
     spec = methods.knobs("ar-image", "sjd")["sjd_init"]
     assert spec.choices == ("random", "repeat", "spatial") and spec.allowed() == "one of 'random', 'repeat', 'spatial'"
     assert methods.knobs("ar-image", "lantern")["lantern_lam"].allowed() == "None or a float >= 1"

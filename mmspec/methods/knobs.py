@@ -116,24 +116,25 @@ def _plain_type(hint, where: str) -> tuple[type, bool]:
 
 
 def _arg_docs(config: type) -> dict[str, str]:
-    """``{field: text}`` from a Google-style ``Args:`` section of the class docstring."""
-    doc = inspect.getdoc(config) or ""
+    """``{field: text}`` from a Google-style ``Args:`` section of the class docstring (entries one
+    level in, continuation lines deeper; the section ends at the first line back out)."""
     out, current = {}, None
-    in_args = False
-    for line in doc.splitlines():
-        if line.strip() == "Args:":
-            in_args = True
+    section = entry = None  # indentation of "Args:" and of its entries
+    for line in (inspect.getdoc(config) or "").splitlines():
+        text, indent = line.strip(), len(line) - len(line.lstrip())
+        if text == "Args:":
+            section, entry, current = indent, None, None
             continue
-        if not in_args:
+        if section is None or not text:
             continue
-        m = re.match(r"^    (\w+)(?: \([^)]*\))?: (.*)$", line)
-        if m:
-            current = m.group(1)
-            out[current] = m.group(2).strip()
-        elif line.startswith("        ") and current:
-            out[current] += " " + line.strip()
-        elif line.strip() and not line.startswith(" "):
-            in_args = False
+        m = re.fullmatch(r"(\w+)(?: \([^)]*\))?: (.*)", text)
+        if m and (indent == entry if entry is not None else indent >= section):
+            entry, current = indent, m.group(1)
+            out[current] = m.group(2)
+        elif current is not None and indent > entry:
+            out[current] += " " + text
+        else:
+            section = None
     return out
 
 
