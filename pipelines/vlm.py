@@ -69,7 +69,11 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """diffusers' loader, computing in float32 by default (checkpoints ship as fp16)."""
+        """diffusers' loader, computing in float32 by default (checkpoints ship as fp16), after
+        ``check_pipeline_folder`` has checked every component folder (nothing is built before)."""
+        from .loading import check_pipeline_folder
+
+        check_pipeline_folder(pretrained_model_name_or_path, cls, provided=kwargs)
         kwargs.setdefault("dtype", torch.float32)
         return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
