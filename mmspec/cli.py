@@ -9,6 +9,8 @@
                                      write PNGs from the bundled AR image pipeline
     mmspec generate vlm --image PATH --prompt "describe the image in detail ." --method vispec
                                      answer a question about an image with the bundled VLM
+    mmspec demo [--host H] [--port P] the Gradio demo on 127.0.0.1 (AR image and VLM tabs)
+    mmspec batch JOBS.jsonl --out DIR  resumable batch generation (PNG / text per job + manifest.jsonl)
     mmspec train vq --out DIR        rebuild the tiny VQ tokenizer from a seed (about 6 min on 2 cores)
     mmspec train ar-image --vq DIR --out DIR
                                      rebuild the AR image model on that tokenizer (about 20 min)
@@ -376,6 +378,44 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
+def cmd_demo(args) -> int:
+    # the demo lives in the repository's demos/ folder, next to this package (editable installs)
+    root = Path(__file__).resolve().parents[1]
+    if not (root / "demos" / "app.py").is_file():
+        raise SystemExit(f"mmspec demo: {root / 'demos' / 'app.py'} not found (run from a clone of the repository)")
+    sys.path.insert(0, str(root))
+    from demos import app
+
+    app.launch(args.host, args.port)
+    return 0
+
+
+def cmd_batch(args) -> int:
+    from .batch import run
+
+    _set_threads(args.threads)
+    summary = run(args.jobs, args.out, batch_size=args.batch_size, progress=not args.quiet)
+    if summary.failed:
+        print(f"mmspec batch: {summary.failed} of {summary.total} jobs failed; their errors are in "
+              f"{Path(args.out) / 'manifest.jsonl'}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _add_demo_batch_parsers(sub) -> None:
+    demo = sub.add_parser("demo", help="launch the Gradio demo (localhost only unless --host says otherwise)")
+    demo.add_argument("--host", default="127.0.0.1", help="interface to listen on (default 127.0.0.1)")
+    demo.add_argument("--port", type=_positive_int, default=None, help="port (default: 7860 or the next free one)")
+    batch = sub.add_parser("batch", help="run a JSONL/CSV file of jobs into a folder of files + manifest.jsonl "
+                                         "(resumable; scales with accelerate launch --multi_gpu --num_processes N)")
+    batch.add_argument("jobs", help="a .jsonl (or .csv) file of jobs (see mmspec/batch.py)")
+    batch.add_argument("--out", required=True, metavar="DIR", help="output folder (created; reruns resume it)")
+    batch.add_argument("--batch-size", type=_positive_int, default=4,
+                       help="same-kind jobs per pipeline call where outputs cannot change (default 4)")
+    batch.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
+    batch.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -393,13 +433,14 @@ def build_parser() -> argparse.ArgumentParser:
                           help="where the sample grids go (default outputs/showcase)")
     _add_generate_parser(sub)
     _add_train_parser(sub)
+    _add_demo_batch_parsers(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handler = {"bench": cmd_bench, "showcase": cmd_showcase, "train": cmd_train,
-               "generate": cmd_generate}[args.command]
+               "generate": cmd_generate, "demo": cmd_demo, "batch": cmd_batch}[args.command]
     return handler(args)
 
 
