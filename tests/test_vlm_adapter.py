@@ -1,9 +1,10 @@
-"""VLMTarget: transformers LLaVA and Qwen2-VL in the speculation core, prompts with images."""
+"""VLMTarget: transformers LLaVA, Qwen2-VL and Qwen2.5-VL in the speculation core, prompts with images."""
 
 import pytest
 import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForConditionalGeneration,
-                          Qwen2VLConfig, Qwen2VLForConditionalGeneration)
+                          Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLConfig,
+                          Qwen2VLForConditionalGeneration)
 
 from mmspec.adapters.hf import HFCausalLMTarget
 from mmspec.adapters.vlm import VLMTarget
@@ -50,6 +51,22 @@ def tiny_qwen2_vl() -> Qwen2VLForConditionalGeneration:
     return model
 
 
+def tiny_qwen2_5_vl() -> Qwen2_5_VLForConditionalGeneration:
+    """Qwen2.5-VL's vision tower: RMSNorm + gated MLP blocks, window attention (a window of 4
+    patches = one 2x2 merge group) with block 0 full attention, block 1 windowed."""
+    config = Qwen2_5_VLConfig(
+        vision_config=dict(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                           patch_size=2, temporal_patch_size=2, spatial_merge_size=2, window_size=4,
+                           fullatt_block_indexes=[0]),
+        text_config=dict(rope_parameters=dict(rope_type="default", mrope_section=[2, 1, 1]), **TEXT_LAYERS),
+        image_token_id=IMAGE, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = spread(Qwen2_5_VLForConditionalGeneration(config), std=0.3)
+    model.generation_config.eos_token_id = None
+    return model
+
+
 def llava_inputs(rows: int):
     """Prompts ``before <image>*4 after`` and one 16x16 image per row."""
     prompts = [a + [IMAGE] * LLAVA_TOKENS + b for a, b in TEXTS[:rows]]
@@ -66,7 +83,8 @@ def qwen_inputs(rows: int):
     return prompts, dict(pixel_values=pixels, image_grid_thw=grids)
 
 
-FAMILIES = {"llava": (tiny_llava, llava_inputs), "qwen2-vl": (tiny_qwen2_vl, qwen_inputs)}
+FAMILIES = {"llava": (tiny_llava, llava_inputs), "qwen2-vl": (tiny_qwen2_vl, qwen_inputs),
+            "qwen2.5-vl": (tiny_qwen2_5_vl, qwen_inputs)}
 
 
 def row_images(family: str, images: dict, b: int) -> dict:
@@ -177,7 +195,7 @@ def test_decode_steps_see_the_image_at_the_model_positions(family):
     out = target(ids, torch.arange(width).expand_as(ids), cache, **target.vision_inputs(**images))
     cache.truncate(lens)
     torch.testing.assert_close(model.lm_head(out.hidden), out.logits)  # hidden is the LM head's input
-    if family == "qwen2-vl":  # an image's grid ids span fewer positions than its tokens
+    if family != "llava":  # M-RoPE: an image's grid ids span fewer positions than its tokens
         assert (cache.rope_deltas < 0).all()
 
     contexts = [list(p) for p in prompts]
@@ -197,8 +215,9 @@ def test_decode_steps_see_the_image_at_the_model_positions(family):
                               reference_logits(family, model, contexts[0], row_images(family, images, 0)))
 
 
-def test_vision_inputs_rejects_missing_grids():
-    target = VLMTarget(tiny_qwen2_vl())
+@pytest.mark.parametrize("build", [tiny_qwen2_vl, tiny_qwen2_5_vl])
+def test_vision_inputs_rejects_missing_grids(build):
+    target = VLMTarget(build())
     with pytest.raises(ValueError, match="image_grid_thw"):
         target.vision_inputs(pixel_values=torch.zeros(16, 24))
 

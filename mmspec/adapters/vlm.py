@@ -1,4 +1,4 @@
-"""Transformers vision-language models (LLaVA, Qwen2-VL) as the core's ``Target``.
+"""Transformers vision-language models (LLaVA, Qwen2-VL, Qwen2.5-VL) as the core's ``Target``.
 
 A VLM target is a text ``HFCausalLMTarget`` whose prompts carry images. The prompt is text ids
 with the model's image placeholder token repeated once per image feature (as the model's own
@@ -8,24 +8,26 @@ tower and scatters its features into the placeholder embeddings, as the model's 
 does. Every later pass is plain text.
 
 Positions. LLaVA's language model uses 1-D RoPE over all tokens, image tokens included, so the
-core's positions are the model's. Qwen2-VL uses 3-D M-RoPE: its ``get_rope_index`` gives an image's
-tokens (temporal, height, width) grid ids starting at the text position before it, and the text
-after an image continues from ``max(image ids) + 1``, so a prompt's largest position is smaller
-than its length. The prefill computes the prompt's ids with ``get_rope_index`` and keeps, per
+core's positions are the model's. Qwen2-VL and Qwen2.5-VL use 3-D M-RoPE: the model's
+``get_rope_index`` gives an image's tokens (temporal, height, width) grid ids starting at the text
+position before it, and the text after an image continues from ``max(image ids) + 1``, so a
+prompt's largest position is smaller than its length. The prefill computes the prompt's ids with ``get_rope_index`` and keeps, per
 cache row, ``rope_deltas = max(prompt ids) + 1 - prompt length`` (transformers' own quantity);
 every later token at core position ``p`` (its number of valid slots, holes excluded) gets the same
 id ``p + rope_deltas`` on all three axes. Right padding is harmless: pads are text, so they leave
 the valid tokens' ids and the row's delta unchanged, and the core truncates them from the cache.
 
-Limits: images only (no Qwen2-VL video inputs); the prompt pass must hold exactly as many
-placeholders as the images have features (a draft runner's first feed includes the first generated
+Limits: images only (no video inputs, so Qwen2.5-VL's ``second_per_grid_ts``, a video's time
+step, never enters ``get_rope_index``); the prompt pass must hold exactly as many placeholders as
+the images have features (a draft runner's first feed includes the first generated
 token: should the model generate its image token there, that pass fails).
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration
+from transformers import (DynamicCache, LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration,
+                          Qwen2VLForConditionalGeneration)
 
 from ..core.errors import check
 from ..core.types import ModelOutput
@@ -33,17 +35,19 @@ from .hf import HFCacheAdapter, HFCausalLMTarget
 
 __all__ = ["VLMTarget"]
 
-_SUPPORTED = (LlavaForConditionalGeneration, Qwen2VLForConditionalGeneration)
+_MROPE = (Qwen2VLForConditionalGeneration, Qwen2_5_VLForConditionalGeneration)  # 3-D M-RoPE, image grids
+_SUPPORTED = (LlavaForConditionalGeneration, *_MROPE)
 
 
 class _VLMCache(HFCacheAdapter):
-    """An ``HFCacheAdapter`` that remembers each row's M-RoPE offset (Qwen2-VL)."""
+    """An ``HFCacheAdapter`` that remembers each row's M-RoPE offset (Qwen2-VL, Qwen2.5-VL)."""
 
     rope_deltas: torch.Tensor | None = None  # (B, 1), set by the first pass
 
 
 class VLMTarget(HFCausalLMTarget):
-    """``LlavaForConditionalGeneration`` or ``Qwen2VLForConditionalGeneration`` as a ``Target``
+    """``LlavaForConditionalGeneration``, ``Qwen2VLForConditionalGeneration`` or
+    ``Qwen2_5_VLForConditionalGeneration`` as a ``Target``
     over the model's text vocabulary; ``hidden`` is the language model's last hidden state (after
     its final norm: the LM head's input, EAGLE's feature).
 
@@ -60,7 +64,7 @@ class VLMTarget(HFCausalLMTarget):
               "a vision-language model: " + " or ".join(c.__name__ for c in _SUPPORTED), type(model).__name__)
         super().__init__(model)
         self.image_token_id = model.config.image_token_id
-        self.mrope = isinstance(model, Qwen2VLForConditionalGeneration)
+        self.mrope = isinstance(model, _MROPE)
 
     def vision_inputs(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None = None,
                       **vision_kwargs) -> dict:
@@ -69,8 +73,8 @@ class VLMTarget(HFCausalLMTarget):
 
         Args:
             pixel_values: what the model's image processor returns: LLaVA (images, C, H, W),
-                Qwen2-VL (patches, C * T * P * P). ``None``: text-only prompts.
-            image_grid_thw: Qwen2-VL's (images, 3) patch grids; required for Qwen2-VL, refused
+                Qwen2-VL / Qwen2.5-VL (patches, C * T * P * P). ``None``: text-only prompts.
+            image_grid_thw: the (images, 3) patch grids; required for Qwen2-VL / Qwen2.5-VL, refused
                 for LLaVA.
             vision_kwargs: passed to the model's image features (LLaVA's ``vision_feature_layer``,
                 ``image_sizes``, ...).
@@ -82,7 +86,7 @@ class VLMTarget(HFCausalLMTarget):
         check(isinstance(pixel_values, torch.Tensor), "pixel_values", "a tensor", type(pixel_values).__name__)
         if self.mrope:
             check(isinstance(image_grid_thw, torch.Tensor) and image_grid_thw.dim() == 2
-                  and image_grid_thw.shape[1] == 3, "image_grid_thw", "an (images, 3) tensor for Qwen2-VL",
+                  and image_grid_thw.shape[1] == 3, "image_grid_thw", f"an (images, 3) tensor for {type(self.model).__name__}",
                   None if image_grid_thw is None else tuple(image_grid_thw.shape))
             vision_kwargs = dict(vision_kwargs, image_grid_thw=image_grid_thw.to(self.device))
         else:
