@@ -1,0 +1,426 @@
+"""``mmspec batch``: resumable batch generation from a file of jobs, scaled out with accelerate.
+
+::
+
+    mmspec batch jobs.jsonl --out out/                                  # one process
+    accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
+        --dynamo_backend no --main_process_port 0 -m mmspec batch jobs.jsonl --out out/
+
+A job is one JSON object per line (or one CSV row): ``id`` (a file name stem), ``kind``
+(``"ar-image"`` or ``"vlm"``), ``method`` (default ``"none"``), ``seed`` (default 0), the kind's
+inputs (``prompt`` for ``ar-image``; ``image`` (a path, relative to the jobs file) and ``question``
+for ``vlm``) and options (``guidance_scale``, ``temperature``, ``max_new_tokens``, ...), and the
+method's knobs, flat (``"sjd_window": 16``) or under ``"knobs"``. Every line is checked first,
+methods and knobs through the method registry: bad lines are reported by line number and nothing
+runs or is written.
+
+Output: ``OUT/<id>.png`` per image, ``OUT/<id>.txt`` per answer, and ``OUT/manifest.jsonl`` with one
+record per job: status (``ok`` / ``error``), output file, stats, error message. Files are written
+to a temporary name and renamed; manifest records are appended whole under a file lock; a rerun
+skips jobs the manifest records as ``ok`` whose file exists, and retries the others. A failing job
+is recorded with its error and the rest go on. At the end the main process rewrites the manifest
+(atomically) with one record per job, in the jobs file's order.
+
+Jobs are grouped into batches before they are split between processes (``PartialState.
+split_between_processes``), and every job draws from its own seed, so the files are the same for
+any number of processes. Same-kind jobs share one pipeline call (up to ``batch_size``) only where
+that cannot change a job's output (``mmspec.serve.vlm_batchable`` / ``ar_batchable``).
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import io
+import json
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from . import methods, serve
+from .core.errors import check
+
+MANIFEST = "manifest.jsonl"
+TMP_TAG = ".tmp-"
+_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+# ---------------------------------------------------------------- what each kind takes
+
+@dataclass(frozen=True)
+class Field:
+    type: type
+    default: Any = None
+    required: bool = False
+    optional: bool = False  # None allowed
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """A job kind: its inputs and options, output extension, and how it runs and is written."""
+
+    ext: str
+    fields: dict[str, Field]
+    per_job: tuple[str, ...]  # fields that may differ within one pipeline call
+    batchable: Callable[[str, float], bool]
+
+
+KIND_SPECS: dict[str, KindSpec] = {
+    "ar-image": KindSpec(
+        ext=".png",
+        fields={"prompt": Field(str, required=True), "guidance_scale": Field(float, 2.0),
+                "temperature": Field(float, 1.0), "top_k": Field(int, None, optional=True),
+                "top_p": Field(float, None, optional=True)},
+        per_job=("prompt",),
+        batchable=serve.ar_batchable),
+    "vlm": KindSpec(
+        ext=".txt",
+        fields={"image": Field(str, required=True), "question": Field(str, required=True),
+                "max_new_tokens": Field(int, 64), "temperature": Field(float, 0.0)},
+        per_job=("image", "question"),
+        batchable=serve.vlm_batchable),
+}
+COMMON = {"id", "kind", "method", "seed", "knobs"}
+
+
+@dataclass(frozen=True)
+class Job:
+    line: int
+    id: str
+    kind: str
+    method: str
+    seed: int
+    params: dict
+    knobs: dict = field(default_factory=dict)
+
+    @property
+    def output(self) -> str:
+        return self.id + KIND_SPECS[self.kind].ext
+
+    def group(self) -> str:
+        """Jobs with the same group may share one pipeline call."""
+        spec = KIND_SPECS[self.kind]
+        shared = {k: v for k, v in self.params.items() if k not in spec.per_job}
+        return json.dumps([self.kind, self.method, self.knobs, shared], sort_keys=True)
+
+
+# ---------------------------------------------------------------- reading and checking jobs
+
+def _coerce(name: str, value, typ: type, optional: bool, from_csv: bool):
+    """A field's value as ``typ``; CSV cells arrive as text and are parsed here."""
+    if value is None or (from_csv and value == ""):
+        check(optional, name, f"a {typ.__name__}", value)
+        return None
+    if from_csv and typ is not str:
+        try:
+            value = {"true": True, "false": False}[value.lower()] if typ is bool else typ(value)
+        except (ValueError, KeyError):
+            raise ValueError(f"{name}: expected a {typ.__name__}; got {value!r}") from None
+        if typ is int and str(value) != value.strip().lstrip("+"):
+            raise ValueError(f"{name}: expected an int; got {value!r}")
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    ok = isinstance(value, typ) and not (typ is not bool and isinstance(value, bool))
+    check(ok, name, f"a {typ.__name__}", value)
+    return value
+
+
+def parse_job(raw: dict, line: int, base: Path, from_csv: bool = False) -> Job:
+    """One job from a parsed line; ``ValueError`` naming the field otherwise. Images are opened
+    here, so an unreadable image fails before any work."""
+    check(isinstance(raw, dict), "job", "a JSON object", type(raw).__name__)
+    raw = {k: v for k, v in raw.items() if not (from_csv and v == "" and k not in ("id", "kind"))}
+    job_id = raw.get("id")
+    check(isinstance(job_id, str) and _ID.fullmatch(job_id) is not None, "id",
+          "a file-name stem: letters, digits, '.', '_', '-' (at most 128, not starting with '.')", job_id)
+    kind = raw.get("kind")
+    check(kind in KIND_SPECS, "kind", "one of " + ", ".join(repr(k) for k in KIND_SPECS), kind)
+    spec = KIND_SPECS[kind]
+    method = raw.get("method", "none")
+    serve.resolve(kind, method, {})  # an unknown method: named, with the allowed ones
+    seed = serve.check_seed(_coerce("seed", raw.get("seed", 0), int, False, from_csv))
+    params = {}
+    for name, f in spec.fields.items():
+        if name in raw:
+            params[name] = _coerce(name, raw[name], f.type, f.optional, from_csv)
+        else:
+            check(not f.required, name, f"given for a {kind!r} job", None)
+            params[name] = f.default
+    knobs = dict(raw.get("knobs") or {})
+    check(isinstance(knobs, dict), "knobs", "an object of knob values", raw.get("knobs"))
+    allowed = methods.knobs(kind, method)
+    for key, value in raw.items():
+        if key in COMMON or key in spec.fields:
+            continue
+        if from_csv and key in allowed:
+            k = allowed[key]
+            value = _coerce(key, value, k.type, k.optional, True)
+        knobs[key] = value
+    serve.resolve(kind, method, knobs)  # unknown knobs, types, ranges: named, with what is allowed
+    if kind == "ar-image":
+        params["prompt"] = serve.check_ar_prompt(params["prompt"])
+        check(params["guidance_scale"] >= 0, "guidance_scale", "a number >= 0", params["guidance_scale"])
+    else:
+        path = (base / params["image"]).resolve()
+        check(path.is_file(), "image", "an existing image file (relative to the jobs file)", params["image"])
+        _load_image(path)
+        params["image"] = str(path)
+        check(params["question"].strip() != "", "question", "a non-empty question", params["question"])
+        check(1 <= params["max_new_tokens"] <= 512, "max_new_tokens", "an int in [1, 512]", params["max_new_tokens"])
+    check(params["temperature"] >= 0, "temperature", "a number >= 0", params["temperature"])
+    return Job(line, job_id, kind, method, seed, params, knobs)
+
+
+def _load_image(path: Path):
+    import numpy as np
+    import PIL.Image
+
+    try:
+        with PIL.Image.open(path) as im:
+            arr = np.asarray(im.convert("RGB"))
+    except (OSError, SyntaxError) as err:
+        raise ValueError(f"image: expected a readable image file; got {str(path)!r} ({err})") from None
+    return serve.as_rgb(arr)
+
+
+def _rows(path: Path):
+    """``(line number, raw job or an error message, from_csv)`` for every non-blank line."""
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".csv":
+        reader = csv.DictReader(io.StringIO(text))
+        check(reader.fieldnames is not None and "id" in reader.fieldnames and "kind" in reader.fieldnames,
+              "jobs", "a CSV file with a header row naming at least 'id' and 'kind'", reader.fieldnames)
+        for row in reader:
+            if None in row:
+                yield reader.line_num, "more cells than the header has columns", True
+            elif any(v for v in row.values()):
+                yield reader.line_num, row, True
+        return
+    for n, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield n, json.loads(line), False
+        except json.JSONDecodeError as err:
+            yield n, f"not valid JSON ({err.msg} at column {err.colno})", False
+
+
+def load_jobs(path: str | Path) -> list[Job]:
+    """Every job of a ``.jsonl`` (or ``.csv``) file, checked. All bad lines are reported together,
+    by line number, in one ``ValueError``."""
+    path = Path(path)
+    check(path.is_file(), "jobs", "an existing .jsonl or .csv file", str(path))
+    check(path.suffix.lower() in (".jsonl", ".json", ".csv"), "jobs", "a .jsonl or .csv file", path.name)
+    jobs, errors, seen = [], [], {}
+    for n, raw, from_csv in _rows(path):
+        try:
+            if isinstance(raw, str):
+                raise ValueError(raw)
+            job = parse_job(raw, n, path.parent, from_csv)
+            check(job.id not in seen, "id", f"unique (line {seen.get(job.id)} has it too)", job.id)
+            seen[job.id] = n
+            jobs.append(job)
+        except ValueError as err:
+            errors.append(f"{path.name} line {n}: {err}")
+    if errors:
+        more = f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else ""
+        raise ValueError(f"jobs: {len(errors)} bad line(s), nothing was run:\n  " + "\n  ".join(errors[:20]) + more)
+    check(len(jobs) > 0, "jobs", "at least one job", str(path))
+    return jobs
+
+
+# ---------------------------------------------------------------- files and the manifest
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary name in ``path``'s folder, flush it to disk, then rename: a
+    reader (or a rerun after a crash) sees the old file or the whole new one, never a part."""
+    tmp = path.with_name(f".{path.name}{TMP_TAG}{os.getpid()}")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def append_record(manifest: Path, record: dict) -> None:
+    """Append one JSON line, whole: one ``write`` under an exclusive lock, then fsync."""
+    data = (json.dumps(record, sort_keys=True) + "\n").encode()
+    fd = os.open(manifest, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_manifest(manifest: Path) -> dict[str, dict]:
+    """The latest record per job id; a torn last line (a crash mid-append) is ignored."""
+    records = {}
+    if manifest.is_file():
+        for line in manifest.read_text(encoding="utf-8").splitlines():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(rec, dict) and "id" in rec:
+                records[rec["id"]] = rec
+    return records
+
+
+def _repair(out: Path) -> None:
+    """Before a run: drop a torn manifest tail and temporary files left by a killed run."""
+    manifest = out / MANIFEST
+    if manifest.is_file():
+        with open(manifest, "rb+") as fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            data = fh.read()
+            if data and not data.endswith(b"\n"):
+                fh.truncate(data.rfind(b"\n") + 1)
+    for tmp in out.glob(f".*{TMP_TAG}*"):
+        tmp.unlink(missing_ok=True)
+
+
+def finished(out: Path, jobs: list[Job]) -> set[str]:
+    """Ids of jobs the manifest records as ok whose output file exists."""
+    records = read_manifest(out / MANIFEST)
+    return {j.id for j in jobs if records.get(j.id, {}).get("status") == "ok" and (out / j.output).is_file()}
+
+
+# ---------------------------------------------------------------- running
+
+def make_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
+    """Consecutive groups of same-group jobs, at most ``batch_size`` each, where the kind allows
+    sharing a call; in the order of each batch's first job."""
+    groups: dict[str, list[Job]] = {}
+    batches: list[list[Job]] = []
+    for job in jobs:
+        spec = KIND_SPECS[job.kind]
+        if batch_size > 1 and spec.batchable(job.method, job.params["temperature"]):
+            group = groups.setdefault(job.group(), [])
+            if not group:
+                batches.append(group)
+            group.append(job)
+            if len(group) == batch_size:
+                del groups[job.group()]
+        else:
+            batches.append([job])
+    return batches
+
+
+def _encode(job: Job, result: serve.Result) -> bytes:
+    if job.kind == "ar-image":
+        import PIL.Image
+
+        buf = io.BytesIO()
+        PIL.Image.fromarray(result.image).save(buf, format="PNG")
+        return buf.getvalue()
+    return (result.text + "\n").encode("utf-8")
+
+
+def _run(models: serve.Models, batch: list[Job]) -> list[serve.Result]:
+    first = batch[0]
+    p = first.params
+    seeds = [j.seed for j in batch]
+    if first.kind == "ar-image":
+        return serve.run_ar(models, [j.params["prompt"] for j in batch], seeds, first.method, first.knobs,
+                            guidance_scale=p["guidance_scale"], temperature=p["temperature"], top_k=p["top_k"],
+                            top_p=p["top_p"])
+    images = [_load_image(Path(j.params["image"])) for j in batch]
+    return serve.run_vlm(models, images, [j.params["question"] for j in batch], seeds, first.method, first.knobs,
+                         max_new_tokens=p["max_new_tokens"], temperature=p["temperature"])
+
+
+def _record(job: Job, status: str, stats: dict | None = None, error: str | None = None) -> dict:
+    from accelerate import PartialState
+
+    return {"id": job.id, "kind": job.kind, "method": job.method, "seed": job.seed, "status": status,
+            "output": job.output if status == "ok" else None, "stats": stats or {}, "error": error,
+            "process": PartialState().process_index}
+
+
+def run_batch(models: serve.Models, batch: list[Job], out: Path) -> list[dict]:
+    """Run one batch, write its files and manifest records; a failing batch is retried job by
+    job, so one bad job fails alone and is recorded with its error."""
+    try:
+        results = _run(models, batch)
+    except Exception as err:
+        if len(batch) > 1:
+            return [rec for job in batch for rec in run_batch(models, [job], out)]
+        rec = _record(batch[0], "error", error=f"{type(err).__name__}: {err}")
+        append_record(out / MANIFEST, rec)
+        return [rec]
+    records = []
+    for job, result in zip(batch, results):
+        write_atomic(out / job.output, _encode(job, result))
+        rec = _record(job, "ok", stats=result.stats)
+        append_record(out / MANIFEST, rec)
+        records.append(rec)
+    return records
+
+
+@dataclass
+class Summary:
+    total: int
+    skipped: int
+    ok: int
+    failed: int
+    processes: int
+
+
+def run(jobs_path: str | Path, out: str | Path, batch_size: int = 4, progress: bool = True,
+        models: serve.Models | None = None) -> Summary:
+    """Run every unfinished job of ``jobs_path`` into ``out``, on this process and the others
+    accelerate started. Bad job lines raise ``ValueError`` before any folder is made."""
+    check(isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1, "batch_size",
+          "an int >= 1", batch_size)
+    jobs = load_jobs(jobs_path)
+    out = Path(out)
+    check(not out.exists() or out.is_dir(), "out", "a folder (or a path to create one at)", str(out))
+
+    import torch
+    from accelerate import PartialState
+    from accelerate.utils import gather_object
+
+    state = PartialState(cpu=not torch.cuda.is_available())  # without cpu=True, CPU ranks come up as separate runs
+    if state.is_main_process:
+        out.mkdir(parents=True, exist_ok=True)
+        _repair(out)
+    state.wait_for_everyone()
+    done = finished(out, jobs)
+    pending = [j for j in jobs if j.id not in done]
+    batches = make_batches(pending, batch_size)
+    models = models or serve.Models()
+    bar = None
+    if progress and state.is_main_process:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(jobs), initial=len(done), desc="mmspec batch", unit="job", file=sys.stderr)
+    ids = {j.id for j in pending}
+    mine_records: list[dict] = []
+    with state.split_between_processes(batches) as mine:
+        for batch in mine:
+            mine_records.extend(run_batch(models, batch, out))
+            if bar is not None:  # everyone's progress, read back from the shared manifest
+                records = read_manifest(out / MANIFEST)
+                now = [records[i] for i in ids if i in records]
+                bar.n = len(done) + len(now)
+                bar.set_postfix(failed=sum(r["status"] == "error" for r in now), refresh=False)
+                bar.refresh()
+    gathered = gather_object(mine_records) if state.num_processes > 1 else mine_records
+    failed = sum(r["status"] == "error" for r in gathered)
+    if state.is_main_process:
+        latest = read_manifest(out / MANIFEST)
+        lines = "".join(json.dumps(latest[j.id], sort_keys=True) + "\n" for j in jobs if j.id in latest)
+        write_atomic(out / MANIFEST, lines.encode())
+        if bar is not None:
+            bar.n = len(done) + len(gathered)
+            bar.set_postfix(failed=failed, refresh=False)
+            bar.close()
+    state.wait_for_everyone()
+    return Summary(len(jobs), len(done), len(gathered) - failed, failed, state.num_processes)
