@@ -22,7 +22,8 @@ from diffusers.utils import BaseOutput
 
 from ..adapters.ar_image import compose, parse_method
 from ..core import LogitsPipeline, SpeculativeDecoder
-from ..core.errors import check, check_choice
+from ..core.errors import check
+from . import checks
 # diffusers loads components only from modules already imported: name them here
 from ..models import eagle as _eagle, llamagen as _llamagen, vq as _vq  # noqa: F401
 from ..training.data.shapes import CLASS_NAMES, CLASS_PROMPTS
@@ -85,6 +86,29 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
     def num_classes(self) -> int:
         return self.transformer.config.num_classes
 
+    def check_inputs(self, prompt, class_labels, *, method, method_knobs, guidance_scale, temperature, top_k, top_p,
+                     num_images_per_prompt, generator, output_type, return_dict, callback_on_step_end,
+                     show_progress) -> None:
+        """Every argument of ``__call__``, checked before any model runs (``pipelines.checks``):
+        ``ValueError`` naming the argument and the allowed values."""
+        check((prompt is None) != (class_labels is None), "prompt", "exactly one of prompt and class_labels",
+              {"prompt": prompt, "class_labels": class_labels})
+        if prompt is not None:
+            labels_from_prompts(checks.check_prompts(prompt, "prompt"))
+        else:
+            checks.check_class_labels(class_labels, self.num_classes)
+        checks.check_int(num_images_per_prompt, "num_images_per_prompt", 1)
+        checks.check_sampling(temperature, top_k, top_p, guidance_scale)
+        checks.check_generator(generator)
+        checks.check_output_type(output_type, OUTPUT_TYPES)
+        checks.check_flag(return_dict, "return_dict")
+        checks.check_flag(show_progress, "show_progress")
+        checks.check_callback(callback_on_step_end, "callback_on_step_end")
+        recipe = checks.check_method("ar-image", method, method_knobs)
+        for need in recipe.requires:
+            check(need not in ("draft_model", "eagle_head") or getattr(self, need) is not None, "method",
+                  f"a method whose parts this pipeline holds (it has no {need})", method)
+
     @torch.no_grad()
     def __call__(self, prompt: str | list[str] | None = None, class_labels: int | list[int] | None = None, *,
                  method: str = "none", guidance_scale: float | None = 2.0, temperature: float = 1.0,
@@ -108,18 +132,13 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         Returns:
             ``ARImagePipelineOutput`` (or a tuple ``(images, stats)`` when ``return_dict=False``).
         """
-        # every argument is checked before any work
-        check((prompt is None) != (class_labels is None), "prompt", "exactly one of prompt and class_labels",
-              {"prompt": prompt, "class_labels": class_labels})
-        if prompt is not None:
-            labels = labels_from_prompts(prompt)
-        else:
-            labels = [class_labels] if isinstance(class_labels, int) else list(class_labels)
-            check(len(labels) > 0 and all(isinstance(c, int) and 0 <= c < self.num_classes for c in labels),
-                  "class_labels", f"ints in [0, {self.num_classes})", class_labels)
-        check(isinstance(num_images_per_prompt, int) and num_images_per_prompt >= 1, "num_images_per_prompt",
-              "an int >= 1", num_images_per_prompt)
-        check_choice("output_type", output_type, OUTPUT_TYPES)
+        self.check_inputs(prompt, class_labels, method=method, method_knobs=method_knobs,
+                          guidance_scale=guidance_scale, temperature=temperature, top_k=top_k, top_p=top_p,
+                          num_images_per_prompt=num_images_per_prompt, generator=generator, output_type=output_type,
+                          return_dict=return_dict, callback_on_step_end=callback_on_step_end,
+                          show_progress=show_progress)
+        labels = labels_from_prompts(prompt) if prompt is not None else checks.check_class_labels(
+            class_labels, self.num_classes)
         guided = guidance_scale is not None and guidance_scale != 1.0
         logits = LogitsPipeline(temperature=temperature, top_k=top_k, top_p=top_p,
                                 guidance_scale=guidance_scale if guided else None)

@@ -21,9 +21,10 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..adapters.vlm import VLMTarget
-from ..adapters.vlm_methods import HEAD_METHODS, METHODS, build_drafter, parse_knobs
+from ..adapters.vlm_methods import HEAD_METHODS, METHODS, build_drafter
 from ..core import LogitsPipeline, SpeculativeDecoder
 from ..core.errors import check, check_choice
+from . import checks
 # diffusers loads components only from modules already imported: name them here
 from ..models import vlm_draft as _vlm_draft  # noqa: F401
 from ..training.data.scene_qa import prompt_text
@@ -101,6 +102,26 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             pixels.append(enc["pixel_values"])
         return ids, torch.cat(pixels)
 
+    def check_inputs(self, images, prompts, *, method, method_knobs, max_new_tokens, temperature, top_p, generator,
+                     callback, return_dict, show_progress) -> None:
+        """Every argument of ``__call__``, checked before any model runs (``pipelines.checks``):
+        ``ValueError`` naming the argument and the allowed values."""
+        check_choice("method", method, METHODS)
+        checks.check_method("vlm", method, method_knobs)
+        if method == "sd":
+            check(self.draft_model is not None, "method", "a method whose draft this pipeline holds (no draft_model)", method)
+        if method in HEAD_METHODS:
+            check(getattr(self, f"{method}_head") is not None, "method",
+                  f"a method whose draft this pipeline holds (no {method}_head)", method)
+        prompts = checks.check_prompts(prompts, "prompts")
+        checks.check_images(images, len(prompts), "images")
+        checks.check_int(max_new_tokens, "max_new_tokens", 1)
+        checks.check_sampling(temperature, top_p=top_p)
+        checks.check_generator(generator)
+        checks.check_callback(callback, "callback")
+        checks.check_flag(return_dict, "return_dict")
+        checks.check_flag(show_progress, "show_progress")
+
     @torch.no_grad()
     def __call__(self, images=None, prompts: str | list[str] | None = None, *, max_new_tokens: int = 128,
                  method: str = "none", temperature: float = 0.0, top_p: float | None = None,
@@ -124,18 +145,9 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         Returns:
             ``VLMPipelineOutput`` (or ``(texts, stats)`` when ``return_dict=False``).
         """
-        # every argument is checked before any forward pass
-        check_choice("method", method, METHODS)
-        check(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1,
-              "max_new_tokens", "an int >= 1", max_new_tokens)
-        check(isinstance(temperature, (int, float)) and temperature >= 0, "temperature", "a number >= 0", temperature)
-        check(top_p is None or 0 < top_p <= 1, "top_p", "None or a number in (0, 1]", top_p)
-        parse_knobs(method, method_knobs)
-        if method == "sd":
-            check(self.draft_model is not None, "method", "a method whose draft this pipeline holds (no draft_model)", method)
-        if method in HEAD_METHODS:
-            check(getattr(self, f"{method}_head") is not None, "method",
-                  f"a method whose draft this pipeline holds (no {method}_head)", method)
+        self.check_inputs(images, prompts, method=method, method_knobs=method_knobs, max_new_tokens=max_new_tokens,
+                          temperature=temperature, top_p=top_p, generator=generator, callback=callback,
+                          return_dict=return_dict, show_progress=show_progress)
         ids, pixels = self.prepare_inputs(images, prompts)
 
         target, draft = self.views()
