@@ -19,7 +19,7 @@ from ...models.llamagen import LlamaGenModel
 from ...models.vq import TinyVQModel
 from ..data import NUM_CLASSES
 from .ar_image import token_data, train_ar_image
-from .common import (TRAIN_LOG, batch_indices, check_run_args, json_config, save_atomically,
+from .common import (TRAIN_LOG, batch_indices, check_checkpoint_dir, check_run_args, json_config, save_atomically,
                      warmup_cosine)
 
 KINDS = ("eagle", "chain")
@@ -32,9 +32,7 @@ GRAD_CLIP = 0.5
 
 
 def _checkpoint_dir(path, name: str, what: str) -> Path:
-    path = Path(path)
-    check(path.is_dir() and (path / "config.json").is_file(), name, f"a folder saved by {what}", str(path))
-    return path
+    return check_checkpoint_dir(path, name, f"a folder saved by {what}")
 
 
 def _load_target(target_dir, vq: TinyVQModel) -> LlamaGenModel:
@@ -105,7 +103,8 @@ def train_ar_draft(out_dir: str | Path, *, kind: str, vq_dir: str | Path, target
                             lr=lr, seed=seed, dataset_size=dataset_size, heldout_size=heldout_size,
                             log_every=log_every, warmup=warmup, log=log)
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
+                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every,
+                         log=log, warmup=warmup)
 
     start = time.perf_counter()
     vq = load_checkpoint(TinyVQModel, vq_path)

@@ -14,7 +14,7 @@ from ...models.llamagen import LlamaGenModel
 from ...models import load_checkpoint
 from ...models.vq import TinyVQModel
 from ..data import NUM_CLASSES, ShapesDataset
-from .common import (batch_indices, check_run_args, heldout_seed, json_config, save_atomically, stack,
+from .common import (batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, json_config, save_atomically, stack,
                      warmup_cosine)
 
 # small enough for a CPU; mlp_hidden ~ 8/3 dim as in LlamaGen
@@ -62,10 +62,9 @@ def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch
     ``model_config``. The learning rate warms up linearly for ``warmup`` steps, then follows a
     cosine down to 10% of ``lr``. Label dropout uses a generator seeded from ``seed``: runs are reproducible."""
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
-    vq_path = Path(vq_dir)
-    check(vq_path.is_dir() and (vq_path / "config.json").is_file(), "vq_dir",
-          "a folder saved by TinyVQModel.save_pretrained (e.g. by train_vq)", str(vq_dir))
+                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every,
+                         log=log, warmup=warmup)
+    vq_path = check_checkpoint_dir(vq_dir, "vq_dir", "a folder saved by TinyVQModel.save_pretrained (e.g. by train_vq)")
     model_config = dict(model_config or {})
     check(not set(model_config) & set(_DERIVED), "model_config",
           f"free of {', '.join(_DERIVED)} (they come from the VQ and the dataset)", model_config)

@@ -17,7 +17,7 @@ from ...models import load_checkpoint
 from ...models.classifier import ShapesClassifier
 from ...models.vq import TinyVQModel
 from ..data import NUM_CLASSES, ShapesDataset
-from .common import batch_indices, check_run_args, heldout_seed, json_config, save_atomically, stack, warmup_cosine
+from .common import batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, json_config, save_atomically, stack, warmup_cosine
 
 
 def _gaussian_blur(images: torch.Tensor, sigma: float) -> torch.Tensor:
@@ -58,14 +58,13 @@ def train_classifier(out_dir: str | Path, *, steps: int, batch_size: int, lr: fl
     ``lr``. Deterministic for a given seed and thread count: ``torch.manual_seed(seed)`` sets the
     init, generators seeded from ``seed`` the batch order and the augmentation."""
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
+                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every, log=log)
     check(isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= 1, "warmup", "an int >= 1",
           warmup)
     check(isinstance(weight_decay, (int, float)) and not isinstance(weight_decay, bool) and weight_decay >= 0,
           "weight_decay", "a number >= 0", weight_decay)
-    vq_path = None if vq_dir is None else Path(vq_dir)
-    check(vq_path is None or (vq_path.is_dir() and (vq_path / "config.json").is_file()), "vq_dir",
-          "None or a folder saved by TinyVQModel.save_pretrained (e.g. by train_vq)", str(vq_dir))
+    vq_path = None if vq_dir is None else check_checkpoint_dir(
+        vq_dir, "vq_dir", "None or a folder saved by TinyVQModel.save_pretrained (e.g. by train_vq)")
 
     start = time.perf_counter()
     torch.manual_seed(seed)

@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from ...core.errors import check
+from ...models.checkpoint import check_model_folder
 from ..data import ShapesDataset
 
 TRAIN_LOG = "train_log.json"
@@ -26,18 +27,49 @@ def _is_int(x, low: int) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
-def check_run_args(out_dir, *, steps, batch_size, lr, seed, dataset_size, heldout_size, log_every) -> Path:
-    """Validate the arguments every recipe takes; returns ``out_dir`` as a Path."""
+def check_run_args(out_dir, *, steps, batch_size, lr, seed, dataset_size, heldout_size, log_every, log=print,
+                   warmup=None) -> Path:
+    """Validate the arguments every recipe takes (``warmup`` when the recipe has one); returns
+    ``out_dir`` as a Path. Nothing is read or written."""
     check(_is_int(steps, 1), "steps", "an int >= 1", steps)
     check(_is_int(batch_size, 1), "batch_size", "an int >= 1", batch_size)
-    check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0, "lr", "a number > 0", lr)
+    check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0, "lr",
+          "a number > 0", lr)
     check(_is_int(seed, 0), "seed", "an int >= 0", seed)
     check(_is_int(dataset_size, batch_size), "dataset_size", f"an int >= batch_size ({batch_size})", dataset_size)
     check(_is_int(heldout_size, 1), "heldout_size", "an int >= 1", heldout_size)
     check(_is_int(log_every, 1), "log_every", "an int >= 1", log_every)
+    check(warmup is None or _is_int(warmup, 0), "warmup", "an int >= 0", warmup)
+    check(callable(log), "log", "a callable taking one str (e.g. print)", log)
+    return check_out_dir(out_dir)
+
+
+def check_out_dir(out_dir, name: str = "out_dir") -> Path:
+    """A folder path that is not an existing file and whose nearest existing parent is a
+    writable folder (so a run does not fail at its very end, when it saves)."""
+    check(isinstance(out_dir, (str, os.PathLike)) and str(out_dir) != "", name, "a folder path", out_dir)
     out = Path(out_dir)
-    check(not out.exists() or out.is_dir(), "out_dir", "a folder path (not an existing file)", str(out_dir))
+    check(not out.exists() or out.is_dir(), name, "a folder path (not an existing file)", str(out_dir))
+    parent = out.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    check(parent.is_dir() and os.access(parent, os.W_OK | os.X_OK), name,
+          "a path under a writable folder", f"{out_dir} ({parent} is not a writable folder)")
     return out
+
+
+def check_checkpoint_dir(path, name: str, what: str, processor: bool = False) -> Path:
+    """A folder saved by ``save_pretrained``: ``config.json`` a JSON object and every
+    ``*.safetensors`` file's header readable (a truncated file is refused naming it); with
+    ``processor``, also the processor's and tokenizer's files. Reads no tensor data."""
+    check(isinstance(path, (str, os.PathLike)) and str(path) != "", name, what, path)
+    folder = Path(path)
+    check(folder.is_dir() and (folder / "config.json").is_file(), name, what, str(path))
+    check_model_folder(folder, name)
+    if processor:
+        for files in (("processor_config.json", "preprocessor_config.json"), ("tokenizer.json", "tokenizer_config.json")):
+            check(any((folder / f).is_file() for f in files), name, f"{what} (with {' or '.join(files)})", str(path))
+    return folder
 
 
 def heldout_seed(seed: int) -> int:

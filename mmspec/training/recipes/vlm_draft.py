@@ -24,7 +24,7 @@ from ...adapters.vlm import VLMTarget
 from ...core.errors import check, check_choice
 from ...models.vlm_draft import BRANCHES, METHODS, VLMDraftHead
 from ..data.scene_qa import SceneQADataset
-from .common import check_run_args, heldout_seed, save_atomically, warmup_cosine
+from .common import check_checkpoint_dir, check_run_args, heldout_seed, save_atomically, warmup_cosine
 from .vlm import collate, encode
 
 # rollout steps per method: ViSpec trains on its own predictions, the others teacher-forced
@@ -103,7 +103,9 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
 
     check_choice("method", method, METHODS)
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
+                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every,
+                         log=log, warmup=warmup)
+    check_checkpoint_dir(target_dir, "target_dir", "a folder written by 'mmspec train vlm'", processor=True)
     rollout_steps = DEFAULT_ROLLOUT[method] if rollout_steps is None else rollout_steps
     check(isinstance(rollout_steps, int) and rollout_steps >= 1, "rollout_steps", "an int >= 1", rollout_steps)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),

@@ -35,7 +35,7 @@ def train_vq(out_dir: str | Path, *, steps: int, batch_size: int = 16, lr: float
     Deterministic for a given seed and thread count: ``torch.manual_seed(seed)`` sets the init,
     a generator seeded from ``seed`` the batch order."""
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
-                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
+                         dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every, log=log)
     start = time.perf_counter()
     torch.manual_seed(seed)
     model = TinyVQModel()
