@@ -88,7 +88,7 @@ def _collect_knobs(kind: str, method: str, names: list[str], values) -> dict:
         if spec.type is int and isinstance(value, float) and value.is_integer():
             value = int(value)
         if value is None and not spec.optional:
-            raise ValueError(f"{name}: expected {spec.allowed()}; got an empty box")
+            raise ValueError(f"{name} must be {spec.allowed()}, got an empty box")
         knobs[name] = value
     return knobs
 
@@ -97,7 +97,7 @@ def _int(value, name: str) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name}: expected an int; got {value!r}")
+        raise ValueError(f"{name} must be an int, got {value!r}")
     return value
 
 
@@ -190,7 +190,7 @@ def vlm_answer(image, question, method, max_new_tokens, *knob_values):
         max_new = _int(max_new_tokens, "max_new_tokens")
         question = question if isinstance(question, str) else ""
         if not question.strip():
-            raise ValueError("question: expected a non-empty question about the image; got an empty box")
+            raise ValueError("question must be a non-empty question about the image, got an empty box")
     except Exception as err:
         yield None, "", "", _error(err)
         return

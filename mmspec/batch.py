@@ -109,22 +109,23 @@ class Job:
 
 # ---------------------------------------------------------------- reading and checking jobs
 
+_WORDS = {int: "an int", float: "a float", str: "a str", bool: "a bool"}
+
+
 def _coerce(name: str, value, typ: type, optional: bool, from_csv: bool):
     """A field's value as ``typ``; CSV cells arrive as text and are parsed here."""
     if value is None or (from_csv and value == ""):
-        check(optional, name, f"a {typ.__name__}", value)
+        check(optional, name, _WORDS[typ], value)
         return None
     if from_csv and typ is not str:
         try:
             value = {"true": True, "false": False}[value.lower()] if typ is bool else typ(value)
         except (ValueError, KeyError):
-            raise ValueError(f"{name}: expected a {typ.__name__}; got {value!r}") from None
-        if typ is int and str(value) != value.strip().lstrip("+"):
-            raise ValueError(f"{name}: expected an int; got {value!r}")
+            raise ValueError(f"{name} must be {_WORDS[typ]}, got {value!r}") from None
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     ok = isinstance(value, typ) and not (typ is not bool and isinstance(value, bool))
-    check(ok, name, f"a {typ.__name__}", value)
+    check(ok, name, _WORDS[typ], value)
     return value
 
 
@@ -182,7 +183,7 @@ def _load_image(path: Path):
         with PIL.Image.open(path) as im:
             arr = np.asarray(im.convert("RGB"))
     except (OSError, SyntaxError) as err:
-        raise ValueError(f"image: expected a readable image file; got {str(path)!r} ({err})") from None
+        raise ValueError(f"image must be a readable image file, got {str(path)!r} ({err})") from None
     return serve.as_rgb(arr)
 
 
