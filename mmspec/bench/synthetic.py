@@ -53,6 +53,8 @@ class IIDTarget:
 class IIDDrafter:
     """Drafts a chain of ``gamma`` independent samples from q (no model, no forward passes)."""
 
+    lane_safe = True  # context-free: any schedule may run it per lane (``mmspec.core.types.Drafter``)
+
     def __init__(self, q: torch.Tensor, gamma: int):
         check(isinstance(gamma, int) and gamma >= 1, "gamma", "an int >= 1", gamma)
         self.q, self.gamma = q, gamma

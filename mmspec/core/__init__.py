@@ -16,13 +16,15 @@ from .relaxed import (GroupedAcceptance, GroupedAcceptanceConfig, LatentProximit
 from .schedule import NextSetSchedule, RasterSchedule
 from .stats import Stats
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
-from .types import Acceptance, Drafter, KVCache, ModelOutput, Target
+from .types import (Acceptance, AcceptanceRule, DecodingSchedule, Drafter, DrafterBase, FeatureHead, KVCache,
+                    ModelOutput, SchedulePlan, Target)
 
 __all__ = [
-    "Acceptance", "DecodeOutput", "DecodeState", "DraftTree", "Drafter", "EagleTreeDrafter", "GreedyMatch",
+    "Acceptance", "AcceptanceRule", "DecodeOutput", "DecodeState", "DecodingSchedule", "DraftTree", "Drafter",
+    "DrafterBase", "EagleTreeDrafter", "FeatureHead", "GreedyMatch",
     "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDrafter", "KVCache", "LatentProximityAcceptance",
     "LatentProximityConfig", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter",
-    "NextSetSchedule", "NullDrafter", "PromptLookupDrafter", "RasterSchedule", "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder",
+    "NextSetSchedule", "NullDrafter", "PromptLookupDrafter", "RasterSchedule", "SchedulePlan", "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder",
     "SpeculativeSampling", "StaticKVCache", "Stats", "Target", "Tree", "dynamic_tree", "latent_neighbours",
     "sampled_tree",
 ]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import residual_distribution
-from .sampling import sample
+from .sampling import Generators, rand, sample
 from .tree import DraftTree
 from .types import Acceptance
 
@@ -45,13 +45,15 @@ class SpeculativeSampling:
             q = torch.nn.functional.one_hot(x, p.shape[-1]).to(p.dtype)
         return residual_distribution(p, q)
 
-    def sample(self, p: torch.Tensor, generator) -> torch.Tensor:
+    def sample(self, p: torch.Tensor, generator: Generators = None) -> torch.Tensor:
+        """(B, V) -> (B,) tokens; row b draws from generator b of a per-row tuple."""
         return sample(p, generator)
 
-    def uniform(self, batch_size: int, device, generator) -> torch.Tensor:
-        return torch.rand(batch_size, device=device, generator=generator)
+    def uniform(self, shape: tuple[int, ...], device, generator: Generators) -> torch.Tensor:
+        """(B, ...) uniforms for the accept tests; row b's from generator b of a per-row tuple."""
+        return rand(shape, generator, device)
 
-    def __call__(self, draft: DraftTree, p_all: torch.Tensor, generator=None) -> Acceptance:
+    def __call__(self, draft: DraftTree, p_all: torch.Tensor, generator: Generators = None) -> Acceptance:
         """``p_all`` (B, N+1, V): the target's processed distribution after every node."""
         if draft.tree.is_chain and draft.tokens.shape[1] > 0:
             return self._chain(draft, p_all, generator)
@@ -65,7 +67,7 @@ class SpeculativeSampling:
         p = p_all[:, :G].reshape(B * G, V)
         q = None if draft.q is None else draft.q.reshape(B * G, V)
         a = self.accept_prob(p, q, x.reshape(-1)).view(B, G)
-        ok = self.uniform(B * G, p.device, generator).view(B, G) < a
+        ok = self.uniform((B, G), p.device, generator) < a
         n = ok.long().cumprod(1).sum(1)  # (B,) accepted prefix length
         rows = torch.arange(B, device=p.device)
         at = n.clamp(max=G - 1)  # the rejected position (unused where all were accepted)
@@ -99,7 +101,7 @@ class SpeculativeSampling:
                 c = child.clamp(min=0)
                 x = node_tok[rows, c]
                 q = None if node_q is None else node_q[rows, c]
-                ok = try_it & (self.uniform(B, device, generator) < self.accept_prob(p, q, x))
+                ok = try_it & (self.uniform((B,), device, generator) < self.accept_prob(p, q, x))
                 p = torch.where((try_it & ~ok)[:, None], self.reject(p, q, x), p)
                 nxt = torch.where(ok, c, nxt)
                 moved |= ok
@@ -118,8 +120,8 @@ class GreedyMatch(SpeculativeSampling):
     greedy target-only decoding.
     """
 
-    def uniform(self, batch_size, device, generator):
-        return torch.zeros(batch_size, device=device)  # accept probability is exactly 0 or 1
+    def uniform(self, shape, device, generator):
+        return torch.zeros(shape, device=device)  # accept probability is exactly 0 or 1
 
     def accept_prob(self, p, q, x):
         return (p.argmax(-1) == x).to(p.dtype)

@@ -7,54 +7,24 @@ root), so the baseline and the methods share every line of cache and sampling co
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
 from .acceptance import GreedyMatch, SpeculativeSampling
+from .drafters import NullDrafter
 from .errors import check
 from .logits import LogitsPipeline
+from .sampling import Generators, as_generators, repeat_rows, select_rows
 from .schedule import RasterSchedule
 from .stats import Stats
-from .types import Acceptance, Drafter, ModelOutput, Target
+from .tree import DraftTree, Tree
+from .types import (Acceptance, AcceptanceRule, DecodeState, DecodingSchedule, Drafter, ModelOutput,
+                    Target)
 
-
-@dataclass
-class DecodeState:
-    """What drafters may read: every target row's token history and the sampling setup.
-
-    With guidance the target runs ``R = 2B`` rows, ``[cond; uncond]``; both halves receive the same
-    generated tokens, so ``tokens[:B]`` and ``tokens[B:]`` differ only in their prompts.
-    """
-
-    tokens: torch.Tensor  # (R, capacity) prompt then generated tokens, garbage past lengths
-    lengths: torch.Tensor  # (R,)
-    batch_size: int
-    logits: LogitsPipeline
-    generator: torch.Generator | None
-    max_len: int  # slots a cache needs for this call (prompt + new tokens + two blocks)
-    # the target's prefill output, set only while ``Drafter.start`` runs (feature drafters read
-    # its ``hidden``); cleared afterwards so the prompt's logits are not held while decoding
-    prefill: ModelOutput | None = None
-    prompt_lengths: torch.Tensor | None = None  # (R,) where each row's generated tokens start
-    # the call's conditioning (``generate(conditioning=...)``): fed with the prompt pass of the
-    # target, and of any draft model that sees the prompt the same way (``_DraftModelRunner``)
-    conditioning: Mapping[str, Any] = field(default_factory=dict)
-
-    @property
-    def rows(self) -> int:
-        return self.tokens.shape[0]
-
-    @property
-    def roots(self) -> torch.Tensor:
-        """(B,) each row's last token: emitted, but not yet in the target's cache."""
-        B = self.batch_size
-        return self.tokens[torch.arange(B, device=self.tokens.device), self.lengths[:B] - 1]
-
-    def expand(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, ...) -> (R, ...): the uncond half of a guided batch mirrors the cond half."""
-        return x if self.rows == self.batch_size else torch.cat([x, x], 0)
+__all__ = ["DecodeOutput", "DecodeState", "SpeculativeDecoder", "pad_prompts"]
 
 
 @dataclass
@@ -79,48 +49,32 @@ def pad_prompts(prompts, pad: int = 0, device=None) -> tuple[torch.Tensor, torch
     return ids.to(device), torch.tensor([len(s) for s in seqs], device=device)
 
 
-class NullDrafter:
-    """Proposes nothing: the loop then decodes one target token per pass (the baseline)."""
-
-    vocab_size = None
-    max_block = 1
-    forwards = 0
-    lane_safe = True  # works under any schedule
-
-    def start(self, state):
-        pass
-
-    def propose(self, state):
-        from .tree import DraftTree, Tree
-
-        B = state.batch_size
-        empty = torch.zeros(B, 0, dtype=torch.long, device=state.tokens.device)
-        return DraftTree(empty, Tree(empty, max_depth=0, max_children=0))
-
-    def update(self, state, draft, acceptance, target_probs, target_out):
-        pass
-
-
 class SpeculativeDecoder:
     """Speculative decoding over any ``Target`` with any ``Drafter`` and acceptance rule.
 
     Args:
         target: scores blocks with a KV cache (``mmspec.core.types.Target``).
-        drafter: proposes chains or trees; ``None`` decodes with the target alone.
-        rule: acceptance rule; defaults to ``GreedyMatch`` for greedy logits and lossless
-            ``SpeculativeSampling`` otherwise.
+        drafter: proposes chains or trees (``mmspec.core.types.Drafter``; inherit ``DrafterBase``
+            for its defaults); ``None`` decodes with the target alone.
+        rule: acceptance rule (``AcceptanceRule``); defaults to ``GreedyMatch`` for greedy logits
+            and lossless ``SpeculativeSampling`` otherwise.
         logits: the logits pipeline shared by draft and target.
-        schedule: which positions each pass decodes (``mmspec.core.schedule``); default raster
-            next-token order. Drafters and rules see the schedule's lanes as rows.
+        schedule: which positions each pass decodes (``DecodingSchedule``, see
+            ``mmspec.core.schedule``); default raster next-token order. Drafters and rules see the
+            schedule's lanes as rows. A schedule keeps no per-call state, so decoders may share one.
     """
 
-    def __init__(self, target: Target, drafter: Drafter | None = None, rule=None,
-                 logits: LogitsPipeline | None = None, schedule=None):
+    def __init__(self, target: Target, drafter: Drafter | None = None, rule: AcceptanceRule | None = None,
+                 logits: LogitsPipeline | None = None, schedule: DecodingSchedule | None = None):
         self.target = target
         self.schedule = schedule if schedule is not None else RasterSchedule()
         self.drafter = drafter if drafter is not None else NullDrafter()
         self.logits = logits if logits is not None else LogitsPipeline()
         self.rule = rule if rule is not None else (GreedyMatch() if self.logits.greedy else SpeculativeSampling())
+        for name, value, proto in (("drafter", self.drafter, Drafter), ("rule", self.rule, AcceptanceRule),
+                                   ("schedule", self.schedule, DecodingSchedule)):
+            check(isinstance(value, proto), name, f"a {proto.__name__} (members: {_members(proto)})",
+                  type(value).__name__)
         dv = self.drafter.vocab_size
         check(dv is None or dv == target.vocab_size, "drafter.vocab_size",
               f"equal to the target's vocabulary size ({target.vocab_size})", dv)
@@ -128,25 +82,34 @@ class SpeculativeDecoder:
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, *, uncond_input_ids=None,
-                 generator: torch.Generator | None = None, eos_token_id: int | None = None,
+                 generator: Generators = None, eos_token_id: int | Sequence[int] | None = None,
                  pad_token_id: int = 0, conditioning: Mapping[str, Any] | None = None,
-                 callback: Callable[[int, DecodeState], None] | None = None) -> DecodeOutput:
+                 callback: Callable[[int, DecodeState], None] | None = None,
+                 profile: bool = False) -> DecodeOutput:
         """Generate up to ``max_new_tokens`` per row.
 
         Args:
             input_ids: (B, S) tensor or a list of B token sequences of any lengths.
             uncond_input_ids: the unconditional prompts for classifier-free guidance (same forms);
                 required exactly when the logits pipeline has a guidance scale.
-            generator: the only source of randomness.
-            eos_token_id: a row stops after emitting it.
+            generator: the only source of randomness: one ``torch.Generator``, or a list of B
+                (diffusers' convention), row b drawing only from generator b (with guidance both
+                halves of a row share it), so that row b equals that prompt decoded alone with the
+                same generator.
+            eos_token_id: an id or a list of ids; a row stops after emitting any of them.
             pad_token_id: fills ``sequences`` after each row's end (any int; never fed to a model).
             conditioning: keyword inputs of the prompt pass (e.g. a VLM's ``pixel_values`` for
                 every target row, the uncond half included): given to the target's prefill and
                 to a draft model's first feed, never bound to a model object.
             callback: called after every decode pass with (step, state).
+            profile: time every phase into ``Stats.seconds`` (synchronises the device after each
+                phase of each pass); the call's total ``Stats.wall_seconds`` is always measured.
         """
-        check(isinstance(max_new_tokens, int) and max_new_tokens >= 1, "max_new_tokens", "an int >= 1",
-              max_new_tokens)
+        t0 = time.perf_counter()
+        check(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1,
+              "max_new_tokens", "an int >= 1", max_new_tokens)
+        check(isinstance(profile, bool), "profile", "True or False", profile)
+        eos = _eos_ids(eos_token_id)
         guided = self.logits.uses_guidance
         if guided and uncond_input_ids is None:
             raise ValueError("uncond_input_ids must be given when guidance_scale is set "
@@ -156,6 +119,7 @@ class SpeculativeDecoder:
         device = _device_of(self.target)
         ids, lens = pad_prompts(input_ids, 0, device)  # padding is cut from caches, never attended
         B = ids.shape[0]
+        generator = as_generators(generator, B)
         if guided:
             uids, ulens = pad_prompts(uncond_input_ids, 0, device)
             check(uids.shape[0] == B, "uncond_input_ids", f"{B} sequences (one per prompt)", uids.shape[0])
@@ -163,19 +127,20 @@ class SpeculativeDecoder:
             ids = torch.cat([_pad_to(ids, width, 0), _pad_to(uids, width, 0)])
             lens = torch.cat([lens, ulens])
         sched = self.schedule
-        ids, lens = sched.lane_prompts(ids, lens)  # one row per lane
-        lane_new = sched.lane_tokens(max_new_tokens, eos_token_id)
+        plan = sched.start(ids, lens, max_new_tokens, eos)  # checks the call; one row per lane
+        ids, lens = plan.input_ids, plan.lengths
+        generator = repeat_rows(generator, sched.lanes)  # an image's lanes share its generator
         B = B * sched.lanes
         block = self.drafter.max_block
-        capacity = ids.shape[1] + lane_new + 2 * block + 1
+        capacity = ids.shape[1] + plan.lane_tokens + 2 * block + 1
         history = torch.full((ids.shape[0], capacity), 0, dtype=torch.long, device=device)
         history[:, : ids.shape[1]] = ids
         conditioning = dict(conditioning or {})
         state = DecodeState(history, lens.clone(), B, self.logits, generator, capacity,
                             prompt_lengths=lens.clone(), conditioning=conditioning)
-        stats = Stats()
+        stats = Stats(profile=profile)
         draft_forwards_before = self.drafter.forwards
-        target, cache = sched.bind(self.target, state)
+        target, cache = plan.bind(self.target, state)
 
         # 1. prefill the prompts; the first token comes from the target alone
         with stats.timed("prefill", device):
@@ -184,13 +149,13 @@ class SpeculativeDecoder:
             cache.truncate(lens)
             last = out.logits[torch.arange(state.rows, device=device), (lens - 1).clamp(min=0)]  # (R, V)
             probs = self.logits(last)  # (B, V)
-            sel = sched.prefill_select(state)
+            sel = plan.prefill_rows(state)
             first = torch.zeros(B, dtype=torch.long, device=device)
             count = torch.ones(B, dtype=torch.long, device=device)
             if sel is None:
                 first = self.rule.sample(probs, generator)
             else:
-                first[sel] = self.rule.sample(probs[sel], generator)
+                first[sel] = self.rule.sample(probs[sel], select_rows(generator, sel))
                 count = torch.zeros_like(count).index_fill_(0, sel, 1)
             stats.target_forwards += 1
             self._emit(state, first[:, None], count)
@@ -198,11 +163,10 @@ class SpeculativeDecoder:
             self.drafter.start(state)
             state.prefill = None
 
-        prompt_lens = lens[:B]
-        done = sched.finished(state, prompt_lens, lane_new, eos_token_id)
+        done = plan.finished(state)
         step = 0
         while not bool(done.all()):
-            fed, emitting = sched.plan(state, done)
+            fed, emitting = plan.step(state, done)
             # 2. draft a chain or tree from every row's root
             with stats.timed("draft", device):
                 draft = self.drafter.propose(state)
@@ -218,11 +182,12 @@ class SpeculativeDecoder:
                 stats.target_forwards += 1
             # 4. accept
             with stats.timed("accept", device):
-                sel = sched.select(emitting)
+                sel = plan.emitting_rows(emitting)
                 if sel is None:
                     acc = self.rule(draft, probs, generator)
                 else:  # only lanes that emit draw randomness
-                    acc = _scatter(self.rule(_select(draft, sel), probs[sel], generator), sel, B, tree.max_depth)
+                    acc = _scatter(self.rule(_select(draft, sel), probs[sel], select_rows(generator, sel)),
+                                   sel, B, tree.max_depth)
             # 5. commit caches and emit the accepted tokens plus the next token
             with stats.timed("commit", device):
                 # the root and the accepted drafts enter the cache; finished rows stop growing
@@ -234,15 +199,18 @@ class SpeculativeDecoder:
                 new = torch.cat([path_tokens, path_tokens.new_zeros(B, 1)], 1)
                 new.scatter_(1, acc.num_accepted[:, None], acc.next_token[:, None])
                 emitted = torch.where(emitting, keep, 0)
-                stats.record_step(sched.per_output(emitted))
+                stats.record_step(plan.per_output(emitted))
                 self._emit(state, new, emitted)
-                done = sched.finished(state, prompt_lens, lane_new, eos_token_id)
+                done = plan.finished(state)
             step += 1
             if callback is not None:
                 callback(step, state)
 
         stats.draft_forwards = self.drafter.forwards - draft_forwards_before
-        sequences, out_lens = sched.collect(state, prompt_lens, lane_new, eos_token_id, pad_token_id)
+        sequences, out_lens = plan.collect(state, pad_token_id)
+        if device.type == "cuda":  # one sync per call, so the wall time covers the queued work
+            torch.cuda.synchronize(device)
+        stats.wall_seconds = time.perf_counter() - t0
         return DecodeOutput(sequences, out_lens, stats)
 
     @staticmethod
@@ -254,10 +222,27 @@ class SpeculativeDecoder:
         state.lengths = state.lengths + count
 
 
-def _select(draft, sel: torch.Tensor):
-    """The drafts of rows ``sel`` only."""
-    from .tree import DraftTree, Tree
+def _members(proto) -> str:
+    """The members a protocol asks for, for error messages."""
+    names = set(proto.__annotations__) | {n for n, v in vars(proto).items() if callable(v) and
+                                          (not n.startswith("_") or n == "__call__")}
+    return ", ".join(sorted(names))
 
+
+def _eos_ids(eos_token_id) -> tuple[int, ...] | None:
+    """None, an int, or a non-empty list/tuple of ints -> None or a tuple of ints."""
+    if eos_token_id is None:
+        return None
+    def is_int(x):
+        return isinstance(x, int) and not isinstance(x, bool)
+    ids = [eos_token_id] if is_int(eos_token_id) else eos_token_id
+    check(isinstance(ids, (list, tuple)) and len(ids) > 0 and all(is_int(i) and i >= 0 for i in ids),
+          "eos_token_id", "None, an int >= 0, or a non-empty list of ints >= 0", eos_token_id)
+    return tuple(ids)
+
+
+def _select(draft: DraftTree, sel: torch.Tensor) -> DraftTree:
+    """The drafts of rows ``sel`` only."""
     tree = draft.tree
     sub = Tree(tree.parents[sel], max_depth=tree.max_depth, max_children=tree.max_children)
     return DraftTree(draft.tokens[sel], sub, None if draft.q is None else draft.q[sel])

@@ -12,18 +12,26 @@
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
-from .decoder import DecodeState, NullDrafter
 from .errors import check, check_choice
-from .sampling import sample
+from .sampling import randint, sample
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
-from .types import KVCache, ModelOutput
+from .types import DecodeState, DrafterBase, FeatureHead, ModelOutput
 
-__all__ = ["NullDrafter", "ModelChainDrafter", "ModelTreeDrafter", "EagleTreeDrafter", "FeatureHead",
-           "JacobiDrafter"]
+__all__ = ["DrafterBase", "NullDrafter", "ModelChainDrafter", "ModelTreeDrafter", "EagleTreeDrafter",
+           "FeatureHead", "JacobiDrafter"]
+
+
+class NullDrafter(DrafterBase):
+    """Proposes nothing: the loop then decodes one target token per pass (the baseline)."""
+
+    lane_safe = True  # works under any schedule
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        B = state.batch_size
+        empty = torch.zeros(B, 0, dtype=torch.long, device=state.tokens.device)
+        return DraftTree(empty, Tree(empty, max_depth=0, max_children=0))
 
 
 class _DraftModelRunner:
@@ -78,8 +86,9 @@ class _DraftModelRunner:
         return self.model(state.expand(tokens), positions, self.cache, mask).logits
 
 
-class _ModelDrafter:
-    """What drafters built on a small draft model share: its runner and pass count."""
+class _ModelDrafter(DrafterBase):
+    """What drafters built on a small draft model share: its runner and pass count (not lane-safe:
+    the draft model reads each row's raster history)."""
 
     def __init__(self, model, conditioned: bool = True):
         self.runner = _DraftModelRunner(model, conditioned)
@@ -89,11 +98,8 @@ class _ModelDrafter:
     def forwards(self) -> int:
         return self.runner.forwards
 
-    def start(self, state):
-        self.runner.start(state)
-
-    def update(self, state, draft, acceptance, target_probs, target_out):
-        pass  # the runner re-syncs from the history at the next proposal
+    def start(self, state: DecodeState) -> None:
+        self.runner.start(state)  # ``update`` stays a no-op: the runner re-syncs at the next proposal
 
 
 class ModelChainDrafter(_ModelDrafter):
@@ -172,28 +178,7 @@ def _grow_tree(state: DecodeState, root_scores: torch.Tensor, step, knobs) -> Dr
     return sampled_tree(root_scores, step, knobs.top_k, knobs.depth, state.generator)
 
 
-class FeatureHead(Protocol):
-    """What ``EagleTreeDrafter`` needs of a feature draft head (``mmspec.models.eagle``).
-
-    ``head(features, tokens, positions, cache, tree_mask)`` scores entries ``(f_{p-1}, x_p)`` at
-    positions p: the target's (or the head's own predicted) feature (R, T, H) at p - 1 and the
-    token at p; it appends them to ``cache`` and returns the predicted feature at p as ``hidden``
-    (R, T, H) and the draft logits of the token at p + 1 (R, T, V).
-
-    Optionally ``head.start(cache, state)`` runs once per generation, right after the target's
-    prefill (``state.prefill`` is set), before the first feed: a head that prepares per-prompt
-    inputs there (``mmspec.models.vlm_draft``: the prompt's images) keeps them in its cache.
-    """
-
-    vocab_size: int
-
-    def new_cache(self, batch_size: int, max_len: int) -> KVCache: ...
-
-    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
-                 cache: KVCache, tree_mask: torch.Tensor | None = None) -> ModelOutput: ...
-
-
-class EagleTreeDrafter:
+class EagleTreeDrafter(DrafterBase):
     """EAGLE-2's dynamic draft tree grown by an EAGLE feature head (Li et al., 2024, "EAGLE" and
     "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees").
 
@@ -228,9 +213,7 @@ class EagleTreeDrafter:
         self.features = out.hidden.new_zeros(R, state.tokens.shape[1], H)  # [r, j]: feature at position j
         self.features[:, :S] = out.hidden
         self.cache = self.head.new_cache(R, state.max_len)
-        prepare = getattr(self.head, "start", None)
-        if callable(prepare):
-            prepare(self.cache, state)
+        self.head.start(self.cache, state)  # the head's per-prompt preparation (a no-op for most)
         self.fed = torch.zeros_like(state.lengths)  # head entries at positions 1 .. fed are committed
 
     def root_output(self, state: DecodeState) -> ModelOutput:
@@ -296,7 +279,7 @@ def _parent_slot(mask: torch.Tensor, k: int) -> torch.Tensor:
     return (anc * order).amax(-1) if anc.shape[-1] else mask.new_zeros(mask.shape[:2], dtype=torch.long)
 
 
-class JacobiDrafter:
+class JacobiDrafter(DrafterBase):
     """Speculative Jacobi Decoding's drafter (Teng et al., 2025, "Accelerating Auto-regressive
     Text-to-Image Generation with Training-free Speculative Jacobi Decoding").
 
@@ -343,7 +326,7 @@ class JacobiDrafter:
         known = torch.cat([state.roots[:, None], self.drafts], 1)  # (B, n + 1): root, then drafts
         repeat = known.gather(1, self.count[:, None]).expand(B, n)
         if self.init == "random":
-            init = torch.randint(*self.init_range, (B, n), device=device, generator=state.generator)
+            init = randint(*self.init_range, (B, n), state.generator, device)
         elif self.init == "repeat":
             init = repeat
         else:  # the token one grid row above draft j (history index lengths + j)

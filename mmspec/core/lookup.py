@@ -13,7 +13,7 @@ import torch
 
 from .errors import check
 from .tree import DraftTree, Tree
-from .decoder import DecodeState
+from .types import DecodeState, DrafterBase
 
 __all__ = ["PromptLookupDrafter", "lookup_draft"]
 
@@ -35,7 +35,7 @@ def lookup_draft(seq: torch.Tensor, num_tokens: int, max_ngram: int, min_ngram: 
     return seq[:0]
 
 
-class PromptLookupDrafter:
+class PromptLookupDrafter(DrafterBase):
     """Drafts up to ``num_tokens`` tokens per row by n-gram lookup in the row's own context
     (``max_ngram`` down to ``min_ngram``; transformers' defaults are 10 proposed tokens in its
     examples and ``max_matching_ngram_size=2``).
@@ -43,7 +43,11 @@ class PromptLookupDrafter:
     Rows draft independently; a batch's chain is as long as its longest row's draft, and shorter
     rows are padded by repeating their last token (any deterministic proposal is verified
     exactly, so padding costs verify width, never correctness). No match anywhere: an empty draft,
-    and the pass emits the target's token alone."""
+    and the pass emits the target's token alone.
+
+    Under sampling, a row's chain length depends on the other rows' drafts (the batch's chain is
+    as long as its longest), so with a list of generators a row of a batch follows the same
+    distribution as that row decoded alone but not the same random stream (greedy: identical)."""
 
     vocab_size = None
     lane_safe = True
@@ -54,10 +58,6 @@ class PromptLookupDrafter:
         check(min_ngram <= max_ngram, "min_ngram", f"an int <= max_ngram ({max_ngram})", min_ngram)
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.max_block = num_tokens + 1
-        self.forwards = 0
-
-    def start(self, state: DecodeState) -> None:
-        pass
 
     def propose(self, state: DecodeState) -> DraftTree:
         B = state.batch_size
@@ -72,6 +72,3 @@ class PromptLookupDrafter:
                 tokens[r] = pad
                 tokens[r, : len(d)] = d
         return DraftTree(tokens, Tree.chain(B, K, tokens.device))
-
-    def update(self, state, draft, acceptance, target_probs, target_out):
-        pass

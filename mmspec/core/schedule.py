@@ -6,9 +6,11 @@ default). ``NextSetSchedule`` gives every image row its own lane (ZipAR's next-s
 one pass advances several rows, each with its own root and (optionally) its own Jacobi window;
 the lanes of one image share a position-addressed cache (``SlotKVCache``).
 
-A schedule supplies, per ``generate`` call: the lanes' prompts, the target view and cache the
-loop talks to, which lanes are fed and which emit at each pass, when each lane is finished and
-how the lanes' tokens form each output sequence. Drafters and acceptance rules see lanes as rows.
+A schedule is a stateless factory (``mmspec.core.types.DecodingSchedule``): ``start`` checks a
+call's arguments and returns that call's ``SchedulePlan``, which supplies the lanes' prompts, the
+target view and cache the loop talks to, which lanes are fed and which emit at each pass, when
+each lane is finished and how the lanes' tokens form each output sequence. Drafters and
+acceptance rules see lanes as rows.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from .cache import SlotKVCache
 from .errors import check
-from .types import ModelOutput
+from .types import Drafter, ModelOutput
 
 
 class RasterSchedule:
@@ -25,48 +27,55 @@ class RasterSchedule:
 
     lanes = 1
 
-    def check_drafter(self, drafter) -> None:
+    def check_drafter(self, drafter: Drafter) -> None:
         pass
 
-    def lane_tokens(self, max_new_tokens: int, eos_token_id) -> int:
-        """Tokens each lane generates (checks the call before any work)."""
-        return max_new_tokens
+    def start(self, input_ids, lengths, max_new_tokens: int, eos_token_id) -> "RasterPlan":
+        return RasterPlan(input_ids, lengths, max_new_tokens, eos_token_id)
 
-    def lane_prompts(self, ids, lens):
-        return ids, lens
+
+class RasterPlan:
+    """One call in raster order: each row stops after ``max_new_tokens`` or at any EOS id."""
+
+    def __init__(self, input_ids, lengths, max_new_tokens: int, eos_token_id):
+        self.input_ids, self.lengths, self.lane_tokens = input_ids, lengths, max_new_tokens
+        self.prompt_lens = lengths.clone()  # (R,)
+        self.eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=lengths.device)
 
     def bind(self, target, state):
         return target, target.new_cache(state.rows, state.max_len)
 
-    def prefill_select(self, state):
+    def prefill_rows(self, state):
         return None
 
-    def plan(self, state, done):
+    def step(self, state, done):
         """(fed, emitting) lanes for this pass; finished lanes are fed but keep nothing."""
         return ~done, ~done
 
-    def select(self, emitting):
+    def emitting_rows(self, emitting):
         return None
 
     def per_output(self, emitted):
         return emitted
 
-    def finished(self, state, prompt_lens, max_new, eos):
+    def finished(self, state):
         B = state.batch_size
-        done = state.lengths[:B] - prompt_lens >= max_new
-        if eos is not None:
+        prompt_lens = self.prompt_lens[:B]
+        done = state.lengths[:B] - prompt_lens >= self.lane_tokens
+        if self.eos is not None:
             gen = torch.arange(state.tokens.shape[1], device=prompt_lens.device)
             produced = (gen >= prompt_lens[:, None]) & (gen < state.lengths[:B, None])
-            done |= ((state.tokens[:B] == eos) & produced).any(1)
+            done |= (torch.isin(state.tokens[:B], self.eos) & produced).any(1)
         return done
 
-    def collect(self, state, prompt_lens, max_new, eos, pad):
-        B = state.batch_size
+    def collect(self, state, pad):
+        B, max_new = state.batch_size, self.lane_tokens
+        prompt_lens = self.prompt_lens[:B]
         cols = prompt_lens[:, None] + torch.arange(max_new, device=prompt_lens.device)
         seq = state.tokens[:B].gather(1, cols.clamp(max=state.tokens.shape[1] - 1))
         n = (state.lengths[:B] - prompt_lens).clamp(max=max_new)
-        if eos is not None:
-            is_eos = seq == eos
+        if self.eos is not None:
+            is_eos = torch.isin(seq, self.eos)
             first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, max_new)
             n = torch.minimum(n, first)
         seq = torch.where(torch.arange(max_new, device=seq.device) < n[:, None], seq, pad)
@@ -88,7 +97,11 @@ class NextSetSchedule:
 
     Pure ZipAR decodes one token per row per pass: ``NFE = (H - 1) * window + W`` (prefill
     included), and ``window = W`` is raster order (``H * W``). With a Jacobi drafter each row runs
-    its own SJD window (``zipar+sjd``); drafts past a row's end are never kept.
+    its own SJD window (``zipar+sjd``); drafts past a row's end are never kept. The lanes of one
+    image draw their randomness from that image's generator.
+
+    The schedule holds only its knobs; each call's state lives in the ``NextSetPlan`` that
+    ``start`` returns, so one schedule object serves concurrent or nested calls.
 
     Args:
         grid_height, grid_width: the token grid (H rows of W tokens, raster order).
@@ -108,28 +121,35 @@ class NextSetSchedule:
         """Target passes of pure ZipAR, prefill included."""
         return (grid_height - 1) * window + grid_width
 
-    def check_drafter(self, drafter) -> None:
-        check(getattr(drafter, "lane_safe", False), "drafter",
+    def check_drafter(self, drafter: Drafter) -> None:
+        check(drafter.lane_safe, "drafter",
               "a model-free chain drafter (none or JacobiDrafter with init random|repeat) with the "
               "next-set schedule", type(drafter).__name__)
 
-    def lane_tokens(self, max_new_tokens: int, eos_token_id) -> int:
+    def start(self, input_ids, lengths, max_new_tokens: int, eos_token_id) -> "NextSetPlan":
         check(eos_token_id is None, "eos_token_id", "None with the next-set schedule (a grid has a fixed size)",
-              eos_token_id)
+              None if eos_token_id is None else list(eos_token_id))
         check(max_new_tokens == self.H * self.W, "max_new_tokens",
               f"the grid's token count H * W = {self.H * self.W} with the next-set schedule", max_new_tokens)
-        return self.W
+        return NextSetPlan(self, input_ids, lengths)
 
-    def lane_prompts(self, ids: torch.Tensor, lens: torch.Tensor):
-        """(R, S) prompts -> (R * H, S) lane prompts: row 0's lane gets the prompt, others nothing."""
+
+class NextSetPlan:
+    """One call of the next-set schedule: the lanes' geometry, which lanes the pending block fed,
+    and the shared cache."""
+
+    def __init__(self, schedule: NextSetSchedule, ids: torch.Tensor, lens: torch.Tensor):
+        self.H, self.W, self.window = schedule.H, schedule.W, schedule.window
+        self.lane_tokens = self.W
+        # (R, S) prompts -> (R * H, S) lane prompts: row 0's lane gets the prompt, others nothing
         R, S = ids.shape
         lane_ids = torch.zeros(R, self.H, S, dtype=ids.dtype, device=ids.device)
         lane_ids[:, 0] = ids
         lane_lens = torch.zeros(R, self.H, dtype=lens.dtype, device=lens.device)
         lane_lens[:, 0] = lens
         self.prompt_lens = lens  # (R,) per target row (the CFG halves may differ)
-        self._fed = lane_lens.flatten() > 0  # the prefill feeds row 0's lanes only
-        return lane_ids.flatten(0, 1), lane_lens.flatten()
+        self.fed = lane_lens.flatten() > 0  # the prefill feeds row 0's lanes only
+        self.input_ids, self.lengths = lane_ids.flatten(0, 1), lane_lens.flatten()
 
     def bind(self, target, state):
         R, H, W = state.rows // self.H, self.H, self.W
@@ -153,11 +173,11 @@ class NextSetSchedule:
     def _started(self, state):
         return state.lengths > 0
 
-    def prefill_select(self, state):
+    def prefill_rows(self, state):
         B = state.batch_size
         return torch.arange(0, B, self.H, device=state.tokens.device)
 
-    def plan(self, state, done):
+    def step(self, state, done):
         """Start every lane whose upper row has ``window`` tokens (its seed enters the history),
         then: fed = started and not finished; emitting = fed and its row is not complete."""
         B, H, W = state.batch_size, self.H, self.W
@@ -175,22 +195,22 @@ class NextSetSchedule:
         started = self._started(state)[:B]
         fed = started & ~done
         emitting = fed & (self._emitted(state)[:B] < W)
-        self._fed = state.expand(fed)
+        self.fed = state.expand(fed)
         return fed, emitting
 
-    def select(self, emitting):
+    def emitting_rows(self, emitting):
         return emitting.nonzero().squeeze(1)
 
     def per_output(self, emitted):
         return emitted.view(-1, self.H).sum(1)
 
-    def finished(self, state, prompt_lens, max_new, eos):
+    def finished(self, state):
         B = state.batch_size
         complete = self._emitted(state)[:B] >= self.W
         cached = (self.cache.cached[:B] - self.base[:B]) >= self.W
         return complete & (cached | self.last_lane[:B])
 
-    def collect(self, state, prompt_lens, max_new, eos, pad):
+    def collect(self, state, pad):
         B, H, W = state.batch_size, self.H, self.W
         cols = self.base[:B, None] + torch.arange(W, device=state.tokens.device)
         seq = state.tokens[:B].gather(1, cols).view(B // H, H * W)
@@ -201,17 +221,17 @@ class _LaneCache:
     """The decoder-facing cache of the next-set schedule: one entry count per lane over a shared
     ``SlotKVCache`` per target row."""
 
-    def __init__(self, schedule: NextSetSchedule, slot: SlotKVCache):
-        self.schedule, self.slot = schedule, slot
-        self.cached = torch.zeros_like(schedule.offset)  # history tokens of each lane in the cache
+    def __init__(self, plan: NextSetPlan, slot: SlotKVCache):
+        self.plan, self.slot = plan, slot
+        self.cached = torch.zeros_like(plan.offset)  # history tokens of each lane in the cache
         self.packing = None  # (lane index (R, A), valid (R, A), T) of the pending block
 
     def next_positions(self) -> torch.Tensor:
-        return self.schedule.offset + self.cached
+        return self.plan.offset + self.cached
 
     def keep_block(self, block_size: int, idx, n: torch.Tensor) -> None:
         check(idx is None, "drafter", "a chain drafter with the next-set schedule", "a tree")
-        sch = self.schedule
+        sch = self.plan
         n = torch.minimum(n, (sch.base + sch.W - self.cached).clamp(min=0))  # never past the row's end
         lanes, valid, T = self.packing
         R, A = lanes.shape
@@ -229,17 +249,17 @@ class _LaneCache:
 class _LaneTarget:
     """Packs the fed lanes of each target row into one block over the shared slot cache."""
 
-    def __init__(self, schedule: NextSetSchedule, target):
-        self.schedule, self.target = schedule, target
+    def __init__(self, plan: NextSetPlan, target):
+        self.plan, self.target = plan, target
         self.vocab_size = target.vocab_size
 
     def __call__(self, tokens, positions, cache: _LaneCache, tree_mask=None, **conditioning) -> ModelOutput:
-        sch = self.schedule
+        sch = self.plan
         RL, T = tokens.shape
         H = sch.H
         R = RL // H
         device = tokens.device
-        fed = sch._fed.view(R, H)
+        fed = sch.fed.view(R, H)
         A = max(1, int(fed.sum(1).max()))
         lanes = (~fed).to(torch.int8).sort(dim=1, stable=True).indices[:, :A]  # fed lanes first, in row order
         valid = torch.arange(A, device=device) < fed.sum(1, keepdim=True)  # (R, A)
@@ -260,9 +280,13 @@ class _LaneTarget:
         out = self.target(tok.flatten(1), flat_pos, cache.slot, own | cross, **conditioning)
         cache.packing = (lanes, valid, T)
 
+        # padding slots go to a spare lane H, so an unfed lane reads zeros whatever the other rows
+        # fed (a lane's garbage must not depend on the batch: row b alone decodes the same)
+        dest = torch.where(valid, lanes, H)[..., None, None]  # (R, A, 1, 1)
+
         def unpack(x):
-            full = x.new_zeros(R, H, T, x.shape[-1])
-            full.scatter_(1, lanes[..., None, None].expand(R, A, T, x.shape[-1]), x.view(R, A, T, -1))
-            return full.flatten(0, 1)
+            full = x.new_zeros(R, H + 1, T, x.shape[-1])
+            full.scatter_(1, dest.expand(R, A, T, x.shape[-1]), x.view(R, A, T, -1))
+            return full[:, :H].flatten(0, 1)
 
         return ModelOutput(unpack(out.logits), None if out.hidden is None else unpack(out.hidden))

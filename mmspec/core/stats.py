@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -18,15 +18,30 @@ class Stats:
     ``target_forwards`` is the NFE: target passes including the prefill (the whole batch shares
     each pass). ``tau`` is the mean number of tokens a decode pass emits per row, *counting the
     target's bonus/correction token* (EAGLE's convention; target-only decoding has tau = 1).
+
+    ``wall_seconds`` is the whole call's wall time, always measured (two clock reads and one
+    device sync at the end). ``seconds`` holds wall time per phase (``PHASES``) only when the
+    call was profiled (``generate(..., profile=True)``), which synchronises the device after every
+    phase of every pass; otherwise it is ``None`` and ``as_dict()`` has no ``"seconds"`` key.
     """
 
     target_forwards: int = 0
     draft_forwards: int = 0
-    seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    profile: bool = False
+    seconds: dict | None = None
+    wall_seconds: float = 0.0
     _emitted: list = field(default_factory=list)  # per decode pass: (B,) tokens emitted, 0 if done
 
-    @contextmanager
+    def __post_init__(self):
+        if self.profile and self.seconds is None:
+            self.seconds = dict.fromkeys(PHASES, 0.0)
+
     def timed(self, phase: str, device: torch.device | None = None):
+        """A context timing ``phase`` when profiling (device synced at its end); a no-op otherwise."""
+        return self._timed(phase, device) if self.profile else nullcontext()
+
+    @contextmanager
+    def _timed(self, phase: str, device: torch.device | None):
         start = time.perf_counter()
         yield
         if device is not None and device.type == "cuda":
@@ -63,10 +78,6 @@ class Stats:
         live = a > 0
         return float(a[live].float().mean()) if live.any() else 0.0
 
-    @property
-    def wall_seconds(self) -> float:
-        return sum(self.seconds.values())
-
     def as_dict(self) -> dict:
         return {
             "nfe": self.target_forwards,
@@ -74,6 +85,6 @@ class Stats:
             "draft_nfe": self.draft_forwards,
             "decode_steps": self.decode_steps,
             "tau": self.tau,
-            "seconds": dict(self.seconds),
             "wall_seconds": self.wall_seconds,
+            **({} if self.seconds is None else {"seconds": dict(self.seconds)}),
         }

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .sampling import sample
+from .sampling import Generators, sample
 
 
 def node_path(parents: list[int], node: int) -> list[int]:
@@ -180,8 +180,9 @@ def dynamic_tree(root_logp: torch.Tensor, step: StepFn, top_k: int, depth: int,
     return DraftTree(all_tokens.gather(1, keep), tree)
 
 
-def sample_without_replacement(q: torch.Tensor, k: int, generator: torch.Generator | None):
-    """Draw k distinct tokens from each row of q (..., V) one after another.
+def sample_without_replacement(q: torch.Tensor, k: int, generator: Generators):
+    """Draw k distinct tokens from each row of q (B, ..., V) one after another (row b from
+    generator b of a per-row tuple).
 
     Returns tokens (..., k) and the conditional distributions they were drawn from (..., k, V):
     the i-th is q with the first i-1 draws removed and renormalised. Where q has fewer than k
@@ -193,10 +194,10 @@ def sample_without_replacement(q: torch.Tensor, k: int, generator: torch.Generat
     for _ in range(k):
         mass = q.sum(-1, keepdim=True)
         cond = torch.where(mass > 0, q / mass.clamp_min(1e-30), torch.zeros_like(q))
-        flat = cond.reshape(-1, cond.shape[-1])
-        empty = flat.sum(-1) <= 0
-        x = sample(torch.where(empty[:, None], 1.0, flat), generator)
-        x = torch.where(empty, 0, x).reshape(cond.shape[:-1])
+        empty = cond.sum(-1) <= 0  # (...,)
+        # row-major draws with the leading (row) dim kept, so a per-row generator list applies
+        x = sample(torch.where(empty[..., None], 1.0, cond), generator)
+        x = torch.where(empty, 0, x)
         toks.append(x)
         dists.append(cond)
         q = q.scatter(-1, x.unsqueeze(-1), 0.0)
@@ -204,7 +205,7 @@ def sample_without_replacement(q: torch.Tensor, k: int, generator: torch.Generat
 
 
 def sampled_tree(root_q: torch.Tensor, step: Callable, branching: int, depth: int,
-                 generator: torch.Generator | None) -> DraftTree:
+                 generator: Generators) -> DraftTree:
     """A dynamic tree whose nodes are *sampled* from the draft (lossless with recursive rejection).
 
     Every expanded node draws ``branching`` children without replacement from its processed

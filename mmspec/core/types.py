@@ -1,19 +1,31 @@
-"""The core's roles as protocols and the records they exchange.
+"""The core's roles as protocols, and the records they exchange: the seams, in one place.
 
 Names follow the speculative decoding papers: the *target* p, the *draft* q, a *proposal*
 (chain or tree) verified in one target pass, an *acceptance* per row.
+
+Imports point one way: ``errors``, ``sampling``, ``logits``, ``tree`` -> ``types`` -> the drafters,
+rules, schedules and the decoder. Nothing here imports the decoder.
+
+| protocol | implementations |
+|---|---|
+| ``Target`` | ``TinyCausalLM``, the HF adapters, ``LlamaGen`` (``mmspec.models``, ``mmspec.adapters``) |
+| ``Drafter`` (defaults: ``DrafterBase``) | ``mmspec.core.drafters``, ``PromptLookupDrafter`` |
+| ``FeatureHead`` | EAGLE heads (``mmspec.models.eagle``, ``mmspec.models.vlm_draft``) |
+| ``AcceptanceRule`` | ``GreedyMatch``, ``SpeculativeSampling``, the relaxed rules |
+| ``DecodingSchedule`` -> ``SchedulePlan`` | ``RasterSchedule``, ``NextSetSchedule`` |
+| ``KVCache`` | ``mmspec.core.cache``, the HF cache adapter |
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
-if TYPE_CHECKING:
-    from .decoder import DecodeState
-    from .tree import DraftTree
+from .logits import LogitsPipeline
+from .sampling import Generators
+from .tree import DraftTree
 
 
 @dataclass
@@ -23,6 +35,62 @@ class ModelOutput:
     # (B, T, E) the input embeddings a prompt pass actually fed (a VLM's image features scattered
     # into its placeholders): what vision-aware drafters read from ``DecodeState.prefill``
     prompt_embeds: torch.Tensor | None = None
+
+
+@dataclass
+class Acceptance:
+    """What one verification accepted, per row.
+
+    Attributes:
+        path: (B, D+1) node indices from the root (0) along the accepted path, -1 past it.
+        num_accepted: (B,) accepted draft tokens (the root and the next token not counted).
+        next_token: (B,) the token the target adds: correction after a rejection, bonus otherwise.
+    """
+
+    path: torch.Tensor
+    num_accepted: torch.Tensor
+    next_token: torch.Tensor
+
+
+@dataclass
+class DecodeState:
+    """What drafters may read: every target row's token history and the sampling setup.
+
+    With guidance the target runs ``R = 2B`` rows, ``[cond; uncond]``; both halves receive the same
+    generated tokens, so ``tokens[:B]`` and ``tokens[B:]`` differ only in their prompts.
+
+    ``generator`` is None, one ``torch.Generator``, or a tuple of ``batch_size`` generators (one
+    per row, the lanes of one image sharing theirs); draw through ``mmspec.core.sampling`` so that
+    row r uses generator r.
+    """
+
+    tokens: torch.Tensor  # (R, capacity) prompt then generated tokens, garbage past lengths
+    lengths: torch.Tensor  # (R,)
+    batch_size: int
+    logits: LogitsPipeline
+    generator: Generators
+    max_len: int  # slots a cache needs for this call (prompt + new tokens + two blocks)
+    # the target's prefill output, set only while ``Drafter.start`` runs (feature drafters read
+    # its ``hidden``); cleared afterwards so the prompt's logits are not held while decoding
+    prefill: ModelOutput | None = None
+    prompt_lengths: torch.Tensor | None = None  # (R,) where each row's generated tokens start
+    # the call's conditioning (``generate(conditioning=...)``): fed with the prompt pass of the
+    # target, and of any draft model that sees the prompt the same way (``_DraftModelRunner``)
+    conditioning: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def roots(self) -> torch.Tensor:
+        """(B,) each row's last token: emitted, but not yet in the target's cache."""
+        B = self.batch_size
+        return self.tokens[torch.arange(B, device=self.tokens.device), self.lengths[:B] - 1]
+
+    def expand(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, ...) -> (R, ...): the uncond half of a guided batch mirrors the cond half."""
+        return x if self.rows == self.batch_size else torch.cat([x, x], 0)
 
 
 @runtime_checkable
@@ -56,39 +124,147 @@ class Target(Protocol):
                  tree_mask: torch.Tensor | None = None, **conditioning) -> ModelOutput: ...
 
 
+@runtime_checkable
 class Drafter(Protocol):
     """Proposes drafts; verification lives in the decoder, once (transformers'
-    ``CandidateGenerator`` shape: one interface, many drafters).
+    ``CandidateGenerator`` shape: one interface, many drafters). Inherit ``DrafterBase`` for the
+    defaults of every member but ``propose``.
 
-    ``max_block`` is the largest number of tokens the target verifies in one pass (root + draft);
-    ``forwards`` counts the draft model's passes so far (0 for model-free drafters).
+    Attributes:
+        vocab_size: the draft's vocabulary (``None``: the drafter copies tokens, any vocabulary).
+        max_block: the largest number of tokens the target verifies in one pass (root + draft).
+        forwards: the draft model's passes so far (0 for model-free drafters).
+        lane_safe: True when the drafter reads nothing but each row's own root and its own state,
+            so a schedule may run it on lanes (ZipAR's rows) instead of raster sequences.
     """
 
     vocab_size: int | None
     max_block: int
     forwards: int
+    lane_safe: bool
 
-    def start(self, state: "DecodeState") -> None:
+    def start(self, state: DecodeState) -> None:
         """Called once after the target's prefill (the first token is already sampled)."""
 
-    def propose(self, state: "DecodeState") -> "DraftTree":
+    def propose(self, state: DecodeState) -> DraftTree:
         """Draft continuations of each row's last token (the root)."""
 
-    def update(self, state: "DecodeState", draft: "DraftTree", acceptance: "Acceptance",
+    def update(self, state: DecodeState, draft: DraftTree, acceptance: Acceptance,
                target_probs: torch.Tensor, target_out: ModelOutput) -> None:
         """See what the target accepted (and its processed probabilities (B, N+1, V))."""
 
 
-@dataclass
-class Acceptance:
-    """What one verification accepted, per row.
+class DrafterBase:
+    """The documented defaults of ``Drafter``: no vocabulary of its own, nothing drafted beyond
+    the root, no model passes, not lane-safe, and no-op ``start`` / ``update``. A drafter sets
+    what differs and implements ``propose``."""
 
-    Attributes:
-        path: (B, D+1) node indices from the root (0) along the accepted path, -1 past it.
-        num_accepted: (B,) accepted draft tokens (the root and the next token not counted).
-        next_token: (B,) the token the target adds: correction after a rejection, bonus otherwise.
+    vocab_size: int | None = None
+    max_block: int = 1
+    forwards: int = 0
+    lane_safe: bool = False
+
+    def start(self, state: DecodeState) -> None:
+        pass
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        raise NotImplementedError(f"{type(self).__name__} must implement propose(state)")
+
+    def update(self, state: DecodeState, draft: DraftTree, acceptance: Acceptance,
+               target_probs: torch.Tensor, target_out: ModelOutput) -> None:
+        pass
+
+
+@runtime_checkable
+class FeatureHead(Protocol):
+    """What ``EagleTreeDrafter`` needs of a feature draft head (``mmspec.models.eagle``).
+
+    ``head(features, tokens, positions, cache, tree_mask)`` scores entries ``(f_{p-1}, x_p)`` at
+    positions p: the target's (or the head's own predicted) feature (R, T, H) at p - 1 and the
+    token at p; it appends them to ``cache`` and returns the predicted feature at p as ``hidden``
+    (R, T, H) and the draft logits of the token at p + 1 (R, T, V).
+
+    ``head.start(cache, state)`` runs once per generation, right after the target's prefill
+    (``state.prefill`` is set), before the first feed; a head with nothing to prepare makes it a
+    no-op, one that prepares per-prompt inputs (``mmspec.models.vlm_draft``: the prompt's images)
+    keeps them in its cache.
     """
 
-    path: torch.Tensor
-    num_accepted: torch.Tensor
-    next_token: torch.Tensor
+    vocab_size: int
+
+    def new_cache(self, batch_size: int, max_len: int) -> KVCache: ...
+
+    def start(self, cache: KVCache, state: DecodeState) -> None: ...
+
+    def __call__(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
+                 cache: KVCache, tree_mask: torch.Tensor | None = None) -> ModelOutput: ...
+
+
+@runtime_checkable
+class AcceptanceRule(Protocol):
+    """Verifies a draft against the target's processed distributions (``mmspec.core.acceptance``).
+
+    ``rule(draft, p_all, generator)``: ``p_all`` (B, N+1, V) is the target's distribution after
+    every node (root first); returns each row's accepted path and next token. ``rule.sample(p,
+    generator)`` draws (B,) tokens from (B, V) (the prefill's first token). ``generator`` is as in
+    ``DecodeState``: row r draws from generator r of a per-row tuple.
+    """
+
+    def __call__(self, draft: DraftTree, p_all: torch.Tensor, generator: Generators = None) -> Acceptance: ...
+
+    def sample(self, p: torch.Tensor, generator: Generators = None) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SchedulePlan(Protocol):
+    """One ``generate`` call of a ``DecodingSchedule``: everything that call's order needs, held
+    here and not on the schedule, so one schedule object serves concurrent or nested calls.
+
+    The decoder runs over *lanes*: sequences that each grow by "root + drafts -> accepted tokens +
+    next token" every pass; a schedule with ``lanes = L`` runs L lanes per prompt row.
+
+    Attributes:
+        input_ids, lengths: (R * L, S) the lanes' prompts and (R * L,) their lengths.
+        lane_tokens: tokens each lane generates at most (sizes the history).
+    """
+
+    input_ids: torch.Tensor
+    lengths: torch.Tensor
+    lane_tokens: int
+
+    def bind(self, target: Target, state: DecodeState) -> tuple[Target, KVCache]:
+        """The target view and cache the loop talks to for this call."""
+
+    def prefill_rows(self, state: DecodeState) -> torch.Tensor | None:
+        """(n,) lanes that sample a first token after the prefill (None: all)."""
+
+    def step(self, state: DecodeState, done: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(fed, emitting) (B,) bool lanes for this pass; may start new lanes in ``state``."""
+
+    def emitting_rows(self, emitting: torch.Tensor) -> torch.Tensor | None:
+        """(n,) lanes whose acceptance is drawn this pass (None: all lanes, no selection)."""
+
+    def per_output(self, emitted: torch.Tensor) -> torch.Tensor:
+        """(B,) tokens emitted per lane -> per output row (for ``Stats``)."""
+
+    def finished(self, state: DecodeState) -> torch.Tensor:
+        """(B,) bool lanes that need no further pass."""
+
+    def collect(self, state: DecodeState, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (sequences (B_out, max_new_tokens), lengths (B_out,)) of the call's output rows."""
+
+
+@runtime_checkable
+class DecodingSchedule(Protocol):
+    """Which positions each pass decodes (``mmspec.core.schedule``): a stateless factory.
+
+    ``lanes`` lanes per prompt row; ``check_drafter`` refuses drafters the order cannot run (at
+    decoder construction); ``start`` checks one call's arguments and returns its ``SchedulePlan``.
+    """
+
+    lanes: int
+
+    def check_drafter(self, drafter: Drafter) -> None: ...
+
+    def start(self, input_ids: torch.Tensor, lengths: torch.Tensor, max_new_tokens: int,
+              eos_token_id: tuple[int, ...] | None) -> SchedulePlan: ...

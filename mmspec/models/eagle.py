@@ -108,6 +108,9 @@ class EagleDraftHead(ModelMixin, ConfigMixin):
         return StaticKVCache(1, batch_size, cfg.n_heads, cfg.dim // cfg.n_heads, max_len=max_len,
                              rope=self.rope, dtype=p.dtype, device=p.device)
 
+    def start(self, cache: StaticKVCache, state) -> None:
+        """``FeatureHead.start``: nothing to prepare per prompt (class labels are tokens)."""
+
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 cache: StaticKVCache | None = None, tree_mask: torch.Tensor | None = None) -> ModelOutput:
         """Entries ``(f_{p-1}, x_p)`` at positions p: features (B, T, dim), image tokens (B, T),
