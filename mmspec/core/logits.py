@@ -19,7 +19,11 @@ class LogitsPipeline:
     """Turns raw logits into the sampling distribution.
 
     Order follows every reference code base we read (LlamaGen, SJD, LANTERN, GSD): CFG merge
-    ``l = l_u + s * (l_c - l_u)`` first, then temperature, top-k, top-p, softmax.
+    ``l = l_u + s * (l_c - l_u)`` first, then temperature, top-k, top-p, softmax. The result is
+    transformers' ``ClassifierFreeGuidanceLogitsProcessor``, ``TemperatureLogitsWarper``,
+    ``TopKLogitsWarper`` and ``TopPLogitsWarper`` followed by a softmax, bit for bit on random
+    logits (``tests/test_logits_hf.py``), except at exact ties on the top-p boundary (we keep the
+    lower token ids) and for ``guidance_scale <= 1``, which transformers refuses.
 
     Args:
         temperature: ``0`` means greedy (the distribution is one-hot at the argmax).
@@ -68,7 +72,9 @@ class LogitsPipeline:
             kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         if self.top_p is not None and self.top_p < 1:
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            # stable: among tokens tied at the nucleus boundary the lower ids are kept (transformers'
+            # ascending sort keeps the higher ones; tests/test_logits_hf.py shows both)
+            sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
             sorted_probs = sorted_logits.softmax(-1)
             # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
             drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
