@@ -114,6 +114,9 @@ class Target(Protocol):
     ``conditioning`` is what the caller passed to ``SpeculativeDecoder.generate(conditioning=...)``
     (a VLM's ``pixel_values``, ...): it reaches the target with the prompt pass (the prefill) only,
     and is never stored on the model, so one model object serves any number of calls.
+
+    The decoder puts its tensors on ``target.device`` when the target has that attribute, else
+    on the device of its first parameter (CPU for a target with neither).
     """
 
     vocab_size: int
