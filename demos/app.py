@@ -157,7 +157,7 @@ def ar_tab():
                                     elem_id="ar-base-img")
                 ours_img = gr.Image(label="method", format="png", height=192, interactive=False,
                                     elem_id="ar-ours-img")
-                grid_img = gr.Image(label="which pass committed each token", format="png", height=192,
+                grid_img = gr.Image(label="pass per token", format="png", height=192,
                                     interactive=False, elem_id="ar-grid-img")
             base_stats = gr.Markdown("", elem_id="ar-base-stats")
             ours_stats = gr.Markdown("", elem_id="ar-ours-stats")

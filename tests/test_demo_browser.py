@@ -1,0 +1,147 @@
+"""The demo as a person uses it: headless Debian Chromium driven by Playwright, against the demo
+launched in-process on 127.0.0.1. In each tab: fill the inputs, click, wait for the result, check
+the stats and the per-token picture, trigger a bad input and read the error in the page; save
+screenshots under the test's temp folder (``MMSPEC_DEMO_SCREENSHOT=path.png`` also saves the AR
+tab's screenshot there: how ``assets/demo.png`` was made).
+
+Chromium comes from Debian (``apt-get install chromium``; ``.ci/run`` installs it when missing) and
+Playwright from PyPI (the ``test`` extra); no browser is downloaded. Without either, the tests skip
+with the reason on a developer's machine and fail under CI (``CI`` set), never pass silently.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TIMEOUT = 180_000  # ms: first requests load the models on a busy 2-core machine
+
+
+def _missing(what: str):
+    msg = f"the browser test needs {what}"
+    if os.environ.get("CI"):
+        pytest.fail(msg + " (CI must install it: see .ci/run)")
+    pytest.skip(msg)
+
+
+@pytest.fixture(scope="module")
+def demo_url():
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    sys.path.insert(0, str(ROOT))
+    from demos import app
+
+    app.demo.launch(server_name="127.0.0.1", prevent_thread_lock=True, quiet=True)
+    yield app.demo.local_url
+    app.demo.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _missing("playwright (pip install -e '.[test]')")
+    if CHROMIUM is None:
+        _missing("Debian's chromium (apt-get install -y chromium)")
+    with sync_playwright() as p:
+        try:
+            chromium = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=ARGS)
+        except Exception as err:  # say why Chromium did not start
+            _missing(f"a Chromium that starts ({CHROMIUM}: {str(err).splitlines()[0]})")
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(browser, demo_url):
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.goto(demo_url, wait_until="networkidle")
+    yield page
+    page.close()
+
+
+def _text(page, selector: str) -> str:
+    return page.locator(selector).inner_text()
+
+
+def _wait_text(page, selector: str, needle: str):
+    page.wait_for_function("([sel, needle]) => { const el = document.querySelector(sel);"
+                           " return el && el.innerText.includes(needle); }", arg=[selector, needle], timeout=TIMEOUT)
+
+
+def _image_width(page, selector: str) -> int:
+    img = page.wait_for_selector(f"{selector} img", state="visible", timeout=TIMEOUT)
+    page.wait_for_function("el => el.complete && el.naturalWidth > 0", arg=img, timeout=TIMEOUT)
+    return img.evaluate("el => el.naturalWidth")
+
+
+def test_ar_tab(page, tmp_path):
+    page.fill("#ar-seed input", "3")
+    page.click("#ar-run")
+    _wait_text(page, "#ar-ours-stats", "speed-up")
+    assert _image_width(page, "#ar-base-img") == 64  # the generated images, decoded in the page
+    assert _image_width(page, "#ar-ours-img") == 64
+    assert _image_width(page, "#ar-grid-img") == 256  # the 16 x 16 per-token picture
+    base, ours = _text(page, "#ar-base-stats"), _text(page, "#ar-ours-stats")
+    assert "NFE 256" in base and "tau 1.00" in base
+    assert "gsd" in ours and "NFE" in ours and "tau" in ours
+    assert "lossy" in ours and "p(requested class)" in ours  # lossy, beside a quality figure
+    assert "passes for 256 tokens" in ours
+    assert _text(page, "#ar-error").strip() == ""
+    page.screenshot(path=str(tmp_path / "ar.png"), full_page=True)
+    if os.environ.get("MMSPEC_DEMO_SCREENSHOT"):
+        page.screenshot(path=os.environ["MMSPEC_DEMO_SCREENSHOT"], full_page=False)
+
+    # a bad knob: the message appears in the page, the page stays alive
+    page.fill("#ar-knob-sjd_window input", "1")
+    page.click("#ar-run")
+    _wait_text(page, "#ar-error", "sjd_window must be an int >= 2")
+    assert "Traceback" not in page.content()
+    page.screenshot(path=str(tmp_path / "ar-error.png"), full_page=True)
+
+    # the method dropdown shows that method's knobs (from the registry) and hides the others
+    page.click("#ar-method input")
+    page.click('#ar-method li[aria-label="sd"]')
+    page.wait_for_selector("#ar-knob-sd_gamma", state="visible", timeout=TIMEOUT)
+    assert page.locator("#ar-knob-sjd_window").is_hidden()
+
+
+def test_vlm_tab(page, tmp_path):
+    page.get_by_role("tab", name="VLM").click()
+    page.wait_for_selector("#vlm-run", state="visible", timeout=TIMEOUT)
+    # record every text the answer box shows while it streams
+    page.evaluate("""() => { window.seen = []; const el = document.querySelector('#vlm-answer');
+        new MutationObserver(() => window.seen.push(el.innerText)).observe(el, {subtree: true, childList: true,
+        characterData: true}); }""")
+    page.fill("#vlm-max-new input", "96")
+    page.click("#vlm-run")
+    _wait_text(page, "#vlm-ours-stats", "Greedy answer equal")
+    ours = _text(page, "#vlm-ours-stats")
+    assert "yes, token for token" in ours and "tau" in ours and "speed-up" in ours
+    assert "came from accepted drafts" in ours
+    assert "NFE" in _text(page, "#vlm-base-stats")
+    answer = " ".join(_text(page, "#vlm-answer").split())
+    assert "the image shows" in answer or "this picture" in answer or "in this image" in answer
+    # the drafted words are the marked ones, as many as the stats say
+    drafted, words = map(int, re.search(r"(\d+) of (\d+) words came from accepted drafts", ours).groups())
+    assert 0 < drafted < words
+    assert page.locator("#vlm-answer .token.highlighted").count() == drafted
+    assert page.locator("#vlm-answer .token").count() == words
+    seen = page.evaluate("window.seen")
+    assert any("decoding" in s for s in seen)  # progress streamed before the final answer
+    page.screenshot(path=str(tmp_path / "vlm.png"), full_page=True)
+
+    page.fill("#vlm-question textarea", "")
+    page.click("#vlm-run")
+    _wait_text(page, "#vlm-error", "question must be a non-empty question")
+    assert "Traceback" not in page.content()
+    page.screenshot(path=str(tmp_path / "vlm-error.png"), full_page=True)
