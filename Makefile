@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mmspec-installed
 
-.PHONY: run test install bench bench-ar-image bench-vlm assets clean
+.PHONY: run test install demo bench bench-ar-image bench-vlm assets clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,10 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# the Gradio demo on http://127.0.0.1:7860 (mmspec demo --host 0.0.0.0 to serve beyond this machine)
+demo: $(STAMP)
+	$(BIN)/mmspec demo
 
 bench: $(STAMP)
 	$(BIN)/mmspec bench core --json bench-core.json
