@@ -69,3 +69,38 @@ def test_drafter_knobs(target, make, match):
 def test_generate_arguments(target, call, match):
     with pytest.raises(ValueError, match=match):
         call(SpeculativeDecoder(target))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"temperature": "1"}, r"^temperature must be >= 0 \(0 means greedy\), got '1'"),
+    ({"temperature": float("nan")}, r"^temperature must be >= 0"),
+    ({"top_p": "0.9"}, r"^top_p must be a float in \(0, 1\] or None, got '0.9'"),
+    ({"top_k": True}, r"^top_k must be an int >= 1 or None, got True"),
+    ({"guidance_scale": "3"}, r"^guidance_scale must be >= 0 or None, got '3'"),
+])
+def test_logits_knobs_of_the_wrong_type(kwargs, match):
+    """A wrong type is a ValueError naming the knob, not a bare TypeError from a comparison."""
+    with pytest.raises(ValueError, match=match):
+        LogitsPipeline(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"generator": 0}, r"^generator must be None, a torch.Generator, or a list of 1 torch.Generator"),
+    ({"generator": [torch.Generator(), torch.Generator()]}, r"^generator must be .* a list of 1 torch.Generator"),
+    ({"eos_token_id": "2"}, r"^eos_token_id must be None, an int >= 0, or a non-empty list of ints >= 0"),
+    ({"eos_token_id": []}, r"^eos_token_id must be None, an int >= 0, or a non-empty list"),
+    ({"pad_token_id": None}, r"^pad_token_id must be an int, got None"),
+    ({"conditioning": [1]}, r"^conditioning must be None or a mapping"),
+    ({"callback": 3}, r"^callback must be None or a callable"),
+    ({"profile": 1}, r"^profile must be True or False, got 1"),
+])
+def test_generate_keywords(target, kwargs, match):
+    """Each keyword is checked before the prefill: the target never runs."""
+    calls = []
+    hook = target.register_forward_pre_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=match):
+            SpeculativeDecoder(target).generate([[1, 2]], 4, **kwargs)
+    finally:
+        hook.remove()
+    assert calls == []

@@ -109,6 +109,11 @@ class SpeculativeDecoder:
         check(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1,
               "max_new_tokens", "an int >= 1", max_new_tokens)
         check(isinstance(profile, bool), "profile", "True or False", profile)
+        check(isinstance(pad_token_id, int) and not isinstance(pad_token_id, bool), "pad_token_id", "an int",
+              pad_token_id)
+        check(conditioning is None or isinstance(conditioning, Mapping), "conditioning",
+              "None or a mapping of keyword inputs for the prompt pass", type(conditioning).__name__)
+        check(callback is None or callable(callback), "callback", "None or a callable (step, state)", callback)
         eos = _eos_ids(eos_token_id)
         guided = self.logits.uses_guidance
         if guided and uncond_input_ids is None:

@@ -7,6 +7,8 @@ temperature and filtering on.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -39,13 +41,16 @@ class LogitsPipeline:
     guidance_scale: float | None = None
 
     def __post_init__(self):
-        check(self.temperature >= 0, "temperature", ">= 0 (0 means greedy)", self.temperature)
+        check(_real(self.temperature) and self.temperature >= 0, "temperature", ">= 0 (0 means greedy)",
+              self.temperature)
         if self.top_k is not None:
-            check(isinstance(self.top_k, int) and self.top_k >= 1, "top_k", "an int >= 1 or None", self.top_k)
+            check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 1, "top_k",
+                  "an int >= 1 or None", self.top_k)
         if self.top_p is not None:
-            check(0 < self.top_p <= 1, "top_p", "a float in (0, 1] or None", self.top_p)
+            check(_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "a float in (0, 1] or None", self.top_p)
         if self.guidance_scale is not None:
-            check(self.guidance_scale >= 0, "guidance_scale", ">= 0 or None", self.guidance_scale)
+            check(_real(self.guidance_scale) and self.guidance_scale >= 0, "guidance_scale", ">= 0 or None",
+                  self.guidance_scale)
 
     @property
     def greedy(self) -> bool:
@@ -81,3 +86,8 @@ class LogitsPipeline:
             drop = drop_sorted.scatter(-1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         return logits.softmax(-1)
+
+
+def _real(x) -> bool:
+    """A finite real number (int, float, numpy scalar; not a bool): what the knobs compare against."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
