@@ -30,7 +30,8 @@ from mmspec import methods, serve  # noqa: E402
 
 log = logging.getLogger("mmspec.demo")
 
-CONCURRENCY = int(os.environ.get("MMSPEC_DEMO_CONCURRENCY", "2"))  # model events running at once (2 cores here)
+# model events running at once, over all tabs (one shared concurrency_id); 2 cores here
+CONCURRENCY = int(os.environ.get("MMSPEC_DEMO_CONCURRENCY", "2"))
 QUEUE_SIZE = 64  # waiting requests beyond this are refused with a message, not queued forever
 MODELS = serve.Models()
 SCENES = 8  # bundled procedural scenes offered in the VLM tab
@@ -164,7 +165,8 @@ def ar_tab():
     knob_list = list(knobs.values())
     method.change(_show_knobs("ar-image", list(knobs)), inputs=method, outputs=knob_list, queue=False)
     run.click(ar_generate, inputs=[prompt, method, seed, cfg, *knob_list],
-              outputs=[base_img, ours_img, grid_img, base_stats, ours_stats, error], api_name="ar_generate")
+              outputs=[base_img, ours_img, grid_img, base_stats, ours_stats, error], api_name="ar_generate",
+              concurrency_limit=CONCURRENCY, concurrency_id="models")
 
 
 # ---------------------------------------------------------------- VLM
@@ -240,7 +242,8 @@ def vlm_tab():
     scene.change(pick_scene, inputs=scene, outputs=image, queue=False)
     method.change(_show_knobs("vlm", list(knobs)), inputs=method, outputs=knob_list, queue=False)
     run.click(vlm_answer, inputs=[image, question, method, max_new, *knob_list],
-              outputs=[answer, base_stats, ours_stats, error], api_name="vlm_answer")
+              outputs=[answer, base_stats, ours_stats, error], api_name="vlm_answer",
+              concurrency_limit=CONCURRENCY, concurrency_id="models")
 
 
 # ---------------------------------------------------------------- the app
