@@ -99,7 +99,8 @@ def test_ar_tab(page, tmp_path):
     assert _text(page, "#ar-error").strip() == ""
     page.screenshot(path=str(tmp_path / "ar.png"), full_page=True)
     if os.environ.get("MMSPEC_DEMO_SCREENSHOT"):
-        page.screenshot(path=os.environ["MMSPEC_DEMO_SCREENSHOT"], full_page=False)
+        page.evaluate("window.scrollTo(0, 0)")
+        page.screenshot(path=os.environ["MMSPEC_DEMO_SCREENSHOT"], full_page=True)
 
     # a bad knob: the message appears in the page, the page stays alive
     page.fill("#ar-knob-sjd_window input", "1")
