@@ -9,7 +9,8 @@ import torch
 from mmspec.core import (JacobiDrafter, LogitsPipeline, ModelChainDrafter, ModelTreeDrafter,
                          SpeculativeDecoder, SpeculativeSampling)
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index, total_variation
-from mmspec.models.llamagen import LlamaGenModel, rotate_2d
+from mmspec.core.rope import GridRope2D
+from mmspec.models.llamagen import LlamaGenModel
 
 V, GRID, CLASSES = 32, 6, 16
 TINY = dict(vocab_size=V, grid_size=GRID, num_classes=CLASSES, dim=32, n_layers=2, n_heads=2, mlp_hidden=64)
@@ -78,12 +79,12 @@ def test_rope_hand_computed():
     """Head dim 8, base 100: pairs 0, 1 rotate by row * (1, 0.1), pairs 2, 3 by col * (1, 0.1)."""
     grid, row, col = 5, 2, 3
     x = torch.arange(1.0, 9.0).view(1, 1, 1, 8)
-    out = rotate_2d(x, torch.tensor([[1 + row * grid + col]]), grid, base=100.0).flatten().tolist()
+    out = GridRope2D(8, grid, base=100.0)(x, torch.tensor([[1 + row * grid + col]])).flatten().tolist()
     expect = []
     for (a, b), angle in zip([(1, 2), (3, 4), (5, 6), (7, 8)], [row * 1.0, row * 0.1, col * 1.0, col * 0.1]):
         expect += [a * math.cos(angle) - b * math.sin(angle), b * math.cos(angle) + a * math.sin(angle)]
     assert out == pytest.approx(expect, abs=1e-5)
-    assert torch.equal(rotate_2d(x, torch.tensor([[0]]), grid, base=100.0), x)
+    assert torch.equal(GridRope2D(8, grid, base=100.0)(x, torch.tensor([[0]])), x)
 
 
 # 3. greedy speculative decoding with CFG is bit-identical --------------------------------------

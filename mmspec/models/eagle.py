@@ -27,8 +27,9 @@ from torch.nn import functional as F
 
 from ..core.cache import StaticKVCache
 from ..core.errors import check
+from ..core.rope import GridRope2D
 from ..core.types import ModelOutput
-from .llamagen import LlamaGenBlock, LlamaGenModel, rotate_2d
+from .llamagen import LlamaGenBlock, LlamaGenModel
 
 # the config keys a head must share with its target
 _TARGET_KEYS = ("vocab_size", "grid_size", "dim", "rope_base")
@@ -68,6 +69,7 @@ class EagleDraftHead(ModelMixin, ConfigMixin):
         for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=initializer_range)
+        self.rope = GridRope2D(dim // n_heads, grid_size, rope_base)  # the target's 2-D RoPE
         self._bound_to = ()  # (target,): a tuple keeps the target out of the head's modules
 
     @classmethod
@@ -99,9 +101,6 @@ class EagleDraftHead(ModelMixin, ConfigMixin):
             raise RuntimeError("EagleDraftHead is not bound to a target: call head.bind(target) first")
         return self._bound_to[0]
 
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return rotate_2d(x, positions, self.config.grid_size, self.config.rope_base)
-
     def new_cache(self, batch_size: int, max_len: int) -> StaticKVCache:
         cfg = self.config
         p = self.fc.weight
@@ -126,7 +125,7 @@ class EagleDraftHead(ModelMixin, ConfigMixin):
         x = torch.cat([target.tok_embeddings(tokens), features.to(self.fc.weight.dtype)], -1)  # (B, T, 2 dim)
         x = self.fc(x)  # (B, T, dim)
         step = None if cache is None else cache.step(positions, tree_mask)
-        x = self.block(x, positions, step, self.rope)
+        x = self.block(x, step, self.rope, self.rope.tables(positions) if step is None else None)
         return ModelOutput(logits=target.output(x), hidden=x)
 
     # -- training -------------------------------------------------------------------------------

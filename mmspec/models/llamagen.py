@@ -26,31 +26,15 @@ from torch.nn import functional as F
 
 from ..core.cache import StaticKVCache
 from ..core.errors import check
+from ..core.rope import GridRope2D, RopeTables, RotaryEmbedding
 from ..core.types import ModelOutput
 
 
-def rotate_2d(x: torch.Tensor, positions: torch.Tensor, grid_size: int, base: float) -> torch.Tensor:
-    """LlamaGen's 2-D rotary embedding: x (B, H, T, D), sequence positions (B, T).
-
-    Dimensions pair up as (0, 1), (2, 3), ...; the first D/4 pairs rotate by the token's row, the
-    last D/4 by its column, each half with frequencies ``base ** (-4j / D)``. Position 0 (the
-    class token) is not rotated. Positions past the grid continue the raster rows; only drafts
-    beyond the last image token reach them, and those are never emitted.
-    """
-    D = x.shape[-1]
-    n = D // 4
-    inv_freq = base ** (-4 * torch.arange(n, device=x.device, dtype=torch.float32) / D)  # (D/4,)
-    raster = (positions - 1).clamp(min=0)
-    row, col = raster // grid_size, raster % grid_size  # (B, T)
-    angles = torch.cat([row[..., None] * inv_freq, col[..., None] * inv_freq], -1)  # (B, T, D/2)
-    angles = angles.masked_fill((positions == 0)[..., None], 0.0)
-    cos, sin = angles.cos()[:, None], angles.sin()[:, None]  # (B, 1, T, D/2)
-    x0, x1 = x.float().unflatten(-1, (D // 2, 2)).unbind(-1)  # (B, H, T, D/2) each
-    return torch.stack([x0 * cos - x1 * sin, x1 * cos + x0 * sin], -1).flatten(-2).to(x.dtype)
-
-
 class LlamaGenBlock(nn.Module):
-    """Pre-norm Llama block: RMSNorm, attention with 2-D RoPE, RMSNorm, SwiGLU; no biases."""
+    """Pre-norm Llama block: RMSNorm, attention with RoPE, RMSNorm, SwiGLU; no biases.
+
+    ``forward(x, step, rope, tables)``: with a cache ``step`` the cache rotates q and k (it calls
+    ``rope``); without one (the reference path) the block applies the forward's ``tables``."""
 
     def __init__(self, layer: int, dim: int, n_heads: int, mlp_hidden: int, norm_eps: float):
         super().__init__()
@@ -63,11 +47,11 @@ class LlamaGenBlock(nn.Module):
         self.w3 = nn.Linear(dim, mlp_hidden, bias=False)  # up
         self.w2 = nn.Linear(mlp_hidden, dim, bias=False)  # down
 
-    def forward(self, x, positions, step, rope):
+    def forward(self, x, step, rope: RotaryEmbedding, tables: RopeTables | None):
         B, T, C = x.shape
         q, k, v = self.wqkv(self.attention_norm(x)).view(B, T, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)
         if step is None:  # reference path: full causal attention over the given tokens
-            y = F.scaled_dot_product_attention(rope(q, positions), rope(k, positions), v, is_causal=True)
+            y = F.scaled_dot_product_attention(rope.apply(q, tables), rope.apply(k, tables), v, is_causal=True)
         else:
             q, k, v = step.update(self.layer, q, k, v)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
@@ -118,6 +102,8 @@ class LlamaGenModel(ModelMixin, ConfigMixin):
         for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=initializer_range)
+        # the 2-D RoPE, also the caches' ``rope(x (B, H, T, D), positions (B, T))``
+        self.rope = GridRope2D(dim // n_heads, grid_size, rope_base)
 
     @property
     def vocab_size(self) -> int:
@@ -153,10 +139,6 @@ class LlamaGenModel(ModelMixin, ConfigMixin):
         return torch.where(u < self.config.class_dropout_prob, self.null_class, labels)
 
     # -- the core's Target protocol -------------------------------------------------------------
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``rope(x (B, H, T, D), positions (B, T))`` as the core's caches call it."""
-        return rotate_2d(x, positions, self.config.grid_size, self.config.rope_base)
-
     def new_cache(self, batch_size: int, max_len: int) -> StaticKVCache:
         cfg = self.config
         p = next(self.parameters())
@@ -180,8 +162,9 @@ class LlamaGenModel(ModelMixin, ConfigMixin):
         x = torch.where(is_cls[..., None], self.embed_classes(torch.where(is_cls, tokens, 0)),
                         self.tok_embeddings(torch.where(is_cls, 0, tokens)))  # (B, T, dim)
         step = None if cache is None else cache.step(positions, tree_mask)
+        tables = self.rope.tables(positions) if cache is None else None  # the cache rotates otherwise
         for layer in self.layers:
-            x = layer(x, positions, step, self.rope)
+            x = layer(x, step, self.rope, tables)
         hidden = self.norm(x)
         return ModelOutput(logits=self.output(hidden), hidden=hidden)
 

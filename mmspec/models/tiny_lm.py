@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..core.cache import SinkWindowCache, StaticKVCache
+from ..core.rope import Rope1D, RopeTables, RotaryEmbedding
 from ..core.types import ModelOutput
 
 
@@ -27,20 +28,10 @@ class TinyLMConfig:
     init_std: float = 0.02
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotary embedding (Su et al., "RoFormer"): x (B, H, T, D), positions (B, T)."""
-    D = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-    angles = positions.to(torch.float32)[:, None, :, None] * inv_freq  # (B, 1, T, D/2)
-    cos, sin = angles.cos(), angles.sin()
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
-
-
 class Block(nn.Module):
     def __init__(self, cfg: TinyLMConfig, layer: int):
         super().__init__()
-        self.layer, self.n_heads, self.theta = layer, cfg.n_heads, cfg.rope_theta
+        self.layer, self.n_heads = layer, cfg.n_heads
         self.attn_norm = nn.RMSNorm(cfg.dim)
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim, bias=False)
         self.out = nn.Linear(cfg.dim, cfg.dim, bias=False)
@@ -48,11 +39,11 @@ class Block(nn.Module):
         self.gate_up = nn.Linear(cfg.dim, 2 * cfg.mlp_hidden, bias=False)
         self.down = nn.Linear(cfg.mlp_hidden, cfg.dim, bias=False)
 
-    def forward(self, x, positions, step):
+    def forward(self, x, step, rope: RotaryEmbedding, tables: RopeTables | None):
         B, T, C = x.shape
         q, k, v = self.qkv(self.attn_norm(x)).view(B, T, 3, self.n_heads, -1).permute(2, 0, 3, 1, 4)
         if step is None:  # reference path: full causal attention over the given tokens
-            q, k = rotate(q, positions, self.theta), rotate(k, positions, self.theta)
+            q, k = rope.apply(q, tables), rope.apply(k, tables)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             q, k, v = step.update(self.layer, q, k, v)
@@ -76,13 +67,11 @@ class TinyCausalLM(nn.Module):
         for p in self.parameters():
             if p.dim() == 2:
                 nn.init.normal_(p, std=cfg.init_std)
+        self.rope = Rope1D(cfg.dim // cfg.n_heads, cfg.rope_theta)  # the caches' ``rope(x, positions)``
 
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
-
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return rotate(x, positions, self.config.rope_theta)
 
     def new_cache(self, batch_size: int, max_len: int, *, sink: int | None = None,
                   window: int | None = None) -> StaticKVCache:
@@ -102,8 +91,9 @@ class TinyCausalLM(nn.Module):
         if positions is None:
             positions = torch.arange(T, device=tokens.device).expand(B, T)
         step = None if cache is None else cache.step(positions, tree_mask)
+        tables = self.rope.tables(positions) if cache is None else None  # the cache rotates otherwise
         x = self.embed(tokens)
         for block in self.blocks:
-            x = block(x, positions, step)
+            x = block(x, step, self.rope, tables)
         hidden = self.norm(x)
         return ModelOutput(logits=self.head(hidden), hidden=hidden)

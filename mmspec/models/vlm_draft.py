@@ -42,9 +42,9 @@ from torch.nn import functional as F
 
 from ..core.cache import StaticKVCache
 from ..core.errors import check, check_choice
+from ..core.rope import Rope1D
 from ..core.types import ModelOutput
 from .llamagen import LlamaGenBlock
-from .tiny_lm import rotate
 
 METHODS = ("eagle", "specvlm", "vispec")
 BRANCHES = ("prune", "pool", "conv", "resampler", "text")
@@ -201,8 +201,8 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
             with torch.no_grad():  # [I | 0]: starts as plain EAGLE
                 self.img_fc.weight.zero_()
                 self.img_fc.weight[:, :H] = torch.eye(H)
+        self.rope = Rope1D(H // num_heads, rope_theta)
         self._bound_to = ()
-        self._rope_table = None
 
     # -- binding ---------------------------------------------------------------------------------
     @classmethod
@@ -240,21 +240,6 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.target.model.lm_head
         return F.linear(hidden.to(head.weight.dtype), head.weight).float()
-
-    def rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """1-D RoPE (``tiny_lm.rotate``'s layout and values), from a cos/sin table grown on
-        demand: drafting calls it twice per pass, and a lookup beats recomputing the angles."""
-        D = x.shape[-1]
-        table = self._rope_table
-        top = int(positions.max()) + 1
-        if table is None or table[0].shape[0] < top or table[0].shape[1] != D // 2 or table[0].device != x.device:
-            size = max(top, 2 * (0 if table is None else table[0].shape[0]), 512)
-            inv_freq = self.config.rope_theta ** (-torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D)
-            angles = torch.arange(size, device=x.device, dtype=torch.float32)[:, None] * inv_freq
-            table = self._rope_table = (angles.cos(), angles.sin())
-        cos, sin = table[0][positions][:, None], table[1][positions][:, None]  # (B, 1, T, D/2)
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
 
     # -- the visual part of a prompt -------------------------------------------------------------
     def plan(self, features: torch.Tensor, tokens: torch.Tensor, embeds: torch.Tensor, lengths: torch.Tensor,
@@ -362,6 +347,9 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
         offsets = torch.tensor([W - len(rp) for _, rp, _ in rows], device=x.device)
         return inputs, pos_out, col_out, offsets
 
+    def _block(self, x: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
+        return self.block(x, step, self.rope, self.rope.tables(positions) if step is None else None)
+
     def _layer(self, x: torch.Tensor, positions: torch.Tensor, plan: dict | None, step_of) -> tuple:
         """The decoder layer over a block of W columns: straight for ``"eagle"`` or without a
         plan; compressed entries merged in otherwise, outputs scattered back to the W columns
@@ -369,9 +357,9 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
         Returns (hidden (R, W, H), offsets (R,))."""
         R, W, H = x.shape
         if plan is None or self.config.method == "eagle":
-            return self.block(x, positions, step_of(positions), self.rope), torch.zeros(R, dtype=torch.long, device=x.device)
+            return self._block(x, positions, step_of(positions)), torch.zeros(R, dtype=torch.long, device=x.device)
         inputs, pos, cols, offsets = self._merge(x, positions, plan)
-        h = self.block(inputs, pos, step_of(pos), self.rope)
+        h = self._block(inputs, pos, step_of(pos))
         out = h.new_zeros(R, W + 1, H)  # column W absorbs compressed and pad entries
         index = torch.where(cols >= 0, cols, W)[..., None].expand(-1, -1, H)
         out.scatter_(1, index, h)
