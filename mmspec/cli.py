@@ -28,10 +28,38 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 from pathlib import Path
 
 BENCHES = ("core", "ar-image", "vlm")
+
+
+class UsageError(ValueError):
+    """A bad command line: printed as one line, exit status 2 (argparse's)."""
+
+    def __init__(self, message: str, prog: str = "mmspec"):
+        super().__init__(message)
+        self.prog = prog
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)parser: errors raise ``UsageError`` instead of printing usage, and ``--debug``
+    is accepted anywhere on the line (before or after the subcommand)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                          help="on an error, show the full traceback instead of one line")
+        self.set_defaults(_prog=self.prog)  # the deepest subcommand's name wins: errors are prefixed with it
+
+    def error(self, message):
+        raise UsageError(message, self.prog)
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
 
 
 def _progress(msg: str) -> None:
@@ -74,13 +102,22 @@ def cmd_bench(args) -> int:
     return 0
 
 
-def _knobs(items) -> dict:
+def _knobs(items, modality: str, method: str) -> dict:
+    """``--knob KEY=VALUE`` items as the method's typed knobs, validated by the method registry
+    (unknown methods and knobs, bad values: ``ValueError`` naming them) before any model loads."""
+    from . import methods
+
+    methods.resolve(modality, method)
+    specs = methods.knobs(modality, method)
     knobs = {}
     for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise SystemExit(f"mmspec generate: --knob must be KEY=VALUE, got {item!r}")
-        knobs[key] = _knob_value(value)
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--knob must be KEY=VALUE, got {item!r}")
+        if key in knobs:
+            raise ValueError(f"--knob must name each knob once, got {key!r} twice")
+        knobs[key] = _knob_value(text, specs.get(key))
+    methods.resolve(modality, method, knobs)
     return knobs
 
 
@@ -88,7 +125,7 @@ def cmd_generate(args) -> int:
     import torch
 
     _set_threads(args.threads)
-    knobs = _knobs(args.knob)
+    knobs = args.method_knobs
     if args.kind == "vlm":
         return _generate_vlm(args, knobs)
     from .pipelines import SpeculativeARImagePipeline
@@ -110,11 +147,8 @@ def _generate_vlm(args, knobs: dict) -> int:
 
     from .pipelines import SpeculativeVLMPipeline
 
-    try:
-        image = PIL.Image.open(args.image)
-        image.load()
-    except (OSError, ValueError) as err:
-        raise SystemExit(f"mmspec generate vlm: --image {args.image!r} is not a readable image ({err})")
+    with PIL.Image.open(args.image) as image:
+        image = image.convert("RGB")  # as diffusers' load_image: a file's mode is not the caller's choice
     pipe = SpeculativeVLMPipeline.from_pretrained(args.model)
     out = pipe(images=[image], prompts=[args.prompt], method=args.method, method_knobs=knobs,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -126,13 +160,21 @@ def _generate_vlm(args, knobs: dict) -> int:
     return 0
 
 
-def _knob_value(text: str):
-    for cast in (int, float):
+def _knob_value(text: str, spec):
+    """``text`` cast to the knob's type; left as text when it does not parse, so the registry's
+    error names the knob and what it accepts."""
+    if spec is None:
+        return text  # not a knob of this method: the registry lists the ones it has
+    if spec.optional and text.lower() == "none":
+        return None
+    if spec.type is bool:
+        return {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}.get(text.lower(), text)
+    if spec.type in (int, float):
         try:
-            return cast(text)
+            return spec.type(text)
         except ValueError:
-            pass
-    return {"none": None, "true": True, "false": False}.get(text.lower(), text)
+            return text
+    return text
 
 
 def _save_images(images, out: Path, method: str, prompts) -> list[Path]:
@@ -228,8 +270,6 @@ def cmd_train(args) -> int:
         print(f"saved {args.out}: held-out reconstruction MSE {record['heldout_recon_mse']:.4f}, "
               f"{record['wall_time_s']:.0f} s")
     elif args.recipe == "ar-draft":
-        if args.kind == "eagle" and args.target is None:
-            raise SystemExit("mmspec train ar-draft: --kind eagle needs --target DIR (the AR model it drafts for)")
         record = recipes.train_ar_draft(args.out, kind=args.kind, vq_dir=args.vq, target_dir=args.target, **common)
         metric = (f"held-out top-1 agreement {record['heldout_top1']:.4f}" if args.kind == "eagle"
                   else f"held-out loss {record['heldout_loss']:.4f}")
@@ -255,13 +295,21 @@ def cmd_train(args) -> int:
     return 0
 
 
-def _number(cast, low, strict: bool):
-    """An argparse type: ``cast(text)`` that must be above ``low`` (or at least, if not strict)."""
-    allowed = f"a number > {low}" if strict else f"an int >= {low}"
+def _number(cast, low, strict: bool, high=None):
+    """An argparse type: ``cast(text)``, finite, above ``low`` (or at least, if not strict) and at
+    most ``high``."""
+    kind = "an int" if cast is int else "a number"
+    if high is not None:
+        allowed = f"{kind} in {'(' if strict else '['}{low}, {high}]"
+    else:
+        allowed = f"{kind} {'>' if strict else '>='} {low}"
 
     def parse(text: str):
-        value = cast(text)
-        if value < low or (strict and value == low):
+        try:
+            value = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+        if not math.isfinite(value) or value < low or (strict and value == low) or (high is not None and value > high):
             raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
         return value
 
@@ -271,11 +319,73 @@ def _number(cast, low, strict: bool):
 _positive_int = _number(int, 1, strict=False)
 _non_negative_int = _number(int, 0, strict=False)
 _positive_float = _number(float, 0, strict=True)
+_non_negative_float = _number(float, 0, strict=False)
+_probability = _number(float, 0, strict=True, high=1)
 
 
 def _existing_dir(text: str) -> str:
     if not Path(text).is_dir():
         raise argparse.ArgumentTypeError(f"no such folder: {text!r}")
+    return text
+
+
+def _existing_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    return text
+
+
+def _unwritable(path: Path) -> str | None:
+    """Why nothing could be written at ``path`` (its nearest existing parent), or None."""
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{str(parent)!r} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{str(parent)!r} is not writable"
+    return None
+
+
+def _output_dir(text: str) -> str:
+    """A folder to write into: refused now if it names an existing file or cannot be created,
+    rather than after the work."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"must be a folder, got the existing file {text!r}")
+    problem = None if path.is_dir() else _unwritable(path)
+    if problem:
+        raise argparse.ArgumentTypeError(f"cannot create the folder {text!r}: {problem}")
+    return text
+
+
+def _output_file(text: str) -> str:
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"must be a file path, got the existing folder {text!r}")
+    problem = _unwritable(path)
+    if problem:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: {problem}")
+    return text
+
+
+def _image_file(text: str) -> str:
+    """A file PIL can decode (checked now, before any model loads)."""
+    import PIL.Image
+
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text!r}")
+    try:
+        with PIL.Image.open(text) as image:
+            image.load()
+    except (OSError, ValueError, PIL.Image.DecompressionBombError) as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a readable image ({_one_line(err)})") from None
+    return text
+
+
+def _text(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("must be a non-empty text")
     return text
 
 
@@ -329,7 +439,8 @@ def _add_train_parser(sub) -> None:
         if name == "classifier":
             p.add_argument("--vq", type=_existing_dir, metavar="DIR",
                            help="also report the accuracy on this VQ's reconstructions of held-out images")
-        p.add_argument("--out", required=True, metavar="DIR", help="checkpoint folder (replaced atomically)")
+        p.add_argument("--out", required=True, type=_output_dir, metavar="DIR",
+                       help="checkpoint folder (replaced atomically)")
         p.add_argument("--steps", type=_positive_int, default=defaults["steps"],
                        help=f"optimizer steps (default {defaults['steps']})")
         p.add_argument("--batch-size", type=_positive_int, default=defaults["batch_size"],
@@ -350,29 +461,30 @@ def _add_generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="run a bundled pipeline: images (ar-image) or answers (vlm)")
     kinds = gen.add_subparsers(dest="kind", required=True)
     v = kinds.add_parser("vlm", help="answer a question about an image with the bundled VLM (lossless methods)")
-    v.add_argument("--image", required=True, metavar="PATH", help="an image file (PNG, JPEG, ...)")
-    v.add_argument("--prompt", required=True, help='a question, e.g. "describe the image in detail ."')
+    v.add_argument("--image", required=True, type=_image_file, metavar="PATH",
+                   help="an image file (PNG, JPEG, ...; converted to RGB)")
+    v.add_argument("--prompt", required=True, type=_text, help='a question, e.g. "describe the image in detail ."')
     v.add_argument("--method", default="none", choices=VLM_METHODS, help="(default none)")
     v.add_argument("--knob", action="append", metavar="KEY=VALUE", help="a method knob, e.g. tree_depth=5")
     v.add_argument("--max-new-tokens", type=_positive_int, default=128, help="(default 128)")
-    v.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default 0)")
-    v.add_argument("--top-p", type=float, default=None, help="nucleus sampling with --temperature > 0")
+    v.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 is greedy (default 0)")
+    v.add_argument("--top-p", type=_probability, default=None, help="nucleus sampling with --temperature > 0")
     v.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "assets" / "vlm"),
                    type=_existing_dir, metavar="DIR", help="pipeline folder (default assets/vlm)")
     v.add_argument("--seed", type=_non_negative_int, default=0, help="(default 0)")
     v.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
     v.add_argument("--quiet", action="store_true", help="no progress bar")
     p = kinds.add_parser("ar-image", help="AR image generation over VQ tokens")
-    p.add_argument("--prompt", required=True, nargs="+", help='class prompts, e.g. "a red circle"')
+    p.add_argument("--prompt", required=True, nargs="+", type=_text, help='class prompts, e.g. "a red circle"')
     p.add_argument("--method", default="none",
                    help=f"none or a composition: {', '.join(METHODS)} (default none)")
     p.add_argument("--knob", action="append", metavar="KEY=VALUE", help="a method knob, e.g. sjd_window=16")
-    p.add_argument("--out", required=True, metavar="DIR", help="folder for the PNGs")
+    p.add_argument("--out", required=True, type=_output_dir, metavar="DIR", help="folder for the PNGs")
     p.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "assets" / "ar-image"),
                    type=_existing_dir, metavar="DIR", help="pipeline folder (default assets/ar-image)")
     p.add_argument("--num-images", type=_positive_int, default=1, help="images per prompt (default 1)")
-    p.add_argument("--guidance-scale", type=float, default=2.0, help="CFG scale (default 2.0)")
-    p.add_argument("--temperature", type=float, default=1.0, help="(default 1.0)")
+    p.add_argument("--guidance-scale", type=_non_negative_float, default=2.0, help="CFG scale (default 2.0)")
+    p.add_argument("--temperature", type=_non_negative_float, default=1.0, help="0 is greedy (default 1.0)")
     p.add_argument("--seed", type=_non_negative_int, default=0, help="(default 0)")
     p.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -382,7 +494,7 @@ def cmd_demo(args) -> int:
     # the demo lives in the repository's demos/ folder, next to this package (editable installs)
     root = Path(__file__).resolve().parents[1]
     if not (root / "demos" / "app.py").is_file():
-        raise SystemExit(f"mmspec demo: {root / 'demos' / 'app.py'} not found (run from a clone of the repository)")
+        raise FileNotFoundError(f"{root / 'demos' / 'app.py'} not found (run from a clone of the repository)")
     sys.path.insert(0, str(root))
     from demos import app
 
@@ -408,8 +520,9 @@ def _add_demo_batch_parsers(sub) -> None:
     demo.add_argument("--port", type=_positive_int, default=None, help="port (default: 7860 or the next free one)")
     batch = sub.add_parser("batch", help="run a JSONL/CSV file of jobs into a folder of files + manifest.jsonl "
                                          "(resumable; scales with accelerate launch --multi_gpu --num_processes N)")
-    batch.add_argument("jobs", help="a .jsonl (or .csv) file of jobs (see mmspec/batch.py)")
-    batch.add_argument("--out", required=True, metavar="DIR", help="output folder (created; reruns resume it)")
+    batch.add_argument("jobs", type=_existing_file, help="a .jsonl (or .csv) file of jobs (see mmspec/batch.py)")
+    batch.add_argument("--out", required=True, type=_output_dir, metavar="DIR",
+                       help="output folder (created; reruns resume it)")
     batch.add_argument("--batch-size", type=_positive_int, default=4,
                        help="same-kind jobs per pipeline call where outputs cannot change (default 4)")
     batch.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
@@ -417,19 +530,19 @@ def _add_demo_batch_parsers(sub) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mmspec", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="mmspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     showcase = sub.add_parser("showcase", help="run every modality's bundled default, baseline vs methods")
     bench = sub.add_parser("bench", help="benchmark one part; prints a table, --json writes the rows")
     for p in (showcase, bench):
         p.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
     bench.add_argument("name", choices=BENCHES)
-    bench.add_argument("--json", metavar="PATH", help='write {"bench": name, "rows": [...]} here')
+    bench.add_argument("--json", type=_output_file, metavar="PATH", help='write {"bench": name, "rows": [...]} here')
     bench.add_argument("--quick", action="store_true", help="smaller sample counts (the showcase's)")
     bench.add_argument("--pipeline", type=_existing_dir, metavar="DIR",
                        help="vlm only: the pipeline folder (default assets/vlm)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    showcase.add_argument("--out", default="outputs/showcase", metavar="DIR",
+    showcase.add_argument("--out", default="outputs/showcase", type=_output_dir, metavar="DIR",
                           help="where the sample grids go (default outputs/showcase)")
     _add_generate_parser(sub)
     _add_train_parser(sub)
@@ -437,11 +550,42 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_args(args) -> None:
+    """What argparse cannot see alone, checked before anything loads: method names and knobs
+    through the method registry, arguments that need each other. ``UsageError`` otherwise."""
+    try:
+        if args.command == "generate":
+            args.method_knobs = _knobs(args.knob, args.kind, args.method)
+        elif args.command == "train" and args.recipe == "ar-draft" and args.kind == "eagle" and args.target is None:
+            raise ValueError("--kind eagle needs --target DIR (the AR model it drafts for)")
+        elif args.command == "bench" and args.pipeline is not None and args.name != "vlm":
+            raise ValueError(f"--pipeline is for 'bench vlm' only, got 'bench {args.name}'")
+    except UsageError:
+        raise
+    except ValueError as err:
+        raise UsageError(str(err), args._prog) from err
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    handler = {"bench": cmd_bench, "showcase": cmd_showcase, "train": cmd_train,
-               "generate": cmd_generate, "demo": cmd_demo, "batch": cmd_batch}[args.command]
-    return handler(args)
+    """Run one command. An error prints one line ``<command>: error: <message>`` on stderr and
+    exits with status 2 (a bad command line, found before anything loads) or 1 (a ValueError or
+    OSError while running, e.g. a corrupt checkpoint); ``--debug`` re-raises it instead."""
+    parser = build_parser()
+    args, debug = None, False
+    try:
+        args = parser.parse_args(argv)
+        debug = getattr(args, "debug", False)
+        check_args(args)
+        handler = {"bench": cmd_bench, "showcase": cmd_showcase, "train": cmd_train,
+                   "generate": cmd_generate, "demo": cmd_demo, "batch": cmd_batch}[args.command]
+        return handler(args)
+    except (ValueError, OSError) as err:
+        if debug or (args is None and "--debug" in (sys.argv[1:] if argv is None else argv)):
+            raise
+        usage = isinstance(err, UsageError)
+        prog = err.prog if usage else getattr(args, "_prog", parser.prog)
+        print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+        raise SystemExit(2 if usage else 1) from None
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@
 - no library gets the chance to build a model its weights do not describe: each model is built on
   the meta device from its config (no memory), and a model with more than twice the parameters its
   weights hold is refused. A missing ``config.json`` made transformers build a default-size LLaVA
-  (7B parameters; memory went past 20 GB before the process was killed).
+  (7B parameters; issue 9 saw memory pass 20 GB before the process was killed).
 
 Errors are ``FileNotFoundError`` (something missing) or ``ValueError`` (something wrong), each
 naming the file, the component and what is expected.

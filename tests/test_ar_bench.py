@@ -60,7 +60,7 @@ def test_generate_writes_pngs(folders, tmp_path, capsys):
 
 def test_generate_rejects_bad_knobs(folders, tmp_path):
     with pytest.raises(ValueError, match="method knobs"):
-        cli.main(["generate", "ar-image", "--method", "sjd", "--prompt", "a red circle", "--knob", "zipar_window=4",
+        cli.main(["--debug", "generate", "ar-image", "--method", "sjd", "--prompt", "a red circle", "--knob", "zipar_window=4",
                   "--out", str(tmp_path), "--quiet", "--model", str(folders / "ar-image")])
     assert list(tmp_path.iterdir()) == []
 

@@ -254,9 +254,10 @@ def test_cli_ar_draft(tmp_path, trained_dirs, capsys):
                                           "--vq", str(vq_dir), "--out", "x"])
     assert (args.recipe, args.kind, args.target, args.steps) == \
         ("ar-draft", "eagle", str(ar_dir), cli.TRAIN_DEFAULTS["ar-draft"]["steps"])
-    with pytest.raises(SystemExit, match="--kind eagle needs --target"):
+    with pytest.raises(SystemExit) as exit_:
         cli.main(["train", "ar-draft", "--kind", "eagle", "--vq", str(vq_dir), "--out", str(tmp_path / "e"),
                   "--threads", str(torch.get_num_threads())])
+    assert exit_.value.code == 2 and "--kind eagle needs --target" in capsys.readouterr().err
     threads = torch.get_num_threads()
     try:
         assert cli.main(["train", "ar-draft", "--kind", "eagle", "--target", str(ar_dir), "--vq", str(vq_dir),

@@ -67,7 +67,8 @@ def check_checkpoint_dir(path, name: str, what: str, processor: bool = False) ->
     check(folder.is_dir() and (folder / "config.json").is_file(), name, what, str(path))
     check_model_folder(folder, name)
     if processor:
-        for files in (("processor_config.json", "preprocessor_config.json"), ("tokenizer.json", "tokenizer_config.json")):
+        for files in (("processor_config.json", "preprocessor_config.json"),
+                      ("tokenizer.json", "tokenizer_config.json")):
             check(any((folder / f).is_file() for f in files), name, f"{what} (with {' or '.join(files)})", str(path))
     return folder
 
