@@ -3,6 +3,10 @@
 draft -> verify in one target pass -> accept -> commit the KV cache, for chains and trees, with
 exact and relaxed acceptance rules, a logits pipeline with classifier-free guidance, and static
 or sink+window rolling caches. Adapters turn model families into its ``Target`` / ``Drafter``.
+
+The seams (``Target``, ``Drafter`` with ``DrafterBase``'s defaults, ``FeatureHead``,
+``AcceptanceRule``, ``DecodingSchedule`` -> ``SchedulePlan``, ``KVCache``) are typed in one place,
+``mmspec.core.types``; imports inside the core point one way (``tests/test_core_protocols.py``).
 """
 
 from .acceptance import GreedyMatch, SpeculativeSampling

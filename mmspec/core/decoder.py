@@ -21,8 +21,7 @@ from .sampling import Generators, as_generators, repeat_rows, select_rows
 from .schedule import RasterSchedule
 from .stats import Stats
 from .tree import DraftTree, Tree
-from .types import (Acceptance, AcceptanceRule, DecodeState, DecodingSchedule, Drafter, ModelOutput,
-                    Target)
+from .types import Acceptance, AcceptanceRule, DecodeState, DecodingSchedule, Drafter, Target
 
 __all__ = ["DecodeOutput", "DecodeState", "SpeculativeDecoder", "pad_prompts"]
 
