@@ -23,7 +23,8 @@ positions of their image span, so every later entry keeps its original position 
 SpecVLM is silent on placement, and we use the same). The draft's KV cache then holds fewer slots
 than the target's: ``_DraftCache`` maps positions to slots with a per-row offset.
 
-The rest is EAGLE (Li et al., 2024): one Llama decoder layer over ``fc([embed(x_p); f_{p-1}])``,
+The rest is EAGLE (Li et al., 2024), shared with the LlamaGen head in
+``mmspec.models.eagle_base.EagleHead``: one Llama decoder layer over ``fc([embed(x_p); f_{p-1}])``,
 the target's token embedding and LM head shared (borrowed at ``bind``, never saved), the
 predicted feature ``f^_p`` turned into logits by the target's LM head. As in SpecVLM's EagleVLM
 the layer keeps its input RMSNorm (EAGLE-1 drops it); ``input_norm=False`` drops it.
@@ -35,8 +36,7 @@ from __future__ import annotations
 import math
 
 import torch
-from diffusers.configuration_utils import ConfigMixin, register_to_config
-from diffusers.models.modeling_utils import ModelMixin
+from diffusers.configuration_utils import register_to_config
 from torch import nn
 from torch.nn import functional as F
 
@@ -44,7 +44,7 @@ from ..core.cache import StaticKVCache
 from ..core.errors import check, check_choice
 from ..core.rope import Rope1D
 from ..core.types import ModelOutput
-from .llamagen import LlamaGenBlock
+from .eagle_base import EagleHead
 
 METHODS = ("eagle", "specvlm", "vispec")
 BRANCHES = ("prune", "pool", "conv", "resampler", "text")
@@ -144,7 +144,7 @@ class _DraftCache(StaticKVCache):
         super().truncate((lengths.to(self.lengths) - self.offset).clamp(min=0))
 
 
-class VLMDraftHead(ModelMixin, ConfigMixin):
+class VLMDraftHead(EagleHead):
     """EAGLE draft head for a ``VLMTarget`` (see the module docstring for ``method``).
 
     Build with ``VLMDraftHead.from_target(vlm_target, method=...)``, or load a trained one with
@@ -164,7 +164,8 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
         initializer_range: std of the normal init of the linear weights.
     """
 
-    config_name = "config.json"
+    cache_class = _DraftCache
+    target_kind, bind_hint = "VLM", "vlm_target"
 
     @register_to_config
     def __init__(self, method: str = "eagle", hidden_size: int = 192, vocab_size: int = 128,
@@ -172,7 +173,6 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
                  rms_norm_eps: float = 1e-6, rope_theta: float = 10000.0, input_norm: bool = True,
                  prune_ratio: int = 16, pool_ratio: int = 16, conv_ratio: int = 4, resampler_queries: int = 2,
                  vispec_queries: int = 2, initializer_range: float = 0.02):
-        super().__init__()
         check_choice("method", method, METHODS)
         for name, value in dict(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=num_heads,
                                 intermediate_size=intermediate_size, prune_ratio=prune_ratio,
@@ -185,13 +185,8 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
         check(isinstance(vispec_queries, int) and vispec_queries >= 2, "vispec_queries",
               "an int >= 2 (compressed tokens + the global feature)", vispec_queries)
         H = hidden_size
-        self.fc = nn.Linear(2 * H, H, bias=False)
-        self.block = LlamaGenBlock(0, H, num_heads, intermediate_size, rms_norm_eps)
-        if not input_norm:
-            self.block.attention_norm = nn.Identity()
-        for p in self.parameters():
-            if p.dim() == 2:
-                nn.init.normal_(p, std=initializer_range)
+        super().__init__(H, num_heads, intermediate_size, rms_norm_eps, Rope1D(H // num_heads, rope_theta),
+                         input_norm, initializer_range)
         if method == "specvlm":
             self.compressor = ElasticVisualCompressor(H, num_heads, prune_ratio, pool_ratio, conv_ratio,
                                                       resampler_queries)
@@ -201,8 +196,6 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
             with torch.no_grad():  # [I | 0]: starts as plain EAGLE
                 self.img_fc.weight.zero_()
                 self.img_fc.weight[:, :H] = torch.eye(H)
-        self.rope = Rope1D(H // num_heads, rope_theta)
-        self._bound_to = ()
 
     # -- binding ---------------------------------------------------------------------------------
     @classmethod
@@ -215,24 +208,9 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
                     intermediate_size=text.intermediate_size, rms_norm_eps=text.rms_norm_eps)
         return cls(**{**args, **overrides}).bind(target)
 
-    def bind(self, target) -> "VLMDraftHead":
-        """Use ``target``'s (a ``VLMTarget``) token embedding, LM head and prompt embeddings."""
+    def _target_config(self, target) -> dict:
         text = target.model.config.text_config
-        for key, value in (("hidden_size", text.hidden_size), ("vocab_size", text.vocab_size),
-                           ("image_token_id", target.image_token_id)):
-            check(value == self.config[key], "target", f"a VLM with {key}={self.config[key]} (the head's)", value)
-        self._bound_to = (target,)
-        return self
-
-    @property
-    def target(self):
-        if not self._bound_to:
-            raise RuntimeError("VLMDraftHead is not bound to a target: call head.bind(vlm_target) first")
-        return self._bound_to[0]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
+        return dict(hidden_size=text.hidden_size, vocab_size=text.vocab_size, image_token_id=target.image_token_id)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.target.model.get_input_embeddings()(tokens).to(self.fc.weight.dtype)
@@ -310,7 +288,7 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
                 for (a, b), vis in zip(spans, visual):
                     cols = torch.nonzero((positions[r] >= a) & (positions[r] <= b)).flatten()
                     emb[r, cols] = vis[positions[r, cols] - a]
-        return self.fc(torch.cat([emb, f], -1))
+        return self.fuse(emb, f)
 
     def _merge(self, x: torch.Tensor, positions: torch.Tensor, plan: dict):
         """Entries of a first feed with the prompt's images compressed (``"specvlm"``,
@@ -347,9 +325,6 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
         offsets = torch.tensor([W - len(rp) for _, rp, _ in rows], device=x.device)
         return inputs, pos_out, col_out, offsets
 
-    def _block(self, x: torch.Tensor, positions: torch.Tensor, step) -> torch.Tensor:
-        return self.block(x, step, self.rope, self.rope.tables(positions) if step is None else None)
-
     def _layer(self, x: torch.Tensor, positions: torch.Tensor, plan: dict | None, step_of) -> tuple:
         """The decoder layer over a block of W columns: straight for ``"eagle"`` or without a
         plan; compressed entries merged in otherwise, outputs scattered back to the W columns
@@ -357,9 +332,9 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
         Returns (hidden (R, W, H), offsets (R,))."""
         R, W, H = x.shape
         if plan is None or self.config.method == "eagle":
-            return self._block(x, positions, step_of(positions)), torch.zeros(R, dtype=torch.long, device=x.device)
+            return self.decoder_layer(x, positions, step_of(positions)), torch.zeros(R, dtype=torch.long, device=x.device)
         inputs, pos, cols, offsets = self._merge(x, positions, plan)
-        h = self._block(inputs, pos, step_of(pos))
+        h = self.decoder_layer(inputs, pos, step_of(pos))
         out = h.new_zeros(R, W + 1, H)  # column W absorbs compressed and pad entries
         index = torch.where(cols >= 0, cols, W)[..., None].expand(-1, -1, H)
         out.scatter_(1, index, h)
@@ -367,9 +342,7 @@ class VLMDraftHead(ModelMixin, ConfigMixin):
 
     # -- drafting --------------------------------------------------------------------------------
     def new_cache(self, batch_size: int, max_len: int) -> _DraftCache:
-        cfg = self.config
-        cache = _DraftCache(1, batch_size, cfg.num_heads, cfg.hidden_size // cfg.num_heads, max_len=max_len,
-                            rope=self.rope, dtype=self.fc.weight.dtype, device=self.fc.weight.device)
+        cache = super().new_cache(batch_size, max_len)
         cache.offset = torch.zeros(batch_size, dtype=torch.long, device=self.fc.weight.device)
         return cache
 
