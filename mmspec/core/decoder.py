@@ -100,7 +100,8 @@ class SpeculativeDecoder:
             conditioning: keyword inputs of the prompt pass (e.g. a VLM's ``pixel_values`` for
                 every target row, the uncond half included): given to the target's prefill and
                 to a draft model's first feed, never bound to a model object.
-            callback: called after every decode pass with (step, state).
+            callback: called after every decode pass with (step, state); returning ``True``
+                stops decoding after that pass (diffusers' interrupt; rows keep what they emitted).
             profile: time every phase into ``Stats.seconds`` (synchronises the device after each
                 phase of each pass); the call's total ``Stats.wall_seconds`` is always measured.
         """
@@ -207,8 +208,8 @@ class SpeculativeDecoder:
                 self._emit(state, new, emitted)
                 done = plan.finished(state)
             step += 1
-            if callback is not None:
-                callback(step, state)
+            if callback is not None and callback(step, state) is True:
+                break  # interrupted by the caller: every row keeps what it has emitted
 
         stats.draft_forwards = self.drafter.forwards - draft_forwards_before
         sequences, out_lens = plan.collect(state, pad_token_id)
