@@ -74,6 +74,8 @@ class LlamaGenModel(ModelMixin, ConfigMixin):
         rope_base: rotary base of both grid axes.
         norm_eps: RMSNorm epsilon.
         initializer_range: std of the normal init of every linear and embedding weight.
+        id2label: ``{"0": "a red circle, red circle", ...}``: each class id's names, comma-separated
+            (diffusers' DiT convention); saved with the config so a pipeline maps prompts to ids.
     """
 
     config_name = "config.json"
@@ -81,7 +83,8 @@ class LlamaGenModel(ModelMixin, ConfigMixin):
     @register_to_config
     def __init__(self, vocab_size: int = 512, grid_size: int = 16, num_classes: int = 16, dim: int = 256,
                  n_layers: int = 4, n_heads: int = 4, mlp_hidden: int = 688, class_dropout_prob: float = 0.1,
-                 rope_base: float = 10000.0, norm_eps: float = 1e-5, initializer_range: float = 0.02):
+                 rope_base: float = 10000.0, norm_eps: float = 1e-5, initializer_range: float = 0.02,
+                 id2label: dict[str, str] | None = None):
         super().__init__()
         sizes = dict(vocab_size=vocab_size, grid_size=grid_size, num_classes=num_classes, dim=dim,
                      n_layers=n_layers, n_heads=n_heads, mlp_hidden=mlp_hidden)
@@ -93,6 +96,9 @@ class LlamaGenModel(ModelMixin, ConfigMixin):
         check(0.0 <= class_dropout_prob <= 1.0, "class_dropout_prob", "a float in [0, 1]", class_dropout_prob)
         check(rope_base > 0, "rope_base", "> 0", rope_base)
         check(initializer_range >= 0, "initializer_range", ">= 0", initializer_range)
+        check(id2label is None or (isinstance(id2label, dict) and sorted(map(str, id2label)) == sorted(
+            str(i) for i in range(num_classes)) and all(isinstance(v, str) and v.strip() for v in id2label.values())),
+              "id2label", f"None or a dict of names for every class id '0' .. '{num_classes - 1}'", id2label)
         self.cls_embedding = nn.Embedding(num_classes + 1, dim)
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleList(LlamaGenBlock(i, dim, n_heads, mlp_hidden, norm_eps)
