@@ -13,7 +13,7 @@ from ...core.errors import check
 from ...models.llamagen import LlamaGenModel
 from ...models import load_checkpoint
 from ...models.vq import TinyVQModel
-from ..data import NUM_CLASSES, ShapesDataset
+from ..data import CLASS_NAMES, CLASS_PROMPTS, NUM_CLASSES, ShapesDataset
 from .common import (batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, json_config, save_atomically, stack,
                      warmup_cosine)
 
@@ -76,7 +76,8 @@ def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch
 
     torch.manual_seed(seed)
     config = {**DEFAULT_MODEL_CONFIG, **model_config, "vocab_size": vq.config.codebook_size,
-              "grid_size": vq.grid_size, "num_classes": NUM_CLASSES}
+              "grid_size": vq.grid_size, "num_classes": NUM_CLASSES,
+              "id2label": {str(i): f"{p}, {n}" for i, (p, n) in enumerate(zip(CLASS_PROMPTS, CLASS_NAMES))}}
     model = LlamaGenModel(**config)
     # LlamaGen's c2i optimizer settings
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.05)
