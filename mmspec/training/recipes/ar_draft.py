@@ -18,6 +18,7 @@ from ...models.eagle import EagleDraftHead
 from ...models.llamagen import LlamaGenModel
 from ...models.vq import TinyVQModel
 from ..data import NUM_CLASSES
+from ..loop import new_accelerator, train_loop
 from .ar_image import token_data, train_ar_image
 from .common import (TRAIN_LOG, batch_indices, check_checkpoint_dir, check_run_args, json_config, save_atomically,
                      warmup_cosine)
@@ -106,6 +107,7 @@ def train_ar_draft(out_dir: str | Path, *, kind: str, vq_dir: str | Path, target
                          dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every,
                          log=log, warmup=warmup)
 
+    accelerator = new_accelerator("train_ar_draft")
     start = time.perf_counter()
     vq = load_checkpoint(TinyVQModel, vq_path)
     target = _load_target(target_path, vq)
@@ -118,17 +120,10 @@ def train_ar_draft(out_dir: str | Path, *, kind: str, vq_dir: str | Path, target
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, steps=steps))
     order = torch.Generator().manual_seed(seed)
     dropout = torch.Generator().manual_seed(seed + 1)
-
-    head.train()
-    for step, idx in enumerate(batch_indices(dataset_size, batch_size, steps, order), 1):
-        loss = head.loss(labels[idx], ids[idx], generator=dropout, cls_weight=CLS_WEIGHT)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(head.parameters(), GRAD_CLIP)
-        optimizer.step()
-        schedule.step()
-        if step % log_every == 0 or step == steps:
-            log(f"ar-draft (eagle) step {step}/{steps}  loss {loss.item():.4f}")
+    batches = ((labels[idx], ids[idx]) for idx in batch_indices(dataset_size, batch_size, steps, order))
+    final_loss = train_loop(head, optimizer, batches, lambda h, b: h.loss(*b, generator=dropout, cls_weight=CLS_WEIGHT),
+                            steps=steps, accelerator=accelerator, schedule=schedule, grad_clip=GRAD_CLIP,
+                            name="ar-draft (eagle)", log=log, log_every=log_every)
 
     top1 = heldout_agreement(head, held_labels, held_ids)
     top1_uncond = heldout_agreement(head, torch.full_like(held_labels, target.null_class), held_ids)
@@ -143,7 +138,7 @@ def train_ar_draft(out_dir: str | Path, *, kind: str, vq_dir: str | Path, target
                   "loss": f"smooth_l1(features) + {CLS_WEIGHT} x soft cross-entropy(target's head)",
                   "label_dropout": target.config.class_dropout_prob},
         "target_dir": str(target_path.resolve()), "vq_dir": str(vq_path.resolve()),
-        "final_loss": loss.item(), "heldout_top1": top1, "heldout_top1_uncond": top1_uncond,
+        "final_loss": final_loss, "heldout_top1": top1, "heldout_top1_uncond": top1_uncond,
         "heldout_loss": held_loss, "heldout": {"size": heldout_size, "seed": held_seed},
         "wall_time_s": time.perf_counter() - start,
     }

@@ -14,6 +14,7 @@ from ...models.llamagen import LlamaGenModel
 from ...models import load_checkpoint
 from ...models.vq import TinyVQModel
 from ..data import CLASS_NAMES, CLASS_PROMPTS, NUM_CLASSES, ShapesDataset
+from ..loop import new_accelerator, train_loop
 from .common import (batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, json_config, save_atomically, stack,
                      warmup_cosine)
 
@@ -69,6 +70,7 @@ def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch
     check(not set(model_config) & set(_DERIVED), "model_config",
           f"free of {', '.join(_DERIVED)} (they come from the VQ and the dataset)", model_config)
 
+    accelerator = new_accelerator("train_ar_image")
     start = time.perf_counter()
     vq = load_checkpoint(TinyVQModel, vq_path)
     labels, ids, held_labels, held_ids, held_seed = token_data(vq, dataset_size, heldout_size, seed)
@@ -84,17 +86,10 @@ def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, steps=steps))
     order = torch.Generator().manual_seed(seed)
     dropout = torch.Generator().manual_seed(seed + 1)
-
-    model.train()
-    for step, idx in enumerate(batch_indices(dataset_size, batch_size, steps, order), 1):
-        loss = model.loss(labels[idx], ids[idx], generator=dropout)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        if step % log_every == 0 or step == steps:
-            log(f"ar-image step {step}/{steps}  loss {loss.item():.4f}")
+    batches = ((labels[idx], ids[idx]) for idx in batch_indices(dataset_size, batch_size, steps, order))
+    final_loss = train_loop(model, optimizer, batches, lambda m, b: m.loss(*b, generator=dropout), steps=steps,
+                            accelerator=accelerator, schedule=schedule, grad_clip=1.0, name="ar-image", log=log,
+                            log_every=log_every)
 
     held = heldout_loss(model, held_labels, held_ids)
     log(f"ar-image held-out loss {held:.4f} ({heldout_size} images)")
@@ -102,7 +97,7 @@ def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch
         "recipe": "ar-image", "seed": seed, "steps": steps, "config": json_config(model),
         "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "optimizer": "AdamW", "schedule": f"linear warmup {warmup} steps, cosine to 10%",
                   "betas": [0.9, 0.95], "weight_decay": 0.05, "grad_clip": 1.0},
-        "vq_dir": str(vq_path.resolve()), "final_loss": loss.item(), "heldout_loss": held,
+        "vq_dir": str(vq_path.resolve()), "final_loss": final_loss, "heldout_loss": held,
         "heldout": {"size": heldout_size, "seed": held_seed},
         "wall_time_s": time.perf_counter() - start,
     }

@@ -17,6 +17,7 @@ from ...models import load_checkpoint
 from ...models.classifier import ShapesClassifier
 from ...models.vq import TinyVQModel
 from ..data import NUM_CLASSES, ShapesDataset
+from ..loop import new_accelerator, train_loop
 from .common import batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, json_config, save_atomically, stack, warmup_cosine
 
 
@@ -66,6 +67,7 @@ def train_classifier(out_dir: str | Path, *, steps: int, batch_size: int, lr: fl
     vq_path = None if vq_dir is None else check_checkpoint_dir(
         vq_dir, "vq_dir", "None or a folder saved by TinyVQModel.save_pretrained (e.g. by train_vq)")
 
+    accelerator = new_accelerator("train_classifier")
     start = time.perf_counter()
     torch.manual_seed(seed)
     model = ShapesClassifier(num_classes=NUM_CLASSES)
@@ -75,19 +77,16 @@ def train_classifier(out_dir: str | Path, *, steps: int, batch_size: int, lr: fl
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, steps=steps))
     order = torch.Generator().manual_seed(seed)
     augmentation = torch.Generator().manual_seed(seed + 1)
+    batches = ((images[idx], labels[idx]) for idx in batch_indices(dataset_size, batch_size, steps, order))
 
-    model.train()
-    for step, idx in enumerate(batch_indices(dataset_size, batch_size, steps, order), 1):
-        logits = model(augment(images[idx], augmentation))  # (B, num_classes)
-        loss = F.cross_entropy(logits, labels[idx])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        if step % log_every == 0 or step == steps:
-            acc = (logits.argmax(-1) == labels[idx]).float().mean().item()
-            log(f"classifier step {step}/{steps}  loss {loss.item():.4f}  batch accuracy {acc:.3f}")
-    del images
+    def loss(model, batch):
+        x, y = batch
+        logits = model(augment(x, augmentation))  # (B, num_classes)
+        return {"loss": F.cross_entropy(logits, y), "batch_accuracy": (logits.argmax(-1) == y).float().mean()}
+
+    final_loss = train_loop(model, optimizer, batches, loss, steps=steps, accelerator=accelerator, schedule=schedule,
+                            name="classifier", log=log, log_every=log_every)
+    del images, batches
 
     model.eval()
     held_seed = heldout_seed(seed)
@@ -104,7 +103,7 @@ def train_classifier(out_dir: str | Path, *, steps: int, batch_size: int, lr: fl
         "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "optimizer": "AdamW",
                   "weight_decay": weight_decay, "schedule": f"linear warmup {warmup} steps, cosine to 10%",
                   "augment": "random flips; Gaussian blur (sigma 0.5-2 px) on half the images"},
-        "final_loss": loss.item(), "heldout_accuracy": accuracy,
+        "final_loss": final_loss, "heldout_accuracy": accuracy,
         "heldout": {"size": heldout_size, "seed": held_seed},
         "vq_dir": None if vq_path is None else str(vq_path.resolve()), "vq_recon_accuracy": vq_accuracy,
         "wall_time_s": time.perf_counter() - start,

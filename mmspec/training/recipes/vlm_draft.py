@@ -6,9 +6,10 @@ the answer positions (the paper's weights; EAGLE's loss with online teacher targ
 adds ViSpec's anti-shortcut rollout (``rollout_steps=2``: the second step feeds the draft its own
 predicted features).
 
-Built on ``accelerate``: ``mmspec train vlm-draft ...`` runs in one process, and
-``accelerate launch --num_processes 2 -m mmspec train vlm-draft ...`` splits every batch across
-processes (gloo on the CPU, gradients all-reduced); process 0 evaluates and saves.
+Runs the recipes' loop (``mmspec.training.loop``) on ``accelerate``: ``mmspec train vlm-draft ...``
+runs in one process, and ``accelerate launch --num_processes 2 -m mmspec train vlm-draft ...``
+splits every batch across processes (gloo on the CPU, gradients all-reduced); process 0
+evaluates and saves.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from ...adapters.vlm import VLMTarget
 from ...core.errors import check, check_choice
 from ...models.vlm_draft import BRANCHES, METHODS, VLMDraftHead
 from ..data.scene_qa import SceneQADataset
-from .common import check_checkpoint_dir, check_run_args, heldout_seed, save_atomically, warmup_cosine
+from ..loop import new_accelerator, shard, train_loop
+from .common import batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, save_atomically, warmup_cosine
 from .vlm import collate, encode
 
 # rollout steps per method: ViSpec trains on its own predictions, the others teacher-forced
@@ -58,18 +59,12 @@ def answer_mask(ids: torch.Tensor, prompt_lens, lengths: torch.Tensor) -> torch.
     return (p >= starts) & (p <= lengths[:, None] - 2)
 
 
-class _Distill(nn.Module):
-    """The head plus its loss: what accelerate wraps (the frozen target is not a submodule)."""
-
-    def __init__(self, head: VLMDraftHead, rollout_steps: int):
-        super().__init__()
-        self.head, self.rollout_steps = head, rollout_steps
-
-    def forward(self, ids, mask, pixels, prompt_lens):
-        feats, embeds, logits = teacher(self.head.target, ids, mask, pixels)
-        lengths = mask.sum(1)
-        return self.head.distill_loss(feats, ids, embeds, logits, lengths, answer_mask(ids, prompt_lens, lengths),
-                                      rollout_steps=self.rollout_steps)
+def distill(head: VLMDraftHead, ids, mask, pixels, prompt_lens, rollout_steps: int) -> dict:
+    """The head's ``distill_loss`` on a batch, its teacher (the frozen target) run on the fly."""
+    feats, embeds, logits = teacher(head.target, ids, mask, pixels)
+    lengths = mask.sum(1)
+    return head.distill_loss(feats, ids, embeds, logits, lengths, answer_mask(ids, prompt_lens, lengths),
+                             rollout_steps=rollout_steps)
 
 
 @torch.no_grad()
@@ -80,7 +75,7 @@ def heldout_top1(head: VLMDraftHead, held, pad_id: int, batch_size: int = 32) ->
     hits = total = 0.0
     for i in range(0, len(seqs), batch_size):
         ids, mask, _ = collate(seqs[i : i + batch_size], prompt_lens[i : i + batch_size], pad_id)
-        logs = _Distill(head, 1)(ids, mask, pixels[i : i + batch_size], prompt_lens[i : i + batch_size])
+        logs = distill(head, ids, mask, pixels[i : i + batch_size], prompt_lens[i : i + batch_size], 1)
         n = int(answer_mask(ids, prompt_lens[i : i + batch_size], mask.sum(1)).sum())
         hits, total = hits + float(logs["step0_top1"]) * n, total + n
     return hits / total
@@ -99,8 +94,6 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
 
     ``batch_size`` is the global batch: under ``accelerate launch`` each of the N processes takes
     ``batch_size / N`` of it."""
-    from accelerate import Accelerator, DistributedDataParallelKwargs
-
     check_choice("method", method, METHODS)
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                          dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every,
@@ -108,9 +101,8 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
     check_checkpoint_dir(target_dir, "target_dir", "a folder written by 'mmspec train vlm'", processor=True)
     rollout_steps = DEFAULT_ROLLOUT[method] if rollout_steps is None else rollout_steps
     check(isinstance(rollout_steps, int) and rollout_steps >= 1, "rollout_steps", "an int >= 1", rollout_steps)
-    accelerator = Accelerator(cpu=not torch.cuda.is_available(),
-                              # SpecVLM's gate leaves the unchosen branches without gradients
-                              kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=method == "specvlm")])
+    # SpecVLM's gate leaves the unchosen branches without gradients
+    accelerator = new_accelerator("train_vlm_draft", distributed=True, find_unused_parameters=method == "specvlm")
     procs = accelerator.num_processes
     check(batch_size % procs == 0, "batch_size", f"a multiple of the process count ({procs})", batch_size)
     main = accelerator.is_main_process
@@ -128,42 +120,33 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
 
     torch.manual_seed(seed)
     head = VLMDraftHead.from_target(target, method=method)
-    model = _Distill(head, rollout_steps)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup=warmup, steps=steps))
-    model, optimizer, schedule = accelerator.prepare(model, optimizer, schedule)
     torch.manual_seed(seed + 1 + accelerator.process_index)  # pruning and Gumbel draws differ per process
 
     generator = torch.Generator().manual_seed(seed)  # the same batch order on every process
-    per_epoch = len(seqs) // batch_size
+
+    def batches():
+        for batch in batch_indices(len(seqs), batch_size, steps, generator):
+            idx = shard(batch, accelerator).tolist()
+            ids, mask, _ = collate([seqs[i] for i in idx], [prompt_lens[i] for i in idx], pad_id)
+            yield ids, mask, pixels[idx], [prompt_lens[i] for i in idx]
+
     branch_counts = [0] * len(BRANCHES)
-    loss_value = float("nan")
-    local = batch_size // procs
-    for step in range(steps):
-        if step % per_epoch == 0:
-            perm = torch.randperm(len(seqs), generator=generator)
-        batch = perm[(step % per_epoch) * batch_size :][:batch_size]
-        idx = batch[accelerator.process_index * local :][:local].tolist()
-        ids, mask, _ = collate([seqs[i] for i in idx], [prompt_lens[i] for i in idx], pad_id)
-        model.train()
-        logs = model(ids, mask, pixels[idx], [prompt_lens[i] for i in idx])
-        optimizer.zero_grad(set_to_none=True)
-        accelerator.backward(logs["loss"])
-        accelerator.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        schedule.step()
+
+    def loss(head, batch):
+        logs = distill(head, *batch, rollout_steps)
         for b in logs["branches"]:
             if b >= 0:
                 branch_counts[b] += 1
-        loss_value = float(accelerator.reduce(logs["loss"].detach(), "mean"))
-        if step % log_every == 0 or step == steps - 1:
-            tops = "  ".join(f"{k} {float(v):.3f}" for k, v in logs.items() if k.endswith("top1"))
-            say(f"vlm-draft {method} step {step:5d}  loss {loss_value:.4f}  {tops}  {time.perf_counter() - start:.0f}s")
+        return logs
+
+    loss_value = train_loop(head, optimizer, batches(), loss, steps=steps, accelerator=accelerator,
+                            schedule=schedule, grad_clip=0.5, name=f"vlm-draft {method}", log=say, log_every=log_every)
 
     accelerator.wait_for_everyone()
     record = None
     if main:
-        head = accelerator.unwrap_model(model).head
         top1 = heldout_top1(head, held, pad_id)
         say(f"vlm-draft {method} held-out top-1 agreement {top1:.4f}")
         record = dict(recipe="vlm-draft", method=method, seed=seed, steps=steps, config=dict(head.config),

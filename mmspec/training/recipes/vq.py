@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 from ...models.vq import TinyVQModel
 from ..data import ShapesDataset
+from ..loop import new_accelerator, train_loop
 from .common import batch_indices, check_run_args, heldout_seed, json_config, save_atomically, stack
 
 
@@ -36,21 +37,21 @@ def train_vq(out_dir: str | Path, *, steps: int, batch_size: int = 16, lr: float
     a generator seeded from ``seed`` the batch order."""
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                          dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every, log=log)
+    accelerator = new_accelerator("train_vq")
     start = time.perf_counter()
     torch.manual_seed(seed)
     model = TinyVQModel()
     images, _ = stack(ShapesDataset(dataset_size, seed, model.config.sample_size))
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     generator = torch.Generator().manual_seed(seed)
+    batches = (images[idx] for idx in batch_indices(dataset_size, batch_size, steps, generator))
 
-    model.train()
-    for step, idx in enumerate(batch_indices(dataset_size, batch_size, steps, generator), 1):
-        _, losses = model(images[idx])
-        optimizer.zero_grad(set_to_none=True)
-        losses["loss"].backward()
-        optimizer.step()
-        if step % log_every == 0 or step == steps:
-            log(f"vq step {step}/{steps}  loss {losses['loss'].item():.4f}  recon {losses['recon'].item():.4f}")
+    def loss(model, x):
+        losses = model(x)[1]
+        return {"loss": losses["loss"], "recon": losses["recon"]}
+
+    final_loss = train_loop(model, optimizer, batches, loss, steps=steps, accelerator=accelerator, name="vq",
+                            log=log, log_every=log_every)
 
     held_seed = heldout_seed(seed)
     held, _ = stack(ShapesDataset(heldout_size, held_seed, model.config.sample_size))
@@ -59,7 +60,7 @@ def train_vq(out_dir: str | Path, *, steps: int, batch_size: int = 16, lr: float
     record = {
         "recipe": "vq", "seed": seed, "steps": steps, "config": json_config(model),
         "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "optimizer": "Adam"},
-        "final_loss": losses["loss"].item(), "heldout_recon_mse": mse,
+        "final_loss": final_loss, "heldout_recon_mse": mse,
         "heldout": {"size": heldout_size, "seed": held_seed},
         "wall_time_s": time.perf_counter() - start,
     }
