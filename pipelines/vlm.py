@@ -1,5 +1,7 @@
-"""``SpeculativeVLMPipeline``: lossless speculative decoding for a LLaVA-style VLM, with the
-acceleration method as an argument (diffusers conventions).
+"""``SpeculativeVLMPipeline``: lossless speculative decoding for a LLaVA, Qwen2-VL or Qwen2.5-VL
+VLM, with the acceleration method as an argument (diffusers conventions). The processor's chat
+template frames the questions and the target's generation config gives the sampling defaults
+(``pipelines/vlm_inputs.py``).
 
 ::
 
@@ -14,8 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
-import PIL.Image
 import torch
 from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
@@ -27,35 +27,24 @@ from ..core.errors import check, check_choice
 from . import checks
 # diffusers loads components only from modules already imported: name them here
 from ..models import vlm_draft as _vlm_draft  # noqa: F401
-from ..training.data.scene_qa import prompt_text
+from .vlm_inputs import StreamerFeed, VLMInputs, check_streamer, prepare_vlm_inputs, sampling_from_generation_config
 
 
 @dataclass
 class VLMPipelineOutput(BaseOutput):
     """``texts``: the answers (special tokens dropped); ``tokens``: the generated ids per prompt
     (EOS included when emitted); ``stats``: the decode's counters (``Stats.as_dict``: nfe, tau,
-    draft_nfe, seconds, ...)."""
+    draft_nfe, wall_seconds, ...)."""
 
     texts: list[str]
     tokens: list[list[int]]
     stats: dict = field(default_factory=dict)
 
 
-def _as_pil(image) -> PIL.Image.Image:
-    if isinstance(image, PIL.Image.Image):
-        return image.convert("RGB")
-    if isinstance(image, np.ndarray) and image.ndim == 3 and image.shape[-1] == 3:
-        arr = image if image.dtype == np.uint8 else (np.clip(image, 0, 1) * 255).round().astype(np.uint8)
-        return PIL.Image.fromarray(arr)
-    if isinstance(image, torch.Tensor) and image.dim() == 3 and image.shape[0] == 3:
-        return _as_pil(image.permute(1, 2, 0).float().clamp(0, 1).cpu().numpy())
-    raise ValueError("images: expected PIL images, (H, W, 3) arrays (uint8, or floats in [0, 1]) or (3, H, W) "
-                     f"tensors in [0, 1]; got {type(image).__name__}")
-
-
 class SpeculativeVLMPipeline(DiffusionPipeline):
-    """A LLaVA-style VLM (``target``: ``LlavaForConditionalGeneration``; ``processor``: its
-    ``LlavaProcessor``) plus optional drafts: ``draft_model`` (a small VLM with the same
+    """A VLM (``target``: ``LlavaForConditionalGeneration``, ``Qwen2VLForConditionalGeneration`` or
+    ``Qwen2_5_VLForConditionalGeneration``; ``processor``: its processor, with a chat template)
+    plus optional drafts: ``draft_model`` (a small VLM with the same
     tokenizer, for ``sd``) and ``eagle_head`` / ``specvlm_head`` / ``vispec_head``
     (``VLMDraftHead``s). Methods: ``mmspec.adapters.vlm_methods.METHODS``."""
 
@@ -85,25 +74,14 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
             self._views = (VLMTarget(self.target), draft)
         return self._views
 
-    def prepare_inputs(self, images, prompts) -> tuple[list[list[int]], torch.Tensor]:
-        """Per prompt its token ids (the chat frame around the question, ``<image>`` expanded)
-        and the stacked pixel values."""
-        prompts = [prompts] if isinstance(prompts, str) else list(prompts or [])
-        check(len(prompts) > 0 and all(isinstance(p, str) and p.strip() for p in prompts), "prompts",
-              "a non-empty question string or a non-empty list of them", prompts)
-        check(images is not None, "images", f"one image per prompt ({len(prompts)})", None)
-        images = [images] if not isinstance(images, (list, tuple)) else list(images)
-        check(len(images) == len(prompts), "images", f"one image per prompt ({len(prompts)})", len(images))
-        ids, pixels = [], []
-        for image, prompt in zip(images, prompts):
-            enc = self.processor(images=[_as_pil(image)], text=[prompt_text(" ".join(prompt.lower().split()))],
-                                 return_tensors="pt")
-            ids.append(enc["input_ids"][0].tolist())
-            pixels.append(enc["pixel_values"])
-        return ids, torch.cat(pixels)
+    def prepare_inputs(self, images, prompts) -> VLMInputs:
+        """``(input_ids, vision)``: per prompt its token ids (the processor's chat template around
+        the question, image placeholders expanded) and the images as ``VLMTarget.vision_inputs``
+        takes them (``pixel_values``, and ``image_grid_thw`` for Qwen2-VL / Qwen2.5-VL)."""
+        return prepare_vlm_inputs(self.processor, images, prompts)
 
     def check_inputs(self, images, prompts, *, method, method_knobs, max_new_tokens, temperature, top_p, generator,
-                     callback, return_dict, show_progress) -> None:
+                     callback, return_dict, show_progress, top_k=None, streamer=None) -> None:
         """Every argument of ``__call__``, checked before any model runs (``pipelines.checks``):
         ``ValueError`` naming the argument and the allowed values."""
         check_choice("method", method, METHODS)
@@ -116,7 +94,10 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         prompts = checks.check_prompts(prompts, "prompts")
         checks.check_images(images, len(prompts), "images")
         checks.check_int(max_new_tokens, "max_new_tokens", 1)
-        checks.check_sampling(temperature, top_p=top_p)
+        checks.check_number(temperature, "temperature", 0, optional=True)  # None: the generation config's
+        checks.check_int(top_k, "top_k", 1, optional=True)
+        checks.check_number(top_p, "top_p", 0, 1, low_open=True, optional=True)
+        check_streamer(streamer, len(prompts))
         checks.check_generator(generator)
         checks.check_callback(callback, "callback")
         checks.check_flag(return_dict, "return_dict")
@@ -124,36 +105,46 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
 
     @torch.no_grad()
     def __call__(self, images=None, prompts: str | list[str] | None = None, *, max_new_tokens: int = 128,
-                 method: str = "none", temperature: float = 0.0, top_p: float | None = None,
-                 generator: torch.Generator | None = None, method_knobs: dict | None = None,
-                 callback: Callable | None = None, return_dict: bool = True, show_progress: bool = True):
+                 method: str = "none", temperature: float | None = None, top_p: float | None = None,
+                 top_k: int | None = None, generator: torch.Generator | None = None, method_knobs: dict | None = None,
+                 callback: Callable | None = None, streamer=None, return_dict: bool = True,
+                 show_progress: bool = True):
         """Answer each prompt about its image.
 
         Args:
             images: one image per prompt (PIL, (H, W, 3) array or (3, H, W) tensor in [0, 1]).
-            prompts: questions, e.g. ``"describe the image in detail ."``; the pipeline adds the
-                chat frame (``user : <image> QUESTION assistant :``).
-            max_new_tokens: the answer's length limit; a row stops at ``</s>``.
+            prompts: questions, e.g. ``"describe the image in detail ."``; the processor's chat
+                template frames each (``[{"role": "user", "content": [image, question]}]``).
+            max_new_tokens: the answer's length limit; a row stops at an EOS id of the target's
+                ``generation_config`` (an int or a list).
             method: ``"none"``, ``"sd"``, ``"lookup"``, ``"eagle"``, ``"specvlm"`` or ``"vispec"``.
                 Every method is lossless: greedy answers equal ``method="none"``'s, sampled
                 answers follow the same distribution.
-            temperature: 0 is greedy (the default, as transformers' ``generate``); > 0 samples.
+            temperature: 0 is greedy, > 0 samples; ``None``: from the target's
+                ``generation_config`` (greedy unless it sets ``do_sample``), as are ``top_k`` and
+                ``top_p`` (``vlm_inputs.sampling_from_generation_config``). Given values win.
             top_p: nucleus sampling (with ``temperature`` > 0).
+            top_k: keep the k most likely tokens (with ``temperature`` > 0).
             generator: the randomness of sampling (and of nothing else).
             method_knobs: e.g. ``{"tree_depth": 5}`` (``mmspec.adapters.vlm_methods.method_knobs``).
             callback: ``callback(pipe, step, tokens_done: int)`` after every target pass.
+            streamer: a transformers streamer (``TextStreamer``, ``TextIteratorStreamer``) fed the
+                prompt, then the answer's tokens as they are accepted; one prompt only.
         Returns:
             ``VLMPipelineOutput`` (or ``(texts, stats)`` when ``return_dict=False``).
         """
         self.check_inputs(images, prompts, method=method, method_knobs=method_knobs, max_new_tokens=max_new_tokens,
                           temperature=temperature, top_p=top_p, generator=generator, callback=callback,
-                          return_dict=return_dict, show_progress=show_progress)
-        ids, pixels = self.prepare_inputs(images, prompts)
+                          return_dict=return_dict, show_progress=show_progress, top_k=top_k, streamer=streamer)
+        ids, vision = self.prepare_inputs(images, prompts)
+        sampling = sampling_from_generation_config(self.target.generation_config, temperature, top_k, top_p)
+        eos = sampling.pop("eos_token_id")
 
         target, draft = self.views()
         heads = {m: getattr(self, f"{m}_head") for m in HEAD_METHODS}
         drafter = build_drafter(method, target, draft=draft, heads=heads, knobs=method_knobs)
-        decoder = SpeculativeDecoder(target, drafter, logits=LogitsPipeline(temperature=temperature, top_p=top_p))
+        decoder = SpeculativeDecoder(target, drafter, logits=LogitsPipeline(**sampling))
+        feed = None if streamer is None else StreamerFeed(streamer, ids[0], max_new_tokens, eos)
         progress = self.progress_bar(total=max_new_tokens) if show_progress else None
         seen = [0]
 
@@ -165,14 +156,17 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
                 seen[0] = max(seen[0], min(done, max_new_tokens))
             if callback is not None:
                 callback(self, step, done)
+            if feed is not None:
+                feed.step(state)
 
-        eos = self.processor.tokenizer.eos_token_id
         out = decoder.generate(ids, max_new_tokens, generator=generator, eos_token_id=eos,
-                               conditioning=target.vision_inputs(pixels),
-                               callback=on_step if progress is not None or callback is not None else None)
+                               conditioning=target.vision_inputs(**vision),
+                               callback=None if progress is None and callback is None and feed is None else on_step)
         if progress is not None:
             progress.close()
         tokens = [row[:n].tolist() for row, n in zip(out.sequences, out.lengths)]
+        if feed is not None:
+            feed.end(tokens[0])
         texts = self.processor.tokenizer.batch_decode(tokens, skip_special_tokens=True)
         stats = out.stats.as_dict()
         if not return_dict:

@@ -58,8 +58,8 @@ def reference(pipe, heldout):
 def test_target_alone_equals_transformers_generate(pipe, heldout, reference):
     images, questions = heldout
     for i in (0, 1, 4):
-        ids, pixels = pipe.prepare_inputs(images[i], questions[i])
-        out = pipe.target.generate(input_ids=torch.tensor(ids), pixel_values=pixels, max_new_tokens=NEW_TOKENS,
+        ids, vision = pipe.prepare_inputs(images[i], questions[i])
+        out = pipe.target.generate(input_ids=torch.tensor(ids), **vision, max_new_tokens=NEW_TOKENS,
                                    do_sample=False)
         assert out[0, len(ids[0]) :].tolist() == reference[i]
     assert sum(len(t) for t in reference) / N_PROMPTS > 40  # long answers: where speculation matters
@@ -108,7 +108,8 @@ class NoResidual(SpeculativeSampling):
 def sampling_case(pipe, heldout):
     """A prompt ending inside a description, where the next three tokens are uncertain."""
     images, _ = heldout
-    ids, pixels = pipe.prepare_inputs(images[7], _DESCRIBE[0])
+    ids, vision = pipe.prepare_inputs(images[7], _DESCRIBE[0])
+    pixels = vision["pixel_values"]
     prefix = pipe.processor.tokenizer("the image shows a")["input_ids"]
     logits = LogitsPipeline(temperature=1.0, top_p=0.9)
     joint = _support_joint(pipe, ids[0] + prefix, pixels, logits, 3)

@@ -11,11 +11,12 @@ Positions. LLaVA's language model uses 1-D RoPE over all tokens, image tokens in
 core's positions are the model's. Qwen2-VL and Qwen2.5-VL use 3-D M-RoPE: the model's
 ``get_rope_index`` gives an image's tokens (temporal, height, width) grid ids starting at the text
 position before it, and the text after an image continues from ``max(image ids) + 1``, so a
-prompt's largest position is smaller than its length. The prefill computes the prompt's ids with ``get_rope_index`` and keeps, per
-cache row, ``rope_deltas = max(prompt ids) + 1 - prompt length`` (transformers' own quantity);
-every later token at core position ``p`` (its number of valid slots, holes excluded) gets the same
-id ``p + rope_deltas`` on all three axes. Right padding is harmless: pads are text, so they leave
-the valid tokens' ids and the row's delta unchanged, and the core truncates them from the cache.
+prompt's largest position is smaller than its length. The prefill computes the prompt's ids with
+``get_rope_index`` and keeps, per cache row, ``rope_deltas = max(prompt ids) + 1 - prompt length``
+(transformers' own quantity); every later token at core position ``p`` (its number of valid slots,
+holes excluded) gets the same id ``p + rope_deltas`` on all three axes. Right padding is harmless:
+pads are text, so they leave the valid tokens' ids and the row's delta unchanged, and the core
+truncates them from the cache.
 
 Limits: images only (no video inputs, so Qwen2.5-VL's ``second_per_grid_ts``, a video's time
 step, never enters ``get_rope_index``); the prompt pass must hold exactly as many placeholders as
@@ -86,7 +87,8 @@ class VLMTarget(HFCausalLMTarget):
         check(isinstance(pixel_values, torch.Tensor), "pixel_values", "a tensor", type(pixel_values).__name__)
         if self.mrope:
             check(isinstance(image_grid_thw, torch.Tensor) and image_grid_thw.dim() == 2
-                  and image_grid_thw.shape[1] == 3, "image_grid_thw", f"an (images, 3) tensor for {type(self.model).__name__}",
+                  and image_grid_thw.shape[1] == 3, "image_grid_thw",
+                  f"an (images, 3) tensor for {type(self.model).__name__}",
                   None if image_grid_thw is None else tuple(image_grid_thw.shape))
             vision_kwargs = dict(vision_kwargs, image_grid_thw=image_grid_thw.to(self.device))
         else:

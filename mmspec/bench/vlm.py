@@ -88,9 +88,9 @@ def _train_seconds(folder: Path) -> float | None:
 
 
 def _hf_call(pipe, row: str, image, prompt: str, max_new_tokens: int) -> list[int]:
-    ids, pixels = pipe.prepare_inputs([image], [prompt])
+    ids, vision = pipe.prepare_inputs([image], [prompt])
     input_ids = torch.tensor(ids)
-    kw = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), pixel_values=pixels,
+    kw = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), **vision,
               max_new_tokens=max_new_tokens, do_sample=False)
     if row == "hf-assisted":
         kw["assistant_model"] = pipe.draft_model

@@ -1,7 +1,9 @@
 """The tiny LLaVA-architecture VLMs (stock transformers ``LlavaForConditionalGeneration``: a CLIP
 vision tower, a 2-layer GELU projector, a Llama language model) and their locally built
-word-level tokenizer and processor. Nothing is downloaded: the vocabulary is the closed word set
-of ``mmspec.training.data.scene_qa``.
+word-level tokenizer and processor. Nothing is downloaded. The vocabulary is an argument (the
+training recipe passes the closed word set of its data), so this module knows network shapes and
+the chat frame, not the data; once saved, the processor folder carries the vocabulary and the chat
+template, and runtime code reads them from there.
 
 ``"target"`` is the model the VLM methods accelerate; ``"draft"`` is a much smaller VLM with the
 same tokenizer, the ``sd`` baseline's draft and transformers' assistant in the peer benchmark.
@@ -9,12 +11,48 @@ same tokenizer, the ``sd`` baseline's draft and transformers' assistant in the p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 from transformers import PreTrainedTokenizerFast
 
-from ..core.errors import check_choice
-from ..training.data.scene_qa import IMAGE_TOKEN, vocabulary
+from ..core.errors import check, check_choice
+
+IMAGE_TOKEN = "<image>"
+# ids 0-4 of every vocabulary; the words follow
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>", IMAGE_TOKEN)
+
+# The chat frame, as a template saved with the processor: "<s> user : <image> QUESTION assistant :"
+# and, in a conversation, "ANSWER </s>" after "assistant :". The word-level vocabulary is lower case
+# with words split on whitespace, so the template lower-cases each text and joins its words with
+# single spaces (what the tokenizer sees anyway). Roles other than user / assistant have no words.
+CHAT_TEMPLATE = """\
+{{- bos_token }}
+{%- for message in messages %}
+    {%- if message['role'] not in ['user', 'assistant'] %}
+        {{- raise_exception('roles are user or assistant, got ' + message['role']) }}
+    {%- endif %}
+    {{- ' ' + message['role'] + ' :' }}
+    {%- if message['content'] is string %}
+        {{- ' ' + (message['content'].lower().split() | join(' ')) }}
+    {%- else %}
+        {%- for part in message['content'] %}
+            {%- if part['type'] == 'image' %}
+                {{- ' IMAGE_TOKEN' }}
+            {%- elif part['type'] == 'text' %}
+                {{- ' ' + (part['text'].lower().split() | join(' ')) }}
+            {%- endif %}
+        {%- endfor %}
+    {%- endif %}
+    {%- if message['role'] == 'assistant' %}
+        {{- ' ' + eos_token }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- ' assistant :' }}
+{%- endif %}
+""".replace("IMAGE_TOKEN", IMAGE_TOKEN)
 
 IMAGE_SIZE, PATCH_SIZE = 64, 8
 IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2  # the CLS feature is dropped ("default" strategy)
@@ -31,10 +69,19 @@ SIZES = {
 }
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The word-level tokenizer over ``vocabulary()``: ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2,
-    ``<unk>`` 3, ``<image>`` 4, then the words sorted. Text is split on whitespace only."""
-    words = vocabulary()
+def _check_words(words: Sequence[str]) -> list[str]:
+    words = list(words) if isinstance(words, (list, tuple)) else words
+    check(isinstance(words, list) and tuple(words[:len(SPECIAL_TOKENS)]) == SPECIAL_TOKENS
+          and all(isinstance(w, str) and w and not w.split()[1:] for w in words) and len(set(words)) == len(words),
+          "words", f"a list of distinct single words starting with {list(SPECIAL_TOKENS)}",
+          words if not isinstance(words, list) else words[:len(SPECIAL_TOKENS)])
+    return words
+
+
+def build_tokenizer(words: Sequence[str]) -> PreTrainedTokenizerFast:
+    """The word-level tokenizer over ``words`` (word i has id i): ``<pad>`` 0, ``<s>`` 1, ``</s>`` 2,
+    ``<unk>`` 3, ``<image>`` 4, then the vocabulary. Text is split on whitespace only."""
+    words = _check_words(words)
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
@@ -42,20 +89,23 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
                                    padding_side="left")
 
 
-def build_processor() -> LlavaProcessor:
-    """A ``LlavaProcessor``: 64x64 RGB images normalised to [-1, 1] (mean = std = 0.5, as the
-    scenes are rendered), ``<image>`` expanded to ``IMAGE_TOKENS`` placeholders."""
+def build_processor(words: Sequence[str]) -> LlavaProcessor:
+    """A ``LlavaProcessor`` over ``build_tokenizer(words)``: 64x64 RGB images normalised to
+    [-1, 1] (mean = std = 0.5, as the scenes are rendered), ``<image>`` expanded to
+    ``IMAGE_TOKENS`` placeholders, ``CHAT_TEMPLATE`` as its chat template."""
     images = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
                                 image_mean=[0.5] * 3, image_std=[0.5] * 3, do_convert_rgb=True)
-    return LlavaProcessor(image_processor=images, tokenizer=build_tokenizer(), patch_size=PATCH_SIZE,
-                          vision_feature_select_strategy="default", num_additional_image_tokens=1)
+    return LlavaProcessor(image_processor=images, tokenizer=build_tokenizer(words), patch_size=PATCH_SIZE,
+                          vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                          chat_template=CHAT_TEMPLATE)
 
 
-def llava_config(size: str = "target") -> LlavaConfig:
-    """The ``LlavaConfig`` of the tiny ``"target"`` or ``"draft"`` VLM (sdpa attention)."""
+def llava_config(words: Sequence[str], size: str = "target") -> LlavaConfig:
+    """The ``LlavaConfig`` of the tiny ``"target"`` or ``"draft"`` VLM over ``words`` (sdpa
+    attention)."""
     check_choice("size", size, tuple(SIZES))
+    words = _check_words(words)
     vision, text = SIZES[size]
-    words = vocabulary()
     config = LlavaConfig(
         vision_config=dict(model_type="clip_vision_model", image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
                            projection_dim=vision["hidden_size"], **vision),
@@ -67,9 +117,9 @@ def llava_config(size: str = "target") -> LlavaConfig:
     return config
 
 
-def new_llava(size: str = "target") -> LlavaForConditionalGeneration:
-    """A freshly initialised tiny VLM (seed with ``torch.manual_seed`` first)."""
-    model = LlavaForConditionalGeneration(llava_config(size))
+def new_llava(words: Sequence[str], size: str = "target") -> LlavaForConditionalGeneration:
+    """A freshly initialised tiny VLM over ``words`` (seed with ``torch.manual_seed`` first)."""
+    model = LlavaForConditionalGeneration(llava_config(words, size))
     model.generation_config.eos_token_id = model.config.text_config.eos_token_id
     model.generation_config.pad_token_id = model.config.text_config.pad_token_id
     return model

@@ -13,7 +13,7 @@ import torch
 
 from ...core.errors import check, check_choice
 from ...models.vlm import IMAGE_TOKENS, SIZES, build_processor, new_llava
-from ..data.scene_qa import SceneQADataset, prompt_text
+from ..data.scene_qa import SceneQADataset, prompt_text, vocabulary
 from .common import batch_indices, check_run_args, heldout_seed, save_atomically, warmup_cosine
 
 IGNORE = -100
@@ -63,7 +63,7 @@ def heldout_loss(model, pixels, seqs, prompt_lens, pad_id: int, batch_size: int 
 def train_vlm(out_dir: str | Path, *, size: str = "target", steps: int, batch_size: int, lr: float, seed: int = 0,
               dataset_size: int, heldout_size: int = 64, log_every: int = 50, warmup: int = 100,
               log: Callable[[str], None] = print) -> dict:
-    """Train ``new_llava(size)`` on ``SceneQADataset(dataset_size, seed)`` and save it with its
+    """Train ``new_llava(vocabulary(), size)`` on ``SceneQADataset(dataset_size, seed)`` and save it with its
     processor to ``out_dir`` (fp16 safetensors and the processor files, written atomically) with
     ``train_log.json``, whose dict is returned: ``recipe``, ``size``, ``seed``, ``steps``,
     ``config``, ``train`` (the arguments), ``final_loss``, ``heldout_loss`` (nats per answer
@@ -74,7 +74,7 @@ def train_vlm(out_dir: str | Path, *, size: str = "target", steps: int, batch_si
                          dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
     check(isinstance(warmup, int) and warmup >= 1, "warmup", "an int >= 1", warmup)
     start = time.perf_counter()
-    processor = build_processor()
+    processor = build_processor(vocabulary())  # its chat template writes prompt_text's frame
     pad_id = processor.tokenizer.pad_token_id
     pixels, seqs, prompt_lens = encode(processor, SceneQADataset(dataset_size, seed))
     held_seed = heldout_seed(seed)
@@ -82,7 +82,7 @@ def train_vlm(out_dir: str | Path, *, size: str = "target", steps: int, batch_si
     log(f"vlm-{size}: {dataset_size} image/question/answer triples, longest sequence {max(map(len, seqs))} tokens")
 
     torch.manual_seed(seed)
-    model = new_llava(size)
+    model = new_llava(vocabulary(), size)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup=warmup, steps=steps))
