@@ -17,6 +17,7 @@ registered as the head's modules: a saved head holds only ``fc`` and the block.
 from __future__ import annotations
 
 import torch
+from diffusers import ModelMixin  # noqa: F401  (diffusers finds a component's loader by base-class name here)
 from diffusers.configuration_utils import register_to_config
 from torch.nn import functional as F
 

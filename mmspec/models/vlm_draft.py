@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 
 import torch
+from diffusers import ModelMixin  # noqa: F401  (diffusers finds a component's loader by base-class name here)
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 from torch.nn import functional as F
