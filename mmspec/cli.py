@@ -179,8 +179,7 @@ def _knob_value(text: str, spec):
 
 def _save_images(images, out: Path, method: str, prompts) -> list[Path]:
     """PNG files ``{prompt}-{method}-{i}.png``, each written to a temp name and renamed."""
-    import os
-    import tempfile
+    from .utils.atomic import atomic_path
 
     out.mkdir(parents=True, exist_ok=True)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -189,14 +188,8 @@ def _save_images(images, out: Path, method: str, prompts) -> list[Path]:
     for i, image in enumerate(images):
         stem = "_".join(prompts[i // per].lower().split()).replace("/", "_")
         path = out / f"{stem}-{method.replace('+', '_')}-{i % per}.png"
-        fd, tmp = tempfile.mkstemp(dir=out, prefix=f".{path.name}.", suffix=".png")
-        os.close(fd)
-        try:
+        with atomic_path(path) as tmp:
             image.save(tmp)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
         paths.append(path)
     return paths
 

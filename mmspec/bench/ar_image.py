@@ -204,11 +204,10 @@ AR_IMAGE_COLUMNS = [
 def save_grid(result: dict, path: str | Path, per_row: int = 16) -> None:
     """A PNG: one row of samples per method (the first ``per_row`` images), labelled on stdout
     by the caller; written to a temp file and renamed into place."""
-    import os
-    import tempfile
-
     import numpy as np
     import PIL.Image
+
+    from ..utils.atomic import atomic_path
 
     grids = result["_grids"]
     rows = []
@@ -216,16 +215,8 @@ def save_grid(result: dict, path: str | Path, per_row: int = 16) -> None:
         imgs = ((images[:per_row] + 1) / 2).clamp(0, 1)
         rows.append(torch.cat(list(imgs), 2))  # (3, H, per_row * W)
     grid = torch.cat(rows, 1).permute(1, 2, 0).numpy()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         PIL.Image.fromarray((grid * 255).round().astype(np.uint8)).save(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def public(result: dict) -> dict:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from pathlib import Path
+
+from ..utils.atomic import atomic_path
 
 
 def _cell(value) -> str:
@@ -30,17 +30,9 @@ def format_table(rows: list[dict], columns: list[tuple[str, str]]) -> str:
 
 def write_json(path: str | os.PathLike, payload: dict) -> None:
     """Write to a temp file beside ``path`` and rename it into place: never half-written."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
 
 
 CORE_COLUMNS = [

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -20,8 +18,8 @@ from ...models.vq import TinyVQModel
 from ..data import NUM_CLASSES
 from ..loop import new_accelerator, train_loop
 from .ar_image import token_data, train_ar_image
-from .common import (TRAIN_LOG, batch_indices, check_checkpoint_dir, check_run_args, json_config, save_atomically,
-                     warmup_cosine)
+from .common import (batch_indices, check_checkpoint_dir, check_run_args, json_config, save_atomically,
+                     warmup_cosine, write_log)
 
 KINDS = ("eagle", "chain")
 # the chain draft: a quarter-width, half-depth LlamaGen (the target's recipe defaults are 128 x 4)
@@ -152,8 +150,5 @@ def _train_chain(out_dir, vq_path: Path, target_path: Path | None, model_config:
     record = train_ar_image(out_dir, vq_dir=vq_path, model_config={**CHAIN_MODEL_CONFIG, **model_config}, **run)
     record = {"recipe": "ar-draft", "kind": "chain", **{k: v for k, v in record.items() if k != "recipe"},
               "target_dir": None if target_path is None else str(target_path.resolve())}
-    log_path = Path(out_dir) / TRAIN_LOG
-    tmp = log_path.with_name(f".{TRAIN_LOG}.tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    os.replace(tmp, log_path)  # the folder is complete either way; only the log's labels change
+    write_log(Path(out_dir), record)  # the folder is complete either way; only the log's labels change
     return record

@@ -1,13 +1,12 @@
 """What the recipes share: argument checks, the dataset as tensors, seeded batches, and the
-atomic checkpoint folder (``save_pretrained`` + ``train_log.json``)."""
+atomic checkpoint folder (``save_pretrained`` + ``train_log.json``). The loop is
+``mmspec.training.loop``."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -15,6 +14,7 @@ import torch
 
 from ...core.errors import check
 from ...models.checkpoint import check_model_folder
+from ...utils.atomic import atomic_dir, atomic_path
 from ..data import ShapesDataset
 
 TRAIN_LOG = "train_log.json"
@@ -110,14 +110,11 @@ def save_atomically(model, out_dir: Path, record: dict, dtype: torch.dtype = tor
                     extra: Callable[[Path], object] | None = None) -> None:
     """``model.save_pretrained`` (weights cast to ``dtype``: checkpoints ship as fp16 safetensors),
     ``extra(folder)`` if given (e.g. a processor's ``save_pretrained``) and ``train_log.json`` into
-    a temp sibling of ``out_dir``, then renamed into place. An existing ``out_dir`` is replaced only once the new folder is complete;
-    on any failure it is left as it was and the temp folder is removed."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.", suffix=".tmp"))
-    old = None
-    try:
-        from diffusers.utils import logging as diffusers_logging
+    one folder that replaces ``out_dir`` only once complete (``mmspec.utils.atomic_dir``): on any
+    failure an existing ``out_dir`` is left as it was and nothing else remains."""
+    from diffusers.utils import logging as diffusers_logging
 
+    with atomic_dir(out_dir) as tmp:
         original = next(model.parameters()).dtype
         level = diffusers_logging.get_verbosity()
         diffusers_logging.set_verbosity_error()  # not its "modules kept in float32" notice on every cast
@@ -128,18 +125,10 @@ def save_atomically(model, out_dir: Path, record: dict, dtype: torch.dtype = tor
         finally:
             model.to(original)
             diffusers_logging.set_verbosity(level)
-        (tmp / TRAIN_LOG).write_text(json.dumps(record, indent=2) + "\n")
-        if out_dir.exists():
-            # a folder cannot be renamed over a non-empty one: move the old one aside first
-            old = out_dir.with_name(f".{out_dir.name}.old-{tmp.name}")
-            os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
-    except BaseException:
-        if old is not None and not out_dir.exists():
-            os.rename(old, out_dir)
-            old = None
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        write_log(tmp, record)
+
+
+def write_log(folder: Path, record: dict) -> None:
+    """``train_log.json`` in ``folder``, written atomically."""
+    with atomic_path(Path(folder) / TRAIN_LOG) as tmp:
+        tmp.write_text(json.dumps(record, indent=2) + "\n")
