@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .cache import SlotKVCache
-from .errors import check
+from .errors import check, check_choice
 from .types import Drafter, ModelOutput
 
 
@@ -84,21 +84,32 @@ class RasterPlan:
 
 class NextSetSchedule:
     """ZipAR's next-set decoding (He et al., 2025, "ZipAR: Parallel Auto-regressive Image
-    Generation through Spatial Locality"): row r+1 of the token grid starts once row r has
+    Generation through Spatial Locality"): a row of the token grid starts once the row above has
     ``window`` tokens, and every pass advances all rows in flight.
 
     Each row is a lane. Row 0's lane holds the prompt and then its W tokens. Row r >= 1 starts with
-    a *seed*: the latest token of row r-1, fed at the position of (r-1, W-1), the raster
-    predecessor of (r, 0), as the reference code does; that slot is overwritten once row r-1's
-    real last token is written. Queries attend to written slots before their own position (empty
-    slots are hidden: the paper's rule; the reference LlamaGen code attends to their zeros) and to
-    the roots of other rows fed in the same pass that precede them in raster order. A finished
-    row's last token is fed once more so that later rows see it.
+    a *seed* fed at the position of (r-1, W-1), the raster predecessor of (r, 0); that slot is
+    overwritten once row r-1's real last token is written. ``mode`` says when rows start and
+    what seeds them:
 
-    Pure ZipAR decodes one token per row per pass: ``NFE = (H - 1) * window + W`` (prefill
-    included), and ``window = W`` is raster order (``H * W``). With a Jacobi drafter each row runs
-    its own SJD window (``zipar+sjd``); drafts past a row's end are never kept. The lanes of one
-    image draw their randomness from that image's generator.
+    - ``"paper"``: row r starts once row r-1 has ``window`` tokens, seeded with row r-1's latest
+      token (the paper's rule: (r, j) sees row r-1 up to column j + window - 1).
+      ``NFE = (H - 1) * window + W``.
+    - ``"reference"``: the public LlamaGen code's order: row 1 starts only once row 0 is complete,
+      row r >= 2 once row r-1 has ``window`` tokens, seeded with row r-2's latest token (its
+      bookkeeping indexes the row two above); should row r-1 be complete already (a Jacobi window
+      can finish it in one pass), its own last token seeds instead, the slot's real token.
+      ``NFE = 2W + (H - 2) * window`` (W for one row).
+
+    Queries attend to written slots before their own position (empty slots are hidden in both
+    modes: the paper's rule; the reference LlamaGen code attends to their zeros) and to the roots
+    of other rows fed in the same pass that precede them in raster order. A finished row's last
+    token is fed once more so that later rows see it. ``window = W`` is raster order (``H * W``
+    passes) in both modes.
+
+    Pure ZipAR decodes one token per row per pass (NFE above, prefill included). With a Jacobi
+    drafter each row runs its own SJD window (``zipar+sjd``); drafts past a row's end are never
+    kept. The lanes of one image draw their randomness from that image's generator.
 
     The schedule holds only its knobs; each call's state lives in the ``NextSetPlan`` that
     ``start`` returns, so one schedule object serves concurrent or nested calls.
@@ -106,19 +117,26 @@ class NextSetSchedule:
     Args:
         grid_height, grid_width: the token grid (H rows of W tokens, raster order).
         window: ZipAR's ``s`` in [1, W]; the reference's LlamaGen default is 8 (for W = 24).
+        mode: ``"paper"`` or ``"reference"`` (above).
     """
 
-    def __init__(self, grid_height: int, grid_width: int, window: int):
+    MODES = ("paper", "reference")
+
+    def __init__(self, grid_height: int, grid_width: int, window: int, mode: str = "paper"):
         check(isinstance(grid_height, int) and grid_height >= 1, "grid_height", "an int >= 1", grid_height)
         check(isinstance(grid_width, int) and grid_width >= 1, "grid_width", "an int >= 1", grid_width)
         check(isinstance(window, int) and 1 <= window <= grid_width, "window",
               f"an int in [1, grid_width={grid_width}]", window)
-        self.H, self.W, self.window = grid_height, grid_width, window
+        check_choice("mode", mode, self.MODES)
+        self.H, self.W, self.window, self.mode = grid_height, grid_width, window, mode
         self.lanes = grid_height
 
     @staticmethod
-    def closed_form_nfe(grid_height: int, grid_width: int, window: int) -> int:
+    def closed_form_nfe(grid_height: int, grid_width: int, window: int, mode: str = "paper") -> int:
         """Target passes of pure ZipAR, prefill included."""
+        check_choice("mode", mode, NextSetSchedule.MODES)
+        if mode == "reference" and grid_height >= 2:
+            return 2 * grid_width + (grid_height - 2) * window
         return (grid_height - 1) * window + grid_width
 
     def check_drafter(self, drafter: Drafter) -> None:
@@ -139,7 +157,7 @@ class NextSetPlan:
     and the shared cache."""
 
     def __init__(self, schedule: NextSetSchedule, ids: torch.Tensor, lens: torch.Tensor):
-        self.H, self.W, self.window = schedule.H, schedule.W, schedule.window
+        self.H, self.W, self.window, self.mode = schedule.H, schedule.W, schedule.window, schedule.mode
         self.lane_tokens = self.W
         # (R, S) prompts -> (R * H, S) lane prompts: row 0's lane gets the prompt, others nothing
         R, S = ids.shape
@@ -178,15 +196,22 @@ class NextSetPlan:
         return torch.arange(0, B, self.H, device=state.tokens.device)
 
     def step(self, state, done):
-        """Start every lane whose upper row has ``window`` tokens (its seed enters the history),
+        """Start every lane whose upper row has enough tokens (its seed enters the history),
         then: fed = started and not finished; emitting = fed and its row is not complete."""
         B, H, W = state.batch_size, self.H, self.W
         e = self._emitted(state).view(-1, H)
         started = self._started(state).view(-1, H)
+        need = torch.full((H - 1,), self.window, device=e.device)  # tokens row r-1 needs before row r
+        if self.mode == "reference" and H > 1:
+            need[0] = W  # row 1 waits for row 0 to complete
         go = torch.zeros_like(started)
-        go[:, 1:] = ~started[:, 1:] & (e[:, :-1] >= self.window)
+        go[:, 1:] = ~started[:, 1:] & (e[:, :-1] >= need)
         if bool(go.any()):
-            upper = (torch.arange(state.rows, device=e.device) - 1).clamp(min=0)  # lane r-1 of each lane
+            lane = torch.arange(state.rows, device=e.device)
+            upper = (lane - 1).clamp(min=0)  # lane r-1 of each lane
+            if self.mode == "reference":  # row r-2's latest, unless row r-1 is complete already
+                incomplete = self._emitted(state)[upper] < W
+                upper = torch.where((lane % H >= 2) & incomplete, lane - 2, upper)
             last = self.base[upper] + self._emitted(state)[upper].clamp(max=W) - 1
             seed = state.tokens[upper, last]  # (R * H,)
             go = go.flatten()
