@@ -14,6 +14,7 @@ import torch
 from ...core.errors import check, check_choice
 from ...models.vlm import IMAGE_TOKENS, SIZES, build_processor, new_llava
 from ..data.scene_qa import SceneQADataset, prompt_text, vocabulary
+from ..loop import new_accelerator, train_loop
 from .common import batch_indices, check_run_args, heldout_seed, save_atomically, warmup_cosine
 
 IGNORE = -100
@@ -73,6 +74,7 @@ def train_vlm(out_dir: str | Path, *, size: str = "target", steps: int, batch_si
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                          dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
     check(isinstance(warmup, int) and warmup >= 1, "warmup", "an int >= 1", warmup)
+    accelerator = new_accelerator("train_vlm")
     start = time.perf_counter()
     processor = build_processor(vocabulary())  # its chat template writes prompt_text's frame
     pad_id = processor.tokenizer.pad_token_id
@@ -83,22 +85,18 @@ def train_vlm(out_dir: str | Path, *, size: str = "target", steps: int, batch_si
 
     torch.manual_seed(seed)
     model = new_llava(vocabulary(), size)
-    model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup=warmup, steps=steps))
     generator = torch.Generator().manual_seed(seed)
-    loss_value = float("nan")
-    for step, idx in enumerate(batch_indices(len(seqs), batch_size, steps, generator)):
-        ids, mask, labels = collate([seqs[i] for i in idx], [prompt_lens[i] for i in idx], pad_id)
-        loss = model(input_ids=ids, attention_mask=mask, pixel_values=pixels[idx], labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        loss_value = loss.item()
-        if step % log_every == 0 or step == steps - 1:
-            log(f"vlm-{size} step {step:5d}  loss {loss_value:.4f}  {time.perf_counter() - start:.0f}s")
+
+    def batches():
+        for idx in batch_indices(len(seqs), batch_size, steps, generator):
+            ids, mask, labels = collate([seqs[i] for i in idx], [prompt_lens[i] for i in idx], pad_id)
+            yield dict(input_ids=ids, attention_mask=mask, pixel_values=pixels[idx], labels=labels)
+
+    loss_value = train_loop(model, optimizer, batches(), lambda m, batch: m(**batch).loss, steps=steps,
+                            accelerator=accelerator, schedule=schedule, grad_clip=1.0, name=f"vlm-{size}", log=log,
+                            log_every=log_every)
     held_loss = heldout_loss(model, *held, pad_id)
     log(f"vlm-{size} held-out loss {held_loss:.4f} nats/answer token")
     record = dict(recipe="vlm", size=size, seed=seed, steps=steps, config=model.config.to_dict(),
