@@ -7,7 +7,8 @@
   ``apply_rotary_pos_emb``, tiny config built here) bit for bit given the same frequencies, and
   to float32 rounding with its own.
 - ``Rope3D`` is relative on each axis and is the 1-D RoPE of the time run when h = w = 0.
-- Tables are shared: the same positions tensor gives the same tables object until it changes.
+- Tables are shared: the same positions tensor gives the same tables object until it changes, and
+  a 3-layer model computes its angles once per forward (twice with a rolling cache).
 """
 
 import pytest
@@ -220,3 +221,25 @@ def test_wrong_head_dim_or_coordinates():
         rope(x[..., :8], random_positions(16))
     with pytest.raises(ValueError, match=r"positions must be a \(B, T\) tensor or \(3, B, T\) coordinates"):
         rope(x, torch.zeros(2, 3, 37, dtype=torch.long))
+
+
+def test_models_compute_the_angles_once_per_forward(monkeypatch):
+    """A 3-layer model: one angle computation per forward, with or without a cache (the cache's
+    per-layer calls hit the tables); a rolling cache rotates keys at their own positions: two."""
+    from tiny import tiny_lm
+
+    from mmspec.models.llamagen import LlamaGenModel
+
+    calls = []
+    real = RotaryEmbedding.angles
+    monkeypatch.setattr(RotaryEmbedding, "angles", lambda self, p: calls.append(1) or real(self, p))
+    lm = tiny_lm(0, n_layers=3)
+    torch.manual_seed(0)
+    gen = LlamaGenModel(vocab_size=16, grid_size=4, num_classes=4, dim=16, n_layers=3, n_heads=2, mlp_hidden=32)
+    tokens = torch.randint(0, 4, (2, 9))
+    for model, cache in [(lm, None), (lm, lm.new_cache(2, 16)), (gen, None), (gen, gen.new_cache(2, 16)),
+                         (lm, lm.new_cache(2, 16, sink=1, window=4))]:
+        calls.clear()
+        with torch.no_grad():
+            model(tokens, cache=cache)
+        assert len(calls) == (2 if cache is not None and hasattr(cache, "window") else 1), (type(model), cache)
