@@ -131,9 +131,10 @@ def cmd_generate(args) -> int:
     from .pipelines import SpeculativeARImagePipeline
 
     pipe = SpeculativeARImagePipeline.from_pretrained(args.model)
+    pipe.set_progress_bar_config(disable=args.quiet)
     out = pipe(prompt=args.prompt, method=args.method, method_knobs=knobs, guidance_scale=args.guidance_scale,
                temperature=args.temperature, num_images_per_prompt=args.num_images,
-               generator=torch.Generator().manual_seed(args.seed), show_progress=not args.quiet)
+               generator=torch.Generator().manual_seed(args.seed))
     paths = _save_images(out.images, Path(args.out), args.method, args.prompt)
     s = out.stats
     print(f"{len(paths)} images in {args.out}: method {args.method}, {s['nfe']} target passes "
@@ -150,9 +151,10 @@ def _generate_vlm(args, knobs: dict) -> int:
     with PIL.Image.open(args.image) as image:
         image = image.convert("RGB")  # as diffusers' load_image: a file's mode is not the caller's choice
     pipe = SpeculativeVLMPipeline.from_pretrained(args.model)
+    pipe.set_progress_bar_config(disable=args.quiet)
     out = pipe(images=[image], prompts=[args.prompt], method=args.method, method_knobs=knobs,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-               generator=torch.Generator().manual_seed(args.seed), show_progress=not args.quiet)
+               generator=torch.Generator().manual_seed(args.seed))
     s = out.stats
     print(out.texts[0])
     print(f"-- method {args.method}: {len(out.tokens[0])} tokens, {s['nfe']} target passes "

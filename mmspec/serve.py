@@ -224,14 +224,14 @@ def run_ar(models: Models, prompts: list[str], seeds: list[int], method: str = "
     N = pipe.transformer.num_image_tokens
 
     def on_step(p, step, timestep, kwargs):
-        counts.append(int(kwargs["tokens_done"]))
+        counts.append(int(timestep))  # tokens decoded so far per image
         return {}
 
     counts.append(1)  # the prefill emits the first token
     t0 = time.perf_counter()
     out = pipe(prompt=prompts, method=method, method_knobs=dict(knobs or {}), guidance_scale=guidance_scale,
                temperature=temperature, top_k=top_k, top_p=top_p, generator=_generators(seeds), output_type="np",
-               callback_on_step_end=on_step, show_progress=False)
+               callback_on_step_end=on_step)
     wall = time.perf_counter() - t0
     images = (np.asarray(out.images) * 255).round().astype(np.uint8)  # (B, H, W, 3)
     stats = _plain_stats(out.stats, wall, len(prompts))
@@ -273,15 +273,16 @@ def run_vlm(models: Models, images: list, questions: list[str], seeds: list[int]
     pipe = models.vlm()
     counts: list[int] = [1]
 
-    def on_step(p, step, done):
+    def on_step(p, step, done, kwargs):  # done: the longest answer so far
         counts.append(int(done))
         if on_pass is not None:
-            on_pass(step, int(done))
+            on_pass(step + 1, int(done))
+        return {}
 
     t0 = time.perf_counter()
     out = pipe(images=images, prompts=questions, method=method, method_knobs=dict(knobs or {}),
                max_new_tokens=max_new_tokens, temperature=temperature, generator=_generators(seeds[:1]),
-               callback=on_step, show_progress=False)
+               callback_on_step_end=on_step)
     wall = time.perf_counter() - t0
     stats = _plain_stats(out.stats, wall, len(images))
     results = []

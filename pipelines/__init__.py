@@ -1,6 +1,7 @@
 """Diffusers-style pipelines (installed as ``mmspec.pipelines``); one file per pipeline."""
 
-_LAZY = {"SpeculativeARImagePipeline": ".ar_image", "ARImagePipelineOutput": ".ar_image",
+_LAZY = {"SpeculativePipeline": ".base",
+         "SpeculativeARImagePipeline": ".ar_image", "ARImagePipelineOutput": ".ar_image",
          "SpeculativeVLMPipeline": ".vlm", "VLMPipelineOutput": ".vlm"}
 
 __all__ = list(_LAZY)

@@ -15,18 +15,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import PIL.Image
 import torch
-from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
-from ..adapters.ar_image import compose, parse_method
-from ..core import LogitsPipeline, SpeculativeDecoder
+from ..core import LogitsPipeline
 from ..core.errors import check
 from . import checks
+from .base import SpeculativePipeline
 # diffusers loads components only from modules already imported: name them here
 from ..models import eagle as _eagle, llamagen as _llamagen, vq as _vq  # noqa: F401
-from ..training.data.shapes import CLASS_NAMES, CLASS_PROMPTS
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
@@ -42,29 +39,23 @@ class ARImagePipelineOutput(BaseOutput):
     stats: dict = field(default_factory=dict)
 
 
-def labels_from_prompts(prompt) -> list[int]:
-    """Map prompts to class ids: the dataset's class prompts ("a red circle") or names
-    ("red circle"), case- and whitespace-insensitive."""
-    prompts = [prompt] if isinstance(prompt, str) else list(prompt)
-    table = {p: i for i, p in enumerate(CLASS_PROMPTS)} | {n: i for i, n in enumerate(CLASS_NAMES)}
-    out = []
-    for p in prompts:
-        key = " ".join(str(p).lower().split())
-        check(key in table, "prompt", f"one of the class prompts: {', '.join(CLASS_PROMPTS)}", p)
-        out.append(table[key])
-    return out
+def _normal(label: str) -> str:
+    return " ".join(str(label).lower().split())
 
 
-class SpeculativeARImagePipeline(DiffusionPipeline):
+class SpeculativeARImagePipeline(SpeculativePipeline):
     """A LlamaGen-style AR transformer over a VQ tokenizer's grid, plus optional drafters.
 
     Components: ``transformer`` (``LlamaGenModel``), ``vqvae`` (``TinyVQModel``), and optionally
     ``draft_model`` (a small ``LlamaGenModel``, for ``sd``) and ``eagle_head``
-    (``EagleDraftHead``, for ``eagle`` and ``lantern``).
+    (``EagleDraftHead``, for ``eagle`` and ``lantern``). Class names come from the transformer's
+    config (``id2label``, as diffusers' DiT keeps them): ``pipe.labels``, ``pipe.get_label_ids``.
     """
 
-    model_cpu_offload_seq = "transformer->vqvae"
+    modality = "ar-image"
+    model_cpu_offload_seq = "transformer->draft_model->eagle_head->vqvae"
     _optional_components = ["draft_model", "eagle_head"]
+    _method_components = {"codebook": "vqvae"}
 
     def __init__(self, transformer, vqvae, draft_model=None, eagle_head=None):
         super().__init__()
@@ -72,116 +63,117 @@ class SpeculativeARImagePipeline(DiffusionPipeline):
         if eagle_head is not None:
             eagle_head.bind(transformer)
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """diffusers' loader, computing in float32 by default (checkpoints ship as fp16), after
-        ``check_pipeline_folder`` has checked every component folder (nothing is built before)."""
-        from .loading import check_pipeline_folder
-
-        check_pipeline_folder(pretrained_model_name_or_path, cls, provided=kwargs)
-        kwargs.setdefault("dtype", torch.float32)
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-
     @property
     def num_classes(self) -> int:
         return self.transformer.config.num_classes
 
+    @property
+    def labels(self) -> dict[str, int]:
+        """Every class name (lower case, single spaces) -> its id, from the transformer config's
+        ``id2label`` (each id's names comma-separated, DiT's convention); sorted by name."""
+        id2label = getattr(self.transformer.config, "id2label", None) or {}
+        table = {_normal(name): int(i) for i, names in id2label.items() for name in names.split(",") if name.strip()}
+        return dict(sorted(table.items()))
+
+    def get_label_ids(self, label: str | list[str], name: str = "label") -> list[int]:
+        """Class ids of class names or prompts (``"a red circle"``, ``"Red  Circle"``): case and
+        whitespace do not matter. An unknown name raises ``ValueError`` listing the classes."""
+        labels, table = [label] if isinstance(label, str) else list(label), self.labels
+        id2label = getattr(self.transformer.config, "id2label", None)
+        check(bool(id2label), name, "class_labels: this transformer's config has no id2label to map names", label)
+        first = [id2label[str(i)].split(",")[0].strip() for i in range(self.num_classes)]
+        for text in labels:
+            check(_normal(text) in table, name, f"one of the class prompts: {', '.join(first)}", text)
+        return [table[_normal(text)] for text in labels]
+
+    def method_components(self) -> dict:
+        return {"target": self.transformer, "draft_model": self.draft_model, "eagle_head": self.eagle_head,
+                "codebook": self.vqvae.codebook()}
+
     def check_inputs(self, prompt, class_labels, *, method, method_knobs, guidance_scale, temperature, top_k, top_p,
                      num_images_per_prompt, generator, output_type, return_dict, callback_on_step_end,
-                     show_progress) -> None:
+                     callback_on_step_end_tensor_inputs) -> tuple[list[int], object]:
         """Every argument of ``__call__``, checked before any model runs (``pipelines.checks``):
-        ``ValueError`` naming the argument and the allowed values."""
+        ``ValueError`` naming the argument and the allowed values. Returns the class ids and the
+        method's resolved recipe."""
         check((prompt is None) != (class_labels is None), "prompt", "exactly one of prompt and class_labels",
               {"prompt": prompt, "class_labels": class_labels})
         if prompt is not None:
-            labels_from_prompts(checks.check_prompts(prompt, "prompt"))
+            labels = self.get_label_ids(checks.check_prompts(prompt, "prompt"), name="prompt")
         else:
-            checks.check_class_labels(class_labels, self.num_classes)
+            labels = checks.check_class_labels(class_labels, self.num_classes)
         checks.check_int(num_images_per_prompt, "num_images_per_prompt", 1)
         checks.check_sampling(temperature, top_k, top_p, guidance_scale)
-        checks.check_generator(generator)
         checks.check_output_type(output_type, OUTPUT_TYPES)
-        checks.check_flag(return_dict, "return_dict")
-        checks.check_flag(show_progress, "show_progress")
-        checks.check_callback(callback_on_step_end, "callback_on_step_end")
-        recipe = checks.check_method("ar-image", method, method_knobs)
-        for need in recipe.requires:
-            check(need not in ("draft_model", "eagle_head") or getattr(self, need) is not None, "method",
-                  f"a method whose parts this pipeline holds (it has no {need})", method)
+        recipe = self.check_shared_inputs(method=method, method_knobs=method_knobs,
+                                 batch_size=len(labels) * num_images_per_prompt, generator=generator,
+                                 return_dict=return_dict, callback_on_step_end=callback_on_step_end,
+                                 callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+        return labels, recipe
 
     @torch.no_grad()
     def __call__(self, prompt: str | list[str] | None = None, class_labels: int | list[int] | None = None, *,
                  method: str = "none", guidance_scale: float | None = 2.0, temperature: float = 1.0,
                  top_k: int | None = None, top_p: float | None = None, num_images_per_prompt: int = 1,
-                 generator: torch.Generator | None = None, output_type: str = "pil", return_dict: bool = True,
-                 callback_on_step_end: Callable | None = None, method_knobs: dict | None = None,
-                 show_progress: bool = True):
+                 generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
+                 return_dict: bool = True, callback_on_step_end: Callable | None = None,
+                 callback_on_step_end_tensor_inputs: list[str] = (), method_knobs: dict | None = None):
         """Generate ``num_images_per_prompt`` images per prompt (or class label).
 
         Args:
-            prompt: class prompts such as ``"a red circle"`` (exclusive with ``class_labels``).
+            prompt: class names or prompts such as ``"a red circle"`` (``pipe.labels``; exclusive
+                with ``class_labels``).
             class_labels: class ids in ``[0, num_classes)``.
-            method: ``"none"`` (AR baseline) or a composition such as ``"sjd"``, ``"gsd"``,
-                ``"lantern"``, ``"zipar+gsd"`` (``mmspec.adapters.ar_image``).
+            method: ``"none"`` (AR baseline), a named method or a composition such as ``"sjd"``,
+                ``"gsd"``, ``"lantern"``, ``"zipar+gsd"`` (``mmspec.methods.names("ar-image")``).
             guidance_scale: classifier-free guidance ``l_u + s (l_c - l_u)``; ``None`` or 1 disables it.
             temperature, top_k, top_p: the sampling pipeline (temperature 0 is greedy).
+            num_images_per_prompt: images per prompt; image ``i * n + j`` is prompt i's j-th.
+            generator: one ``torch.Generator``, or a list of one per image: image r then equals
+                that prompt generated alone with generator r.
+            output_type: ``"pil"``, ``"np"``, ``"pt"`` (``VaeImageProcessor``) or ``"latent"``
+                (the token grids).
+            callback_on_step_end: ``callback(pipe, step, timestep, callback_kwargs) -> dict`` after
+                every decode pass; ``timestep`` is the tokens decoded so far per image
+                (``pipelines.base`` says what the returned dict may replace; ``pipe._interrupt =
+                True`` stops after this pass).
+            callback_on_step_end_tensor_inputs: among ``"tokens"``, ``"next_tokens"``.
             method_knobs: the method's prefixed knobs, e.g. ``{"sjd_window": 16}``
-                (``mmspec.adapters.ar_image.method_knobs(method)`` lists them).
-            callback_on_step_end: ``callback(pipe, step, None, {"tokens_done": int}) -> dict``,
-                called after every decode pass.
+                (``mmspec.methods.knobs("ar-image", method)`` lists them).
         Returns:
-            ``ARImagePipelineOutput`` (or a tuple ``(images, stats)`` when ``return_dict=False``).
+            ``ARImagePipelineOutput``, or ``(images,)`` when ``return_dict=False``.
         """
-        self.check_inputs(prompt, class_labels, method=method, method_knobs=method_knobs,
-                          guidance_scale=guidance_scale, temperature=temperature, top_k=top_k, top_p=top_p,
-                          num_images_per_prompt=num_images_per_prompt, generator=generator, output_type=output_type,
-                          return_dict=return_dict, callback_on_step_end=callback_on_step_end,
-                          show_progress=show_progress)
-        labels = labels_from_prompts(prompt) if prompt is not None else checks.check_class_labels(
-            class_labels, self.num_classes)
+        # 1. check every input before any model runs
+        labels, recipe = self.check_inputs(
+            prompt, class_labels, method=method, method_knobs=method_knobs, guidance_scale=guidance_scale,
+            temperature=temperature, top_k=top_k, top_p=top_p, num_images_per_prompt=num_images_per_prompt,
+            generator=generator, output_type=output_type, return_dict=return_dict,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+
+        # 2. the conditioning: one class-token prompt per image (and the null class for CFG)
+        labels = [c for c in labels for _ in range(num_images_per_prompt)]
         guided = guidance_scale is not None and guidance_scale != 1.0
         logits = LogitsPipeline(temperature=temperature, top_k=top_k, top_p=top_p,
                                 guidance_scale=guidance_scale if guided else None)
-        parsed = parse_method(method, **(method_knobs or {}))
-        parts = compose(parsed, self.transformer, draft_model=self.draft_model, eagle_head=self.eagle_head,
-                        codebook=self.vqvae.codebook())
-        decoder = SpeculativeDecoder(self.transformer, parts.drafter, rule=parts.rule, logits=logits,
-                                     schedule=parts.schedule)
-
-        labels = [c for c in labels for _ in range(num_images_per_prompt)]
         N = self.transformer.num_image_tokens
-        progress = self.progress_bar(total=N) if show_progress else None
-        seen = [0]
 
-        def on_step(step, state):
-            B = state.batch_size  # rows or ZipAR's row lanes; a lane's seed counts as one token
-            made = (state.lengths[:B] - state.prompt_lengths[:B]).clamp(min=0).sum()
-            done = min(N, int(made) // len(labels))
-            if progress is not None:
-                progress.update(max(0, done - seen[0]))
-                seen[0] = max(seen[0], done)
-            if callback_on_step_end is not None:
-                callback_on_step_end(self, step, None, {"tokens_done": done})
+        def tokens_done(state) -> int:
+            B = state.batch_size  # images, or ZipAR's row lanes: a lane's seed counts as one token
+            return int((state.lengths[:B] - state.prompt_lengths[:B]).clamp(min=0).sum()) // len(labels)
 
-        out = decoder.generate(self.transformer.class_prompts(labels), N, generator=generator,
-                               callback=on_step if progress is not None or callback_on_step_end is not None else None,
-                               uncond_input_ids=self.transformer.uncond_prompts(len(labels)) if guided else None)
-        if progress is not None:
-            progress.update(N - seen[0])
-            progress.close()
+        # 3. decode the token grids: one SpeculativeDecoder.generate
+        out = self.decode(recipe, logits, self.transformer.class_prompts(labels), N, tokens_done=tokens_done,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                          generator=generator,
+                          uncond_input_ids=self.transformer.uncond_prompts(len(labels)) if guided else None)
+
+        # 4. tokens -> pixels -> output_type
         g = self.transformer.config.grid_size
         tokens = out.sequences.view(-1, g, g)
-        stats = out.stats.as_dict()
-        if output_type == "latent":
-            images = tokens
-        else:
-            pixels = ((self.vqvae.decode(tokens).float().clamp(-1, 1) + 1) / 2)  # (N, 3, H, W) in [0, 1]
-            if output_type == "pt":
-                images = pixels
-            else:
-                arr = pixels.permute(0, 2, 3, 1).cpu().numpy()
-                images = arr if output_type == "np" else [PIL.Image.fromarray((a * 255).round().astype(np.uint8))
-                                                          for a in arr]
+        images = tokens if output_type == "latent" else self.postprocess_images(self.vqvae.decode(tokens), output_type)
+        self.maybe_free_model_hooks()
         if not return_dict:
-            return images, stats
-        return ARImagePipelineOutput(images=images, tokens=tokens, stats=stats)
+            return (images,)
+        return ARImagePipelineOutput(images=images, tokens=tokens, stats=out.stats.as_dict())

@@ -17,17 +17,17 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from diffusers import DiffusionPipeline
 from diffusers.utils import BaseOutput
 
 from ..adapters.vlm import VLMTarget
-from ..adapters.vlm_methods import HEAD_METHODS, METHODS, build_drafter
-from ..core import LogitsPipeline, SpeculativeDecoder
-from ..core.errors import check, check_choice
+from ..core import LogitsPipeline
 from . import checks
+from .base import SpeculativePipeline
 # diffusers loads components only from modules already imported: name them here
 from ..models import vlm_draft as _vlm_draft  # noqa: F401
 from .vlm_inputs import StreamerFeed, VLMInputs, check_streamer, prepare_vlm_inputs, sampling_from_generation_config
+
+HEADS = ("eagle", "specvlm", "vispec")
 
 
 @dataclass
@@ -41,15 +41,17 @@ class VLMPipelineOutput(BaseOutput):
     stats: dict = field(default_factory=dict)
 
 
-class SpeculativeVLMPipeline(DiffusionPipeline):
+class SpeculativeVLMPipeline(SpeculativePipeline):
     """A VLM (``target``: ``LlavaForConditionalGeneration``, ``Qwen2VLForConditionalGeneration`` or
     ``Qwen2_5_VLForConditionalGeneration``; ``processor``: its processor, with a chat template)
     plus optional drafts: ``draft_model`` (a small VLM with the same
     tokenizer, for ``sd``) and ``eagle_head`` / ``specvlm_head`` / ``vispec_head``
-    (``VLMDraftHead``s). Methods: ``mmspec.adapters.vlm_methods.METHODS``."""
+    (``VLMDraftHead``s). Methods: ``mmspec.methods.names("vlm")``."""
 
-    model_cpu_offload_seq = "target"
+    modality = "vlm"
+    model_cpu_offload_seq = "target->draft_model->eagle_head->specvlm_head->vispec_head"
     _optional_components = ["draft_model", "eagle_head", "specvlm_head", "vispec_head"]
+    _method_components = {"draft": "draft_model"}
 
     def __init__(self, target, processor, draft_model=None, eagle_head=None, specvlm_head=None, vispec_head=None):
         super().__init__()
@@ -57,22 +59,17 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
                               specvlm_head=specvlm_head, vispec_head=vispec_head)
         self._views = None
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """diffusers' loader, computing in float32 by default (checkpoints ship as fp16), after
-        ``check_pipeline_folder`` has checked every component folder (nothing is built before)."""
-        from .loading import check_pipeline_folder
-
-        check_pipeline_folder(pretrained_model_name_or_path, cls, provided=kwargs)
-        kwargs.setdefault("dtype", torch.float32)
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
-
     def views(self) -> tuple[VLMTarget, VLMTarget | None]:
         """The core's views of the target and the draft VLM (built once)."""
-        if self._views is None or self._views[0].model is not self.target:
+        if self._views is None or self._views[0].model is not self.target or (
+                self._views[1] is not None and self._views[1].model is not self.draft_model):
             draft = None if self.draft_model is None else VLMTarget(self.draft_model)
             self._views = (VLMTarget(self.target), draft)
         return self._views
+
+    def method_components(self) -> dict:
+        target, draft = self.views()
+        return {"target": target, "draft": draft} | {f"{h}_head": getattr(self, f"{h}_head") for h in HEADS}
 
     def prepare_inputs(self, images, prompts) -> VLMInputs:
         """``(input_ids, vision)``: per prompt its token ids (the processor's chat template around
@@ -81,16 +78,11 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         return prepare_vlm_inputs(self.processor, images, prompts)
 
     def check_inputs(self, images, prompts, *, method, method_knobs, max_new_tokens, temperature, top_p, generator,
-                     callback, return_dict, show_progress, top_k=None, streamer=None) -> None:
+                     return_dict, callback_on_step_end, callback_on_step_end_tensor_inputs, top_k=None,
+                     streamer=None):
         """Every argument of ``__call__``, checked before any model runs (``pipelines.checks``):
-        ``ValueError`` naming the argument and the allowed values."""
-        check_choice("method", method, METHODS)
-        checks.check_method("vlm", method, method_knobs)
-        if method == "sd":
-            check(self.draft_model is not None, "method", "a method whose draft this pipeline holds (no draft_model)", method)
-        if method in HEAD_METHODS:
-            check(getattr(self, f"{method}_head") is not None, "method",
-                  f"a method whose draft this pipeline holds (no {method}_head)", method)
+        ``ValueError`` naming the argument and the allowed values. Returns the resolved recipe."""
+        self.check_method(method, method_knobs)
         prompts = checks.check_prompts(prompts, "prompts")
         checks.check_images(images, len(prompts), "images")
         checks.check_int(max_new_tokens, "max_new_tokens", 1)
@@ -98,17 +90,17 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
         checks.check_int(top_k, "top_k", 1, optional=True)
         checks.check_number(top_p, "top_p", 0, 1, low_open=True, optional=True)
         check_streamer(streamer, len(prompts))
-        checks.check_generator(generator)
-        checks.check_callback(callback, "callback")
-        checks.check_flag(return_dict, "return_dict")
-        checks.check_flag(show_progress, "show_progress")
+        return self.check_shared_inputs(method=method, method_knobs=method_knobs, batch_size=len(prompts),
+                                        generator=generator, return_dict=return_dict,
+                                        callback_on_step_end=callback_on_step_end,
+                                        callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
 
     @torch.no_grad()
     def __call__(self, images=None, prompts: str | list[str] | None = None, *, max_new_tokens: int = 128,
                  method: str = "none", temperature: float | None = None, top_p: float | None = None,
-                 top_k: int | None = None, generator: torch.Generator | None = None, method_knobs: dict | None = None,
-                 callback: Callable | None = None, streamer=None, return_dict: bool = True,
-                 show_progress: bool = True):
+                 top_k: int | None = None, generator: torch.Generator | list[torch.Generator] | None = None,
+                 method_knobs: dict | None = None, callback_on_step_end: Callable | None = None,
+                 callback_on_step_end_tensor_inputs: list[str] = (), streamer=None, return_dict: bool = True):
         """Answer each prompt about its image.
 
         Args:
@@ -125,50 +117,51 @@ class SpeculativeVLMPipeline(DiffusionPipeline):
                 ``top_p`` (``vlm_inputs.sampling_from_generation_config``). Given values win.
             top_p: nucleus sampling (with ``temperature`` > 0).
             top_k: keep the k most likely tokens (with ``temperature`` > 0).
-            generator: the randomness of sampling (and of nothing else).
-            method_knobs: e.g. ``{"tree_depth": 5}`` (``mmspec.adapters.vlm_methods.method_knobs``).
-            callback: ``callback(pipe, step, tokens_done: int)`` after every target pass.
+            generator: the randomness of sampling (and of nothing else): one ``torch.Generator``,
+                or a list of one per prompt (answer r then equals prompt r answered alone with
+                generator r).
+            method_knobs: e.g. ``{"tree_depth": 5}`` (``mmspec.methods.knobs("vlm", method)``).
+            callback_on_step_end: ``callback(pipe, step, timestep, callback_kwargs) -> dict`` after
+                every target pass; ``timestep`` is the longest answer's length so far
+                (``pipelines.base`` says what the returned dict may replace; ``pipe._interrupt =
+                True`` stops after this pass).
+            callback_on_step_end_tensor_inputs: among ``"tokens"``, ``"next_tokens"``.
             streamer: a transformers streamer (``TextStreamer``, ``TextIteratorStreamer``) fed the
                 prompt, then the answer's tokens as they are accepted; one prompt only.
         Returns:
-            ``VLMPipelineOutput`` (or ``(texts, stats)`` when ``return_dict=False``).
+            ``VLMPipelineOutput``, or ``(texts,)`` when ``return_dict=False``.
         """
-        self.check_inputs(images, prompts, method=method, method_knobs=method_knobs, max_new_tokens=max_new_tokens,
-                          temperature=temperature, top_p=top_p, generator=generator, callback=callback,
-                          return_dict=return_dict, show_progress=show_progress, top_k=top_k, streamer=streamer)
+        # 1. check every input before any model runs
+        recipe = self.check_inputs(
+            images, prompts, method=method, method_knobs=method_knobs, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, generator=generator, return_dict=return_dict,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs, top_k=top_k, streamer=streamer)
+
+        # 2. the conditioning: chat-framed prompt ids, the images as the prefill's vision inputs
         ids, vision = self.prepare_inputs(images, prompts)
         sampling = sampling_from_generation_config(self.target.generation_config, temperature, top_k, top_p)
         eos = sampling.pop("eos_token_id")
-
-        target, draft = self.views()
-        heads = {m: getattr(self, f"{m}_head") for m in HEAD_METHODS}
-        drafter = build_drafter(method, target, draft=draft, heads=heads, knobs=method_knobs)
-        decoder = SpeculativeDecoder(target, drafter, logits=LogitsPipeline(**sampling))
+        target, _ = self.views()
         feed = None if streamer is None else StreamerFeed(streamer, ids[0], max_new_tokens, eos)
-        progress = self.progress_bar(total=max_new_tokens) if show_progress else None
-        seen = [0]
 
-        def on_step(step, state):
+        def tokens_done(state) -> int:
             B = state.batch_size
-            done = int((state.lengths[:B] - state.prompt_lengths[:B]).max())
-            if progress is not None:
-                progress.update(max(0, min(done, max_new_tokens) - seen[0]))
-                seen[0] = max(seen[0], min(done, max_new_tokens))
-            if callback is not None:
-                callback(self, step, done)
-            if feed is not None:
-                feed.step(state)
+            return int((state.lengths[:B] - state.prompt_lengths[:B]).max())
 
-        out = decoder.generate(ids, max_new_tokens, generator=generator, eos_token_id=eos,
-                               conditioning=target.vision_inputs(**vision),
-                               callback=None if progress is None and callback is None and feed is None else on_step)
-        if progress is not None:
-            progress.close()
+        # 3. decode the answers: one SpeculativeDecoder.generate
+        out = self.decode(recipe, LogitsPipeline(**sampling), ids, max_new_tokens, tokens_done=tokens_done,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                          on_step=None if feed is None else feed.step, generator=generator, eos_token_id=eos,
+                          conditioning=target.vision_inputs(**vision))
+
+        # 4. ids -> texts
         tokens = [row[:n].tolist() for row, n in zip(out.sequences, out.lengths)]
         if feed is not None:
             feed.end(tokens[0])
         texts = self.processor.tokenizer.batch_decode(tokens, skip_special_tokens=True)
-        stats = out.stats.as_dict()
+        self.maybe_free_model_hooks()
         if not return_dict:
-            return texts, stats
-        return VLMPipelineOutput(texts=texts, tokens=tokens, stats=stats)
+            return (texts,)
+        return VLMPipelineOutput(texts=texts, tokens=tokens, stats=out.stats.as_dict())

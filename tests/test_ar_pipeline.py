@@ -9,24 +9,29 @@ import PIL.Image
 import pytest
 import torch
 
-from mmspec.adapters.ar_image import METHODS, method_knobs, parse_method
+from mmspec import methods
 from mmspec.models.eagle import EagleDraftHead
 from mmspec.models.llamagen import LlamaGenModel
 from mmspec.models.vq import TinyVQModel
 from mmspec.pipelines import SpeculativeARImagePipeline
 
 
-def _ar(seed, vq):
+COLOURS, SHAPES = ("red", "green", "blue", "yellow"), ("circle", "square", "triangle", "star")
+ID2LABEL = {str(4 * i + j): f"a {c} {s}, {c} {s}" for i, c in enumerate(COLOURS) for j, s in enumerate(SHAPES)}
+METHODS = methods.names("ar-image")
+
+
+def _ar(seed, vq, id2label=None):
     torch.manual_seed(seed)
     return LlamaGenModel(vocab_size=vq.config.codebook_size, grid_size=vq.grid_size, num_classes=16, dim=32,
-                         n_layers=1, n_heads=2, mlp_hidden=64, initializer_range=0.3).eval()
+                         n_layers=1, n_heads=2, mlp_hidden=64, initializer_range=0.3, id2label=id2label).eval()
 
 
 @pytest.fixture(scope="module")
 def pipe():
     torch.manual_seed(0)
     vq = TinyVQModel().eval()
-    target = _ar(1, vq)
+    target = _ar(1, vq, ID2LABEL)
     head = EagleDraftHead.from_target(target).eval()
     pipe = SpeculativeARImagePipeline(transformer=target, vqvae=vq, draft_model=_ar(2, vq), eagle_head=head)
     pipe.set_progress_bar_config(disable=True)
@@ -39,7 +44,7 @@ def gen(seed=0):
 
 @pytest.mark.parametrize("method", METHODS)
 def test_every_method_makes_images(pipe, method):
-    out = pipe(prompt=["a red circle", "Blue  Star"], method=method, generator=gen(), show_progress=False)
+    out = pipe(prompt=["a red circle", "Blue  Star"], method=method, generator=gen())
     assert len(out.images) == 2 and all(isinstance(im, PIL.Image.Image) and im.size == (64, 64) for im in out.images)
     assert out.tokens.shape == (2, 16, 16) and int(out.tokens.max()) < 512
     assert 1 <= out.stats["nfe"] <= 256
@@ -49,15 +54,14 @@ def test_every_method_makes_images(pipe, method):
 
 @pytest.mark.parametrize("method", ["sd", "eagle", "sjd"])
 def test_greedy_lossless_methods_equal_the_baseline(pipe, method):
-    ref = pipe(class_labels=[3, 7], temperature=0.0, output_type="latent", show_progress=False)
+    ref = pipe(class_labels=[3, 7], temperature=0.0, output_type="latent")
     knobs = {"sjd_init": "spatial"} if method == "sjd" else {}
-    out = pipe(class_labels=[3, 7], method=method, method_knobs=knobs, temperature=0.0, output_type="latent",
-               show_progress=False)
+    out = pipe(class_labels=[3, 7], method=method, method_knobs=knobs, temperature=0.0, output_type="latent")
     assert torch.equal(out.tokens, ref.tokens)
 
 
 def test_lantern_without_relaxation_is_eagle(pipe):
-    kw = dict(class_labels=[1, 2], output_type="latent", show_progress=False)
+    kw = dict(class_labels=[1, 2], output_type="latent")
     eagle = pipe(method="eagle", generator=gen(3), **kw)
     lantern = pipe(method="lantern", method_knobs={"lantern_delta": 0.0}, generator=gen(3), **kw)
     assert torch.equal(lantern.tokens, eagle.tokens)
@@ -66,13 +70,13 @@ def test_lantern_without_relaxation_is_eagle(pipe):
 def test_output_types_callback_and_tuple(pipe):
     calls = []
     out = pipe(class_labels=4, num_images_per_prompt=3, method="gsd", output_type="np", generator=gen(),
-               callback_on_step_end=lambda p, i, t, kw: calls.append((i, kw["tokens_done"])) or {},
-               show_progress=False)
+               callback_on_step_end=lambda p, i, t, kw: calls.append((i, t)) or {})
     assert isinstance(out.images, np.ndarray) and out.images.shape == (3, 64, 64, 3)
     assert 0.0 <= out.images.min() and out.images.max() <= 1.0
-    assert len(calls) == out.stats["nfe"] - 1 and calls[-1][1] == 256  # one call per decode pass
-    images, stats = pipe(class_labels=[0], output_type="pt", return_dict=False, generator=gen(), show_progress=False)
-    assert images.shape == (1, 3, 64, 64) and stats["nfe"] == 256  # the prefill samples the first token
+    assert [i for i, _ in calls] == list(range(out.stats["nfe"] - 1))  # one call per decode pass, from 0
+    assert calls[-1][1] == 256
+    images = pipe(class_labels=[0], output_type="pt", return_dict=False, generator=gen())
+    assert isinstance(images, tuple) and len(images) == 1 and images[0].shape == (1, 3, 64, 64)
 
 
 def test_round_trip_through_a_local_folder(pipe, tmp_path):
@@ -81,8 +85,8 @@ def test_round_trip_through_a_local_folder(pipe, tmp_path):
     loaded = SpeculativeARImagePipeline.from_pretrained(tmp_path)
     loaded.set_progress_bar_config(disable=True)
     assert next(loaded.transformer.parameters()).dtype == torch.float32
-    a = pipe(class_labels=[5], method="eagle", generator=gen(1), output_type="latent", show_progress=False)
-    b = loaded(class_labels=[5], method="eagle", generator=gen(1), output_type="latent", show_progress=False)
+    a = pipe(class_labels=[5], method="eagle", generator=gen(1), output_type="latent")
+    b = loaded(class_labels=[5], method="eagle", generator=gen(1), output_type="latent")
     assert torch.equal(a.tokens, b.tokens)
 
 
@@ -106,15 +110,24 @@ def test_bad_input_fails_before_any_work(pipe, kwargs, match):
     hook = pipe.transformer.register_forward_hook(lambda *a: calls.append(1))
     try:
         with pytest.raises(ValueError, match=match):
-            pipe(show_progress=False, **kwargs)
+            pipe(**kwargs)
     finally:
         hook.remove()
     assert calls == []
 
 
-def test_method_grammar():
-    assert parse_method("gsd").drafter == "sjd" and parse_method("lantern").drafter == "eagle"
-    assert parse_method("zipar+gsd").components == ("zipar", "sjd", "gsd")
-    assert parse_method("sjd").lossless and not parse_method("zipar").lossless
-    assert set(method_knobs("zipar+gsd")) == {"zipar_window", "sjd_window", "sjd_init", "gsd_p_threshold",
-                                              "gsd_d_threshold", "gsd_half_width"}
+def test_prompts_map_through_the_saved_id2label(pipe):
+    assert pipe.get_label_ids(["a red circle", "Red  Circle", " BLUE star ", "yellow star"]) == [0, 0, 11, 15]
+    assert pipe.labels["green square"] == 5 and pipe.labels["a green square"] == 5 and len(pipe.labels) == 32
+    with pytest.raises(ValueError, match="label must be one of the class prompts: a red circle, a red square"):
+        pipe.get_label_ids("a purple hexagon")
+    a = pipe(prompt=["a blue star", "Green Circle"], temperature=0.0, output_type="latent")
+    b = pipe(class_labels=[11, 4], temperature=0.0, output_type="latent")
+    assert torch.equal(a.tokens, b.tokens)
+
+
+def test_a_transformer_without_labels_takes_class_labels_only(pipe):
+    bare = SpeculativeARImagePipeline(transformer=_ar(1, pipe.vqvae), vqvae=pipe.vqvae)
+    with pytest.raises(ValueError, match="prompt must be class_labels: this transformer's config has no id2label"):
+        bare(prompt="a red circle")
+    assert bare.labels == {}

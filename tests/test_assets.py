@@ -34,7 +34,7 @@ def test_bundled_pipeline_generates_offline():
     assert t.vocab_size == pipe.vqvae.config.codebook_size and t.config.grid_size == pipe.vqvae.grid_size
     assert pipe.draft_model.vocab_size == t.vocab_size and pipe.eagle_head.vocab_size == t.vocab_size
     out = pipe(prompt="a yellow star", method="zipar+gsd", method_knobs={"zipar_window": 4},
-               generator=torch.Generator().manual_seed(0), output_type="pt", show_progress=False)
+               generator=torch.Generator().manual_seed(0), output_type="pt")
     assert out.images.shape == (1, 3, 64, 64) and out.stats["nfe"] < 256
     classifier = load_checkpoint(ShapesClassifier, ASSETS / "classifier")
     assert classifier(out.images * 2 - 1).shape == (1, 16)

@@ -157,7 +157,7 @@ def test_ar_image_pipeline_refuses(ar_pipe, workdir, kwargs, message):
     calls.clear()
     call = ({} if "prompt" in kwargs else {"class_labels": [0]}) | kwargs
     with pytest.raises(ValueError, match=re.escape(message)):
-        pipe(**call, show_progress=False)
+        pipe(**call)
     assert calls == []
 
 
@@ -212,7 +212,7 @@ def test_vlm_pipeline_refuses(vlm_pipe, workdir, kwargs, message):
     calls.clear()
     call = dict(images=[RGB], prompts=["what is in the image ?"]) | kwargs
     with pytest.raises(ValueError, match=re.escape(message)):
-        pipe(**call, show_progress=False)
+        pipe(**call)
     assert calls == []
 
 
@@ -220,12 +220,11 @@ def test_the_hooks_see_a_real_call(ar_pipe, vlm_pipe):
     """The counters above would have counted: one valid call of each pipeline runs its models."""
     pipe, calls = vlm_pipe
     calls.clear()
-    pipe(images=[np.full((32, 32, 3), 0.5)], prompts=["what is in the image ?"], max_new_tokens=2,
-         show_progress=False)
+    pipe(images=[np.full((32, 32, 3), 0.5)], prompts=["what is in the image ?"], max_new_tokens=2)
     assert "target" in calls
     pipe, calls = ar_pipe
     calls.clear()
-    pipe(class_labels=[0], output_type="latent", generator=gen(), show_progress=False)
+    pipe(class_labels=[0], output_type="latent", generator=gen())
     assert calls.count("transformer") >= 2
 
 

@@ -50,8 +50,7 @@ def reference(pipe, heldout):
     images, questions = heldout
     tokens = []
     for i in range(0, N_PROMPTS, BATCH):
-        tokens += pipe(images=images[i : i + BATCH], prompts=questions[i : i + BATCH], max_new_tokens=NEW_TOKENS,
-                       show_progress=False).tokens
+        tokens += pipe(images=images[i : i + BATCH], prompts=questions[i : i + BATCH], max_new_tokens=NEW_TOKENS).tokens
     return tokens
 
 
@@ -71,7 +70,7 @@ def test_greedy_bit_identical_on_50_heldout_prompts(pipe, heldout, reference, me
     tokens, nfe, made = [], 0, 0
     for i in range(0, N_PROMPTS, BATCH):
         out = pipe(images=images[i : i + BATCH], prompts=questions[i : i + BATCH], max_new_tokens=NEW_TOKENS,
-                   method=method, show_progress=False)
+                   method=method)
         tokens += out.tokens
         nfe += out.stats["nfe"]
     assert tokens == reference
@@ -151,8 +150,7 @@ def test_save_and_load_round_trip(pipe, heldout, reference, tmp_path):
     again = SpeculativeVLMPipeline.from_pretrained(tmp_path / "copy")
     assert {"eagle_head", "specvlm_head", "vispec_head", "draft_model"} <= set(again.components)
     images, questions = heldout
-    out = again(images=images[:2], prompts=questions[:2], method="vispec", max_new_tokens=NEW_TOKENS,
-                show_progress=False)
+    out = again(images=images[:2], prompts=questions[:2], method="vispec", max_new_tokens=NEW_TOKENS)
     assert out.tokens == reference[:2]
     assert out.texts[0] and "<" not in out.texts[0]
 
@@ -176,7 +174,7 @@ def test_bad_input_is_refused_before_any_forward(pipe, heldout, kwargs, name):
     hook = pipe.target.register_forward_hook(lambda *a: calls.append(1))
     try:
         with pytest.raises(ValueError, match=name):
-            pipe(**call, show_progress=False)
+            pipe(**call)
     finally:
         hook.remove()
     assert not calls

@@ -131,8 +131,7 @@ def run(cfg: ARImageBenchConfig, progress=None) -> dict:
             g = torch.Generator().manual_seed(cfg.seed + i)
             start = time.perf_counter()
             out = pipe(class_labels=[c], method=method, method_knobs=knobs, guidance_scale=cfg.guidance_scale,
-                       temperature=cfg.temperature, top_k=cfg.top_k, generator=g, output_type="latent",
-                       show_progress=False)
+                       temperature=cfg.temperature, top_k=cfg.top_k, generator=g, output_type="latent")
             walls.append(time.perf_counter() - start)
             tokens.append(out.tokens)
             nfe.append(out.stats["nfe"])

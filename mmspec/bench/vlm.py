@@ -139,7 +139,7 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
         if method in PEER:
             return _hf_call(pipe, method, images[i], prompts[i], cfg.max_new_tokens), None
         out = pipe(images=[images[i]], prompts=[prompts[i]], method=method, max_new_tokens=cfg.max_new_tokens,
-                   method_knobs=knobs or None, show_progress=False)
+                   method_knobs=knobs or None)
         return out.tokens[0], out.stats
 
     errors = {}

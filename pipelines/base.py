@@ -1,0 +1,180 @@
+"""``SpeculativePipeline``: the diffusers contract, written once for every modality's pipeline.
+
+A modality subclasses it with its components, a ``modality`` name from the method registry, the
+registry's component names mapped to its attributes (``_method_components``), ``method_components()``
+(the objects ``methods.build`` takes), a ``check_inputs`` that calls ``check_shared_inputs`` and its
+own checks, and a ``__call__``: check inputs, encode the conditioning, one ``self.decode(...)``
+(one ``SpeculativeDecoder.generate``), decode the outputs. The base gives it:
+
+- ``from_pretrained``: ``check_pipeline_folder`` first, then diffusers' loader in float32
+  (checkpoints ship as fp16);
+- ``check_shared_inputs``: the method and its knobs through the registry, refused when a part needs
+  a component this pipeline lacks; generator lists (one per output row); flags; the callback and
+  its tensor inputs; all before any model runs;
+- ``decode``: the progress bar (``set_progress_bar_config``), ``callback_on_step_end`` with its
+  returned dict honoured, ``pipe._interrupt = True`` stopping after the current pass (the
+  subclass's ``__call__`` ends with ``self.maybe_free_model_hooks()``);
+- ``postprocess_images``: diffusers' ``VaeImageProcessor`` for ``output_type``.
+
+Callbacks: ``callback_on_step_end(pipe, step, timestep, callback_kwargs) -> dict`` after every
+decode pass; ``step`` counts passes from 0, ``timestep`` is the tokens decoded so far per output
+(an image's tokens, or the longest answer's), ``callback_kwargs`` holds the requested
+``callback_on_step_end_tensor_inputs`` (``_callback_tensor_inputs``):
+
+- ``"tokens"``: (B, n) each row's generated tokens so far, right-padded with 0 (a copy; read-only:
+  tokens the target has read cannot change without a new prefill, so returning it is refused);
+- ``"next_tokens"``: (B,) each row's last emitted token, the one the next pass feeds the target;
+  a returned ``"next_tokens"`` replaces it (in the output too), and decoding continues from it.
+
+The returned dict must be a dict (``{}`` to change nothing). Tensor inputs need a raster schedule
+(ZipAR decodes several lanes per image; ``method="zipar..."`` refuses them).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.image_processor import VaeImageProcessor
+
+from .. import methods
+from ..core import LogitsPipeline, SpeculativeDecoder
+from ..core.decoder import DecodeOutput, DecodeState
+from ..core.errors import check
+from . import checks
+
+
+class SpeculativePipeline(DiffusionPipeline):
+    """Base of the speculative pipelines: the diffusers contract over the core's one loop."""
+
+    modality: str = ""
+    """The method registry's modality (``"ar-image"``, ``"vlm"``)."""
+    _method_components: dict[str, str] = {}
+    """Registry component name -> the attribute of this pipeline that holds it (``"draft"`` ->
+    ``"draft_model"``); names not listed are attributes of the same name."""
+    _callback_tensor_inputs = ["tokens", "next_tokens"]
+    _callback_replaceable = ("next_tokens",)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """diffusers' loader, computing in float32 by default (checkpoints ship as fp16), after
+        ``check_pipeline_folder`` has checked every component folder (nothing is built before)."""
+        from .loading import check_pipeline_folder
+
+        check_pipeline_folder(pretrained_model_name_or_path, cls, provided=kwargs)
+        kwargs.setdefault("dtype", torch.float32)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @property
+    def interrupt(self) -> bool:
+        """Set ``pipe._interrupt = True`` (from a callback) to stop decoding after the current
+        pass; rows keep what they have emitted. Every call starts with it False."""
+        return getattr(self, "_interrupt", False)
+
+    # -- inputs -----------------------------------------------------------------------------------
+    def method_components(self) -> dict[str, Any]:
+        """The components ``methods.build`` takes (``"target"`` first); ``None`` where missing."""
+        raise NotImplementedError
+
+    def check_method(self, method, method_knobs) -> methods.Recipe:
+        """``method`` and its knobs through the registry; a part that needs a component this
+        pipeline lacks is refused naming it."""
+        recipe = checks.check_method(self.modality, method, method_knobs)
+        for need in recipe.requires:
+            attr = self._method_components.get(need, need)
+            check(getattr(self, attr, None) is not None, "method",
+                  f"a method whose parts this pipeline holds (it has no {attr})", method)
+        return recipe
+
+    def check_shared_inputs(self, *, method, method_knobs, batch_size: int, generator, return_dict,
+                            callback_on_step_end, callback_on_step_end_tensor_inputs) -> methods.Recipe:
+        """The arguments every speculative pipeline takes, checked before any model runs;
+        ``batch_size`` is the number of output rows (a generator list has one per row). Returns the
+        resolved recipe."""
+        recipe = self.check_method(method, method_knobs)
+        checks.check_generator(generator, batch_size)
+        checks.check_flag(return_dict, "return_dict")
+        checks.check_callback(callback_on_step_end, "callback_on_step_end")
+        inputs = callback_on_step_end_tensor_inputs
+        check(isinstance(inputs, (list, tuple)) and all(k in self._callback_tensor_inputs for k in inputs),
+              "callback_on_step_end_tensor_inputs", f"a list of names among {self._callback_tensor_inputs}", inputs)
+        check(not inputs or recipe.part("schedule") is None, "callback_on_step_end_tensor_inputs",
+              f"[] with method {method!r} (its schedule decodes several lanes per output)", inputs)
+        return recipe
+
+    # -- decoding ---------------------------------------------------------------------------------
+    def decode(self, recipe: methods.Recipe, logits: LogitsPipeline, input_ids, max_new_tokens: int, *,
+               tokens_done: Callable[[DecodeState], int], callback_on_step_end=None,
+               callback_on_step_end_tensor_inputs=(), on_step: Callable[[DecodeState], None] | None = None,
+               **generate_kwargs) -> DecodeOutput:
+        """One ``SpeculativeDecoder.generate`` with ``recipe``'s parts, under the progress bar.
+
+        ``tokens_done(state)``: the progress, in tokens per output (at most ``max_new_tokens``);
+        ``on_step(state)``: the subclass's own per-pass hook (a streamer); ``generate_kwargs``
+        go to ``generate`` (``generator``, ``conditioning``, ``eos_token_id``, ...)."""
+        components = self.method_components()
+        parts = methods.build(recipe, components)
+        decoder = SpeculativeDecoder(components["target"], parts.drafter, rule=parts.rule, logits=logits,
+                                     schedule=parts.schedule)
+        self._interrupt = False
+        vocab = getattr(components["target"], "vocab_size", None)
+        with self.progress_bar(total=max_new_tokens) as bar:
+            seen = 0
+
+            def step_end(step: int, state: DecodeState) -> bool:
+                nonlocal seen
+                done = min(max_new_tokens, tokens_done(state))
+                bar.update(max(0, done - seen))
+                seen = max(seen, done)
+                if on_step is not None:
+                    on_step(state)
+                if callback_on_step_end is not None:
+                    kwargs = {k: _tensor_input(k, state) for k in callback_on_step_end_tensor_inputs}
+                    returned = callback_on_step_end(self, step - 1, done, kwargs)
+                    _apply_callback_outputs(returned, state, callback_on_step_end_tensor_inputs, vocab)
+                return self.interrupt
+
+            out = decoder.generate(input_ids, max_new_tokens, callback=step_end, **generate_kwargs)
+            bar.update(max(0, max_new_tokens - seen) if not self.interrupt else 0)
+        return out
+
+    # -- outputs ----------------------------------------------------------------------------------
+    @property
+    def image_processor(self) -> VaeImageProcessor:
+        """diffusers' image post-processing: pixels in [-1, 1] -> ``output_type``."""
+        if getattr(self, "_image_processor", None) is None:
+            self._image_processor = VaeImageProcessor(do_resize=False, do_normalize=True)
+        return self._image_processor
+
+    def postprocess_images(self, pixels: torch.Tensor, output_type: str):
+        """(N, 3, H, W) pixels in [-1, 1] -> PIL images, an (N, H, W, 3) array or an (N, 3, H, W)
+        tensor in [0, 1] (``VaeImageProcessor.postprocess``)."""
+        return self.image_processor.postprocess(pixels.float(), output_type=output_type)
+
+
+def _tensor_input(name: str, state: DecodeState) -> torch.Tensor:
+    B = state.batch_size
+    if name == "next_tokens":
+        return state.roots.clone()  # (B,)
+    start, n = state.prompt_lengths[:B], state.lengths[:B] - state.prompt_lengths[:B]
+    span = torch.arange(int(n.max()), device=n.device)
+    cols = (start[:, None] + span).clamp(max=state.tokens.shape[1] - 1)
+    return state.tokens[:B].gather(1, cols).masked_fill(span >= n[:, None], 0)  # (B, n)
+
+
+def _apply_callback_outputs(returned, state: DecodeState, requested, vocab: int | None) -> None:
+    """Honour what a callback returned: replaceable tensor inputs are written into the state."""
+    check(isinstance(returned, dict), "callback_on_step_end", "a callable returning a dict ({} to change nothing)",
+          type(returned).__name__)
+    for key, value in returned.items():
+        check(key in requested and key in SpeculativePipeline._callback_replaceable, "callback_on_step_end",
+              "a callable returning only requested tensor inputs it may replace "
+              f"({', '.join(k for k in requested if k in SpeculativePipeline._callback_replaceable) or 'none'})",
+              f"a dict with {key!r}")
+        B = state.batch_size
+        ok = (isinstance(value, torch.Tensor) and value.shape == (B,) and not value.is_floating_point()
+              and bool((value >= 0).all()) and (vocab is None or bool((value < vocab).all())))
+        check(ok, "next_tokens", f"a ({B},) integer tensor of token ids in [0, {vocab})", value)
+        rows = torch.arange(state.rows, device=state.tokens.device)
+        state.tokens[rows, state.lengths - 1] = state.expand(value.to(state.tokens))  # both CFG halves
