@@ -5,6 +5,8 @@ tests/test_exactness.py: fixed seed, N = 20,000 samples of the first 3 image tok
 against the exact joint at p >= 1e-3, and a deliberately broken rule must fall below it.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from mmspec.core import (GroupedAcceptance, GroupedAcceptanceConfig, JacobiDraft
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index
 from mmspec.core.relaxed import LatentProximityAcceptance, LatentProximityConfig, latent_neighbours
 from mmspec.core.schedule import NextSetSchedule
+from mmspec.core.types import ModelOutput
 from mmspec.models.llamagen import LlamaGenModel
 
 
@@ -256,3 +259,69 @@ def test_gsd_with_zero_thresholds_is_sjd_on_the_image_model():
     zero = GroupedAcceptance(model.tok_embeddings.weight, GroupedAcceptanceConfig(p_threshold=0.0, d_threshold=0.0))
     out = run(model, [0, 1], JacobiDrafter(model.vocab_size, 6), rule=zero, logits=sampled, guided=True, seed=2)
     assert torch.equal(out.sequences, ref.sequences)
+
+
+# -- SJD's reference interval: its pass count, like for like ----------------------------------------
+class PointMassRows:
+    """Stub target (a tiny LlamaGen writes the cache; the answer is replaced): row 0 always says
+    token 5, so a ``repeat`` window of 5s is accepted whole; other rows say "the input token plus
+    one", which a Jacobi window never guesses: its drafts repeat the root or follow stale inputs,
+    always one behind (one token per pass)."""
+
+    def __init__(self, grid):
+        self.model = tiny(vocab=32, grid=grid)
+        self.vocab_size = 32
+
+    def new_cache(self, batch_size, max_len):
+        return self.model.new_cache(batch_size, max_len)
+
+    def __call__(self, tokens, positions, cache, tree_mask=None, **conditioning):
+        out = self.model(tokens, positions, cache, tree_mask, **conditioning)
+        answer = torch.where(torch.arange(len(tokens))[:, None] == 0, 5, (tokens + 1) % 32)
+        return ModelOutput(logits=torch.full_like(out.logits, -1e4).scatter(-1, answer[..., None], 0.0))
+
+
+def interval_run(grid, L, interval, labels=(0,)):
+    stub = PointMassRows(grid)
+    N = grid * grid
+    drafter = JacobiDrafter(32, L, init="repeat", interval=None if interval is None else (1, N - L - 2))
+    dec = SpeculativeDecoder(stub, drafter, logits=LogitsPipeline(temperature=1.0))
+    return dec.generate(stub.model.class_prompts(list(labels)), N, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("grid,L", [(4, 2), (4, 3), (4, 4), (4, 6), (8, 10), (8, 16)])
+def test_reference_interval_nfe_matches_its_closed_form(grid, L):
+    """Every draft accepted, N = grid^2 tokens, window L, the reference LlamaGen interval
+    (l, r) = (1, N - L - 2) with windows decided one pass late (the reference computes a pass's
+    window from the length before the previous pass): the prefill and two passes give 3 tokens,
+    one full window follows, then ceil(D / L) windows cover D = N - L - 4 tokens (the last one
+    shortened), and one single-token pass ends: NFE = 5 + ceil((N - L - 4) / L) (needs
+    N >= 2L + 4). Drafting on every pass instead: NFE = 1 + ceil((N - 1) / L)."""
+    N = grid * grid
+    out = interval_run(grid, L, "reference")
+    assert out.stats.target_forwards == 5 + math.ceil((N - L - 4) / L)
+    D = N - L - 4
+    windows = [1, 1, L] + [L] * (math.ceil(D / L) - 1) + [D - (math.ceil(D / L) - 1) * L] + [1]
+    assert out.stats.accept_lengths[:, 0].tolist() == windows and sum(windows) == N - 1
+    assert interval_run(grid, L, None).stats.target_forwards == 1 + math.ceil((N - 1) / L)
+    assert bool((out.sequences == 5).all())
+
+
+def test_reference_interval_rows_keep_their_own_windows_in_a_batch():
+    """At B > 1 the chain is as long as the longest row's; a row's extra slots are empty (q = 0)
+    and never accepted, so row 0 emits exactly what it emits alone while row 1 drafts in vain."""
+    alone = interval_run(4, 4, "reference").stats.accept_lengths[:, 0]
+    batch = interval_run(4, 4, "reference", labels=(0, 1)).stats.accept_lengths
+    assert batch[: len(alone), 0].tolist() == alone.tolist() and int(batch[len(alone):, 0].sum()) == 0
+    assert bool((batch[:, 1] == 1).all()) and batch.shape[0] == 15
+
+
+def test_reference_interval_is_lossless_under_greedy_and_refused_under_zipar():
+    model = tiny()
+    ref = run(model, [0, 1, 3], guided=True)
+    out = run(model, [0, 1, 3], JacobiDrafter(model.vocab_size, 5, init="repeat", interval=(1, 16 - 5 - 2)), guided=True)
+    assert torch.equal(out.sequences, ref.sequences)
+    with pytest.raises(ValueError, match="drafter"):
+        SpeculativeDecoder(model, JacobiDrafter(32, 4, interval=(1, 8)), schedule=NextSetSchedule(4, 4, 2))
+    with pytest.raises(ValueError, match="interval must be None or a tuple"):
+        JacobiDrafter(32, 4, interval=(-1, 8))

@@ -7,20 +7,22 @@
 - ``EagleTreeDrafter``: EAGLE's feature head grows the same EAGLE-2 trees from the target's own
   features (any head meeting the small ``FeatureHead`` protocol).
 - ``JacobiDrafter``: the previous iteration's samples and the distributions they came from
-  (Speculative Jacobi Decoding, Teng et al., 2025); no draft model at all.
+  (Speculative Jacobi Decoding, Teng et al., 2025), optionally maximally coupled with the
+  previous drafts (MC-SJD, So et al., 2025); no draft model at all.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels import residual_distribution
 from .errors import check, check_choice
-from .sampling import randint, sample
+from .sampling import rand, randint, sample
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
 from .types import DecodeState, DrafterBase, FeatureHead, ModelOutput
 
 __all__ = ["DrafterBase", "NullDrafter", "ModelChainDrafter", "ModelTreeDrafter", "EagleTreeDrafter",
-           "FeatureHead", "JacobiDrafter"]
+           "FeatureHead", "JacobiDrafter", "maximal_coupling"]
 
 
 class NullDrafter(DrafterBase):
@@ -294,12 +296,36 @@ class JacobiDrafter(DrafterBase):
       LlamaGen default: the left neighbour in a raster grid);
     - ``init="spatial"`` copies the token one grid row above (``grid_width`` tokens back; the
       paper's vertical repeat, Fig. 9), falling back to ``repeat`` in the first image row.
+
+    ``coupling`` says how a position's draft is refreshed after a pass: ``"independent"`` draws it
+    afresh from the target's new distribution p_new (SJD); ``"maximal"`` couples it with the draft
+    x the same position had, drawn from p_old (MC-SJD, So et al., 2025, "MC-SJD: Maximal Coupling
+    Speculative Jacobi Decoding for Autoregressive Visual Generation Acceleration": keep x with probability
+    ``min(1, p_new(x) / p_old(x))``, else draw from ``norm(max(p_new - p_old, 0))``). Either way
+    the new draft is distributed as p_new, its q, so verification is unchanged and lossless; the
+    maximal coupling keeps x with the largest possible probability, ``sum min(p_new, p_old)``, so
+    successive iterations agree more often and a later pass can accept more.
+
+    ``interval=(l, r)`` reproduces the reference's ``jacobi_loop_interval`` (its LlamaGen script:
+    ``(1, N - L - 2)`` for N image tokens): with g the tokens generated before a pass, the pass
+    *after* it drafts ``min(window, 1 + r - g) - 1`` tokens while ``1 + l <= g < 1 + r`` and none
+    otherwise, and the first pass drafts none; so the first tokens and the last L + 2 or so come
+    from single-token passes, as in the reference. ``None`` drafts a full window on every pass.
+    At batch > 1 the chain is as long as the longest row's and shorter rows get empty slots
+    (q = 0), which the sampling rules never accept (``GreedyMatch`` ignores q: under greedy a row
+    may accept such a slot when it holds the target's own token).
     """
 
     def __init__(self, vocab_size: int, window: int = 16, init: str = "random",
-                 init_range: tuple[int, int] | None = None, grid_width: int | None = None):
+                 init_range: tuple[int, int] | None = None, grid_width: int | None = None,
+                 coupling: str = "independent", interval: tuple[int, int] | None = None):
         check(isinstance(window, int) and window >= 2, "window", "an int >= 2", window)
         check_choice("init", init, ("random", "repeat", "spatial"))
+        check_choice("coupling", coupling, ("independent", "maximal"))
+        check(interval is None or (isinstance(interval, tuple) and len(interval) == 2
+                                   and all(isinstance(i, int) and not isinstance(i, bool) for i in interval)
+                                   and interval[0] >= 0), "interval",
+              "None or a tuple (l, r) of ints with l >= 0 (the reference's jacobi_loop_interval)", interval)
         lo, hi = init_range if init_range is not None else (0, vocab_size)
         check(0 <= lo < hi <= vocab_size, "init_range", f"(lo, hi) with 0 <= lo < hi <= {vocab_size}",
               init_range)
@@ -307,17 +333,19 @@ class JacobiDrafter(DrafterBase):
             check(isinstance(grid_width, int) and grid_width >= 1, "grid_width",
                   "an int >= 1 (the token grid's width) with init='spatial'", grid_width)
         self.vocab_size, self.window, self.init, self.init_range = vocab_size, window, init, (lo, hi)
-        self.grid_width = grid_width
+        self.grid_width, self.coupling, self.interval = grid_width, coupling, interval
         self.max_block = window
         self.forwards = 0
-        self.lane_safe = init != "spatial"  # 'spatial' reads the raster history
-        self.drafts = self.q = self.count = None
+        # 'spatial' reads the raster history, the interval counts a raster sequence's tokens
+        self.lane_safe = init != "spatial" and interval is None
+        self.drafts = self.q = self.count = self.before = None
 
     def start(self, state: DecodeState) -> None:
         B, device = state.batch_size, state.tokens.device
         self.drafts = torch.zeros(B, self.window - 1, dtype=torch.long, device=device)
         self.q = torch.zeros(B, self.window - 1, self.vocab_size, device=device)
         self.count = torch.zeros(B, dtype=torch.long, device=device)
+        self.before = torch.zeros(B, dtype=torch.long, device=device)  # tokens generated before the last pass
 
     def propose(self, state: DecodeState) -> DraftTree:
         B, n = state.batch_size, self.window - 1
@@ -339,15 +367,68 @@ class JacobiDrafter(DrafterBase):
         tokens = torch.where(fresh, init, self.drafts)
         onehot = torch.nn.functional.one_hot(tokens, self.vocab_size).to(self.q.dtype)
         q = torch.where(fresh[..., None], onehot, self.q)
-        return DraftTree(tokens, Tree.chain(B, n, device), q)
+        if self.interval is not None:
+            tokens, q = self._reference_interval(state, tokens, q)
+        return DraftTree(tokens, Tree.chain(B, tokens.shape[1], device), q)
+
+    def _reference_interval(self, state: DecodeState, tokens: torch.Tensor, q: torch.Tensor):
+        """Cut the window to what the reference's interval allows; slots past a row's allowance
+        are empty (q = 0: never accepted)."""
+        B = state.batch_size
+        l, r = self.interval
+        g = self.before  # the reference decides a pass's window from the length one pass earlier
+        inside = (g >= 1 + l) & (g < 1 + r)
+        width = torch.where(inside, (1 + r - g).clamp(max=self.window), 1) - 1  # (B,) drafts allowed
+        self.before = state.lengths[:B] - state.prompt_lengths[:B]
+        G = int(width.max())
+        empty = torch.arange(G, device=tokens.device) >= width[:, None]  # (B, G)
+        return tokens[:, :G], torch.where(empty[..., None], 0.0, q[:, :G])
+
+    def redraft(self, prev: torch.Tensor, p_old: torch.Tensor, p_new: torch.Tensor, generator) -> torch.Tensor:
+        """(B, G) new drafts distributed as ``p_new`` (B, G, V), one per position whose previous
+        draft ``prev`` (B, G) was drawn from ``p_old`` (B, G, V; all zero where there was none)."""
+        if self.coupling == "independent":
+            return sample(p_new, generator)
+        return maximal_coupling(prev, p_old, p_new, generator)[0]
 
     def update(self, state, draft, acceptance, target_probs, target_out):
         n = self.window - 1
-        ahead = target_probs[:, 1:]  # (B, n, V): distributions after d_1 .. d_n
+        G = draft.tokens.shape[1]
+        a = acceptance.num_accepted  # (B,)
+        if G == 0:  # a single-token pass: the next window starts afresh
+            self.count = torch.zeros_like(a)
+            return
+        ahead = target_probs[:, 1:]  # (B, G, V): the target at the positions of d_2 .. d_G and one past
         B, _, V = ahead.shape
-        y = sample(ahead, state.generator)  # (B, n)
+        # ahead[:, k] is the position old draft k + 1 held (none for the last): couple with it
+        prev = torch.cat([draft.tokens[:, 1:], draft.tokens.new_zeros(B, 1)], 1)  # (B, G)
+        p_old = torch.cat([draft.q[:, 1:], draft.q.new_zeros(B, 1, V)], 1).to(ahead.dtype)  # (B, G, V)
+        y = self.redraft(prev, p_old, ahead, state.generator)  # (B, G)
         # the Jacobi update: samples after the accepted prefix become the next drafts
-        src = (acceptance.num_accepted[:, None] + torch.arange(n, device=y.device)).clamp(max=n - 1)
+        src = (a[:, None] + torch.arange(n, device=y.device)).clamp(max=G - 1)
         self.drafts = y.gather(1, src)
         self.q = ahead.gather(1, src[..., None].expand(B, n, V))
-        self.count = n - acceptance.num_accepted
+        self.count = G - a
+
+
+def maximal_coupling(x: torch.Tensor, p_old: torch.Tensor, p_new: torch.Tensor, generator=None):
+    """A draw from ``p_new`` maximally coupled with ``x`` drawn from ``p_old`` (MC-SJD).
+
+    Keeps x with probability ``min(1, p_new(x) / p_old(x))``, else draws from the residual
+    ``norm(max(p_new - p_old, 0))``; the result is distributed as p_new and equals x with
+    probability ``sum min(p_new, p_old)``, the most any coupling achieves. Where ``p_old`` is all
+    zero (no previous draft) it draws from p_new.
+
+    Args:
+        x: (B, ...) previous tokens; p_old, p_new: (B, ..., V). Row b draws from generator b of a
+            per-row tuple (one uniform, then one categorical draw, per entry).
+
+    Returns:
+        (tokens (B, ...), kept (B, ...) bool).
+    """
+    px_new = p_new.gather(-1, x[..., None]).squeeze(-1)
+    px_old = p_old.gather(-1, x[..., None]).squeeze(-1)
+    keep_prob = torch.where(px_old > 0, (px_new / px_old.clamp_min(1e-30)).clamp(max=1.0), 0.0)
+    kept = rand(x.shape, generator, x.device, p_new.dtype) < keep_prob
+    redrawn = sample(residual_distribution(p_new, p_old), generator)  # p_new itself where p_old is 0
+    return torch.where(kept, x, redrawn), kept

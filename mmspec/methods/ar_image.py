@@ -4,12 +4,13 @@ Parts, by kind (any ``+`` of one of each that the parts allow is a method):
 
 - schedule: ``zipar`` (ZipAR's next-set decoding; raster order otherwise);
 - drafter: ``sd`` (small draft AR model, chain), ``eagle`` (EAGLE-2 tree from the target's
-  features), ``sjd`` (Jacobi window);
+  features), ``sjd`` (Jacobi window), ``mcsjd`` (Jacobi window, redrafts maximally coupled);
 - rule: ``gsd`` (grouped), ``lantern`` (latent proximity); exact speculative sampling otherwise.
 
-``gsd`` implies the ``sjd`` drafter (GSD is SJD with a grouped test) and ``lantern`` implies
-``eagle`` (LANTERN sits on EAGLE-2) unless ``sjd`` is named; ``zipar`` runs a Jacobi window per
-row, never a draft model (draft models keep raster caches). Components: ``target`` (a
+``gsd`` implies the ``sjd`` drafter (GSD is SJD with a grouped test; ``mcsjd+gsd`` takes the
+coupled window) and ``lantern`` implies ``eagle`` (LANTERN sits on EAGLE-2) unless a Jacobi
+drafter is named; ``zipar`` runs a Jacobi window per row, never a draft model (draft models keep
+raster caches). Components: ``target`` (a
 LlamaGen-style model), ``draft_model``, ``eagle_head`` (bound to the target), ``codebook`` (the
 VQ's code vectors).
 """
@@ -45,10 +46,14 @@ class SJDConfig:
         window: Jacobi window L: tokens drafted (and re-drafted) per pass.
         init: new window tokens: ``"random"`` (uniform), ``"repeat"`` (the last known token) or
             ``"spatial"`` (the token one grid row above).
+        interval: which passes draft: ``"full"`` (every pass, a full window) or ``"reference"``
+            (the reference LlamaGen script's interval: single-token passes for the first two
+            tokens after the prefill's and the last L + 2 or so; its NFE, like for like).
     """
 
     window: int = knob(16, min=2)
     init: str = knob("random", choices=("random", "repeat", "spatial"))
+    interval: str = knob("full", choices=("full", "reference"))
 
     def __post_init__(self):
         check_config(self)
@@ -61,9 +66,13 @@ class ZipARConfig:
     Args:
         window: s, the tokens of the upper row decoded before a row starts (at most the grid's
             width, checked when the target is known).
+        mode: ``"paper"`` (row r starts when row r-1 has s tokens, seeded by its latest token) or
+            ``"reference"`` (the public LlamaGen code: row 1 after row 0 is complete, rows r >= 2
+            seeded by row r-2's latest token; NFE 2W + (H-2)s instead of (H-1)s + W).
     """
 
     window: int = knob(8, min=1)
+    mode: str = knob("paper", choices=NextSetSchedule.MODES)
 
     def __post_init__(self):
         check_config(self)
@@ -76,7 +85,25 @@ def _grid(components) -> int:
 def _zipar(cfg: ZipARConfig, components):
     grid = _grid(components)
     check(cfg.window <= grid, "zipar_window", f"an int in [1, {grid}] (the grid's width)", cfg.window)
-    return NextSetSchedule(grid, grid, cfg.window)
+    return NextSetSchedule(grid, grid, cfg.window, mode=cfg.mode)
+
+
+def _jacobi(coupling: str):
+    """The builder of a Jacobi drafter part: SJD's independent redrafts or MC-SJD's coupled ones."""
+
+    def build(cfg: SJDConfig, components):
+        grid = _grid(components)
+        # the reference LlamaGen script's jacobi_loop_interval: (1, N - L - 2) for N image tokens
+        interval = (1, grid * grid - cfg.window - 2) if cfg.interval == "reference" else None
+        return JacobiDrafter(components["target"].vocab_size, window=cfg.window, init=cfg.init, grid_width=grid,
+                             coupling=coupling, interval=interval)
+
+    return build
+
+
+def _jacobi_traits(cfg: SJDConfig):
+    # 'spatial' reads the raster history and the reference interval counts raster tokens: no lanes
+    return ("jacobi",) + (("lane_safe",) if cfg.init != "spatial" and cfg.interval == "full" else ())
 
 
 # the last codebook's neighbour table: building it takes V x V distances (1 GiB at a 16k codebook),
@@ -107,11 +134,13 @@ register_part(
                                           total_tokens=cfg.total_tokens, mode=cfg.mode),
     doc="EAGLE-2 dynamic tree from the target's features (Li et al., 2024)", modalities=(MODALITY,))
 register_part(
-    name="sjd", kind="drafter", config=SJDConfig,
-    build=lambda cfg, c: JacobiDrafter(c["target"].vocab_size, window=cfg.window, init=cfg.init,
-                                       grid_width=_grid(c)),
-    traits=lambda cfg: ("lane_safe",) if cfg.init != "spatial" else (),
+    name="sjd", kind="drafter", config=SJDConfig, build=_jacobi("independent"), traits=_jacobi_traits,
     doc="a Jacobi window: the previous pass's samples are the drafts (Teng et al., 2025, SJD)",
+    modalities=(MODALITY,))
+register_part(
+    name="mcsjd", kind="drafter", config=SJDConfig, build=_jacobi("maximal"), traits=_jacobi_traits,
+    doc="a Jacobi window whose redrafts are maximally coupled with the previous drafts, lossless "
+        "(So et al., 2025, MC-SJD)",
     modalities=(MODALITY,))
 register_part(
     name="zipar", kind="schedule", config=ZipARConfig, build=_zipar, lossless=False,
@@ -121,12 +150,12 @@ register_part(
 register_part(
     name="gsd", kind="rule", config=GroupedAcceptanceConfig, lossless=False,
     build=lambda cfg, c: GroupedAcceptance(c["target"].tok_embeddings.weight, cfg),
-    partners={"drafter": ("sjd",)}, implies={"drafter": "sjd"},
+    partners={"drafter": ("jacobi",)}, implies={"drafter": "sjd"},
     knob_info={"p_threshold": {"min": 0.0}, "d_threshold": {"min": 0.0}, "half_width": {"min": 1}},
     doc="GSD's grouped acceptance over the target's embeddings (So et al., 2025)", modalities=(MODALITY,))
 register_part(
     name="lantern", kind="rule", config=LatentProximityConfig, requires=("codebook",), lossless=False,
-    build=_lantern, partners={"drafter": ("eagle", "sjd", "deterministic")}, implies={"drafter": "eagle"},
+    build=_lantern, partners={"drafter": ("eagle", "jacobi", "deterministic")}, implies={"drafter": "eagle"},
     knob_info={"k": {"min": 1}, "delta": {"min": 0.0, "max": 1.0}, "lam": {"min": 1.0},
                "rejection": {"choices": ("paper", "reference")}},
     doc="LANTERN's relaxed test over latent proximity sets of the codebook (Jang et al., 2025)",
@@ -138,9 +167,11 @@ for _name, _doc in (
     ("eagle", "EAGLE-2 tree from the target's features; exact speculative sampling (q = 1)"),
     ("lantern", "EAGLE-2 tree verified with LANTERN's relaxed test (TVD <= delta per token)"),
     ("sjd", "Speculative Jacobi Decoding: Jacobi window, exact speculative sampling"),
+    ("mcsjd", "MC-SJD: Jacobi window, redrafts maximally coupled with the last drafts; exact"),
     ("gsd", "Grouped Speculative Decoding: Jacobi window, grouped acceptance"),
     ("zipar", "ZipAR's next-set schedule alone (several rows in flight)"),
     ("zipar+sjd", "next-set schedule with a Jacobi window per row"),
+    ("zipar+mcsjd", "next-set schedule with an MC-SJD window per row"),
     ("zipar+gsd", "next-set schedule, a Jacobi window per row, grouped acceptance"),
     ("sjd+lantern", "Jacobi drafts verified with LANTERN's test on drafted q"),
     ("zipar+sjd+lantern", "next-set schedule, Jacobi drafts per row, LANTERN's test"),
