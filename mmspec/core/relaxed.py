@@ -13,6 +13,9 @@ import torch
 
 from .acceptance import SpeculativeSampling
 from .errors import check, check_choice
+from .sampling import Generators
+from .tree import DraftTree
+from .types import Acceptance
 
 
 @dataclass(frozen=True)
@@ -114,20 +117,29 @@ class LatentProximityConfig:
 
     Args:
         k: neighbours considered per draft token (``None``: min(1000, V - 1)).
-        delta: total-variation budget: the proximity set A holds the nearest j <= k neighbours whose
-            summed target probability stays <= delta. ``delta=0`` is plain (lossless) verification.
+        delta: total-variation budget per emitted token: the proximity sets hold the nearest
+            neighbours whose summed target probability stays within it. ``delta=0`` is plain
+            (lossless) verification.
         lam: LANTERN++'s multiplicative bound instead: A's mass stays <= (lam - 1) p(x), so the
             relaxed probability is at most lam * p(x); delta is then unused (keep its default).
         rejection: ``"paper"`` removes x and A(x) from the residual after a rejection (the mass
             the test credited to x); ``"reference"`` follows the reference code: it zeroes the k+1
             nearest neighbours whenever A is non-empty (target mass for q=1 drafts, draft mass for
             drafted q), which removes far more than A.
+        budget: ``"per-token"``: one budget per emitted token, spent across a node's siblings and
+            bounded for drafted q (the emitted token is within delta of the target in total
+            variation; see ``LatentProximityAcceptance``); ``"per-test"``: the papers' rule, delta
+            per accept test (siblings and drafted q exceed delta). ``None``: per-token with the
+            paper's rejection, per-test with the reference's (whose over-zeroing has no bound).
     """
 
     k: int | None = None
     delta: float = 0.1
     lam: float | None = None
     rejection: str = "paper"
+    budget: str | None = None
+
+    BUDGETS = ("per-token", "per-test")
 
     def __post_init__(self):
         check(self.k is None or (isinstance(self.k, int) and self.k >= 1), "k", "None or an int >= 1", self.k)
@@ -138,20 +150,79 @@ class LatentProximityConfig:
         check(self.lam is None or self.delta == 0.1, "delta", "left at its default 0.1 when lam is set "
               "(LANTERN++ bounds the set by lam instead)", self.delta)
         check_choice("rejection", self.rejection, ("paper", "reference"))
+        if self.budget is not None:
+            check_choice("budget", self.budget, self.BUDGETS)
+        check(not (self.budget == "per-token" and self.rejection == "reference"), "budget",
+              "'per-test' or None with rejection='reference' (its over-zeroing moves mass the budget "
+              "does not count)", self.budget)
+
+    @property
+    def resolved_budget(self) -> str:
+        if self.budget is not None:
+            return self.budget
+        return "per-token" if self.rejection == "paper" else "per-test"
+
+
+# drafted q: credits go to the tokens q most under-covers (q - p largest); bounds the (N, C, k) work
+DRAFTED_CANDIDATES = 32
 
 
 class LatentProximityAcceptance(SpeculativeSampling):
-    """LANTERN's relaxed accept test over latent proximity sets.
+    """LANTERN's relaxed verification over latent proximity sets.
 
-    For a draft x with nearest codes n_1(x), n_2(x), ... and S_j = p(n_1) + ... + p(n_j), the
-    proximity set is A = {n_1 .. n_j*} with j* the largest j <= k such that S_j <= delta
-    (LANTERN) or S_j <= (lam - 1) p(x) (LANTERN++); the test accepts with
-    ``min(1, (p(x) + S_j*) / q(x))`` (q = 1 for EAGLE's top-k tree nodes). Moving A's mass onto x
-    changes the distribution by exactly S_j* <= delta in total variation per token.
+    **The papers' test** (``budget="per-test"``). For a draft x with nearest codes n_1(x), n_2(x),
+    ... and S_j = p(n_1) + ... + p(n_j), the proximity set is A = {n_1 .. n_j*} with j* the largest
+    j <= k such that S_j <= delta (LANTERN) or S_j <= (lam - 1) p(x) (LANTERN++); the test accepts
+    with ``min(1, (p(x) + S_j*) / q(x))`` (q = 1 for EAGLE's top-k tree nodes) and a rejection
+    leaves ``p`` without x and A (``rejection="paper"``). One such test with q = 1 moves A's mass
+    onto x: the emitted distribution is within S_j* <= delta of p in total variation. It does not
+    stay there when a node has several children or when q is drafted: each rejected sibling's
+    residual is relaxed by delta again (after siblings x_1..x_m the moved mass is
+    sum_i delta * Z_i, Z_i the residual's mass before sibling i: up to m * delta), and with drafted
+    q every candidate y of q gets its own credit S(y), so the output drifts towards q (when
+    q(y) <= p(y) + S(y) for all y, everything is accepted and the output *is* q).
+
+    **Per emitted token** (``budget="per-token"``, the default). The rule first builds, at every
+    tree node, a relaxed target ``p*`` with ``TV(p*, p) <= delta``, then verifies the draft
+    *exactly* against ``p*`` (``SpeculativeSampling``: recursive rejection over siblings). Exact
+    verification emits ``p*`` (given whatever ``p*`` was built from, as long as the drafts are
+    distributed as their q given it), so every emitted token, accepted draft, correction or bonus,
+    is within delta of the target. How ``p*`` is built:
+
+    - q = 1 (deterministic drafts; children x_1, x_2, ... of a node tried in order): one budget b
+      (= delta) per node. Sibling i's set A_i is LANTERN's, on the node's mass not yet moved and
+      not on earlier siblings, with the cumulative bound ``S <= b - (sum of S_j, j < i)`` instead of
+      delta; A_i's mass moves onto x_i. Then ``TV(p*, p) <= sum_i S_i <= delta``. Verifying p*
+      exactly tries x_1 with ``p(x_1) + S_1`` (LANTERN's first test, unchanged), and after a
+      rejection the residual is p* without x_1, which lacks A_1 (the paper's rejection): the
+      siblings' sets share one budget instead of spending delta each.
+    - drafted q (Jacobi windows, sampled trees; p* may depend on q but not on the drawn token):
+      every token y that q under-covers gets a credit ``c(y) = min(S(y), q(y) - p(y))`` (S(y) its
+      LANTERN set's mass at delta; more than q(y) - p(y) raises no acceptance), taken from A(y)
+      in proportion (A(y)'s member z gives ``p(z) c(y) / S(y)``). One factor
+      ``s = min(1, delta / sum c, 1 / max_z load(z))`` (load: the fraction of z's mass the
+      credits would take, summed over the sets that hold z) keeps every p* >= 0 and the moved mass
+      ``s sum c <= delta``, so ``TV(p*, p) <= delta``; the test is ``min(1, p*(x) / q(x))`` and
+      the residual ``norm(max(p* - q, 0))``. A node's siblings all verify against the p* of its
+      first child's q. Credits go to the ``DRAFTED_CANDIDATES`` tokens with the largest q - p.
+      A one-hot q (a fresh Jacobi token) gets the q = 1 credit, A's whole mass when it fits.
+    - lam (LANTERN++): no delta budget; sets are bounded by ``(lam - 1)`` times the candidate's
+      remaining mass, so ``p*(y) <= lam * p(y)`` for every y, per emitted token, with siblings and
+      drafted q alike (debits only lower p*).
+
+    At ``delta = 0`` (or ``lam = 1``) p* = p bit for bit and the rule is ``SpeculativeSampling``
+    (EAGLE's verification) draw for draw. ``rejection="reference"`` has only the per-test form.
+
+    **Temperature 0.** The decoder hands the rule the greedy one-hot distribution, so a proximity
+    set can only hold zero-mass codes (unless delta = 1 reaches the argmax) and ``lantern`` is
+    exactly greedy EAGLE: nothing is relaxed. The reference's greedy branch instead reads the
+    softmax of the guided logits, replaces p(x) by p(x) + S_j* in that vector and accepts x iff it
+    is then the argmax; that needs the untempered probabilities, which a greedy ``LogitsPipeline``
+    does not pass, so it is not offered (the maintainers advise temperature 1 for LANTERN, issue #6).
 
     Args:
         neighbours: (V, >= k + 1) nearest codes per code, nearest first (``latent_neighbours``).
-        config: k, delta or lam, and the rejection variant.
+        config: k, delta or lam, the rejection variant and the budget.
     """
 
     def __init__(self, neighbours: torch.Tensor, config: LatentProximityConfig | None = None):
@@ -163,7 +234,10 @@ class LatentProximityAcceptance(SpeculativeSampling):
               f"an int <= {min(avail, V - 1)} (the neighbour table's width)", self.config.k)
         self.k = k
         self.neighbours = neighbours[:, : min(k + 1, avail)].long()
+        self.budget = self.config.resolved_budget
+        self._exact = SpeculativeSampling()
 
+    # -- the papers' single test -----------------------------------------------------------------
     def _proximity(self, p: torch.Tensor, x: torch.Tensor):
         """-> (nn (N, k), in_A (N, k) bool, mass of A (N,))."""
         nn = self.neighbours.to(p.device)[x][:, : self.k]
@@ -178,6 +252,7 @@ class LatentProximityAcceptance(SpeculativeSampling):
         return nn, in_A, mass
 
     def accept_prob(self, p, q, x):
+        """The papers' test of one draft (``budget="per-test"``; one q = 1 test of either budget)."""
         _, _, mass = self._proximity(p, x)
         relaxed = p.gather(1, x[:, None]).squeeze(-1) + mass
         if q is None:
@@ -202,3 +277,86 @@ class LatentProximityAcceptance(SpeculativeSampling):
         r = (p - q).clamp(min=0)
         total = r.sum(-1, keepdim=True)
         return torch.where(total > 0, r / total.clamp_min(1e-30), 1.0 / p.shape[-1])
+
+    # -- per emitted token: relax the target, then verify exactly ------------------------------------
+    def __call__(self, draft: DraftTree, p_all: torch.Tensor, generator: Generators = None) -> Acceptance:
+        if self.budget == "per-test" or draft.tokens.shape[1] == 0:
+            return super().__call__(draft, p_all, generator)
+        return self._exact(draft, self.relaxed_targets(draft, p_all), generator)
+
+    def relaxed_targets(self, draft: DraftTree, p_all: torch.Tensor) -> torch.Tensor:
+        """(B, N+1, V) -> (B, N+1, V): p* at every node, built from its children (q = 1) or its
+        first child's q (drafted), each within delta of p in total variation."""
+        B, N1, V = p_all.shape
+        children = draft.tree.children  # (B, N+1, K), -1 where absent
+        if children.shape[-1] == 0:
+            return p_all
+        p = p_all.reshape(B * N1, V)
+        rows = torch.arange(B, device=p_all.device)[:, None, None]
+        tok = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=p_all.device), draft.tokens], 1)  # (B, N+1)
+        kid_tok = torch.where(children >= 0, tok[rows, children.clamp(min=0)], -1)  # (B, N+1, K)
+        if draft.q is None:
+            return self._relax_siblings(p, kid_tok.reshape(B * N1, -1)).view(B, N1, V)
+        first = children[..., 0]  # (B, N+1)
+        q_nodes = torch.cat([draft.q.new_zeros(B, 1, V), draft.q], 1)  # (B, N+1, V), node 0 has none
+        q = q_nodes[torch.arange(B, device=p_all.device)[:, None], first.clamp(min=0)]
+        has = (first >= 0).reshape(-1)
+        relaxed = self._relax_drafted(p, q.reshape(B * N1, V))
+        return torch.where(has[:, None], relaxed, p).view(B, N1, V)
+
+    def _bound(self, mu_x: torch.Tensor, left: torch.Tensor) -> torch.Tensor:
+        """(M,) candidate's remaining mass, (M,) budget left -> (M, 1) bound on its set's mass."""
+        if self.config.lam is not None:
+            return ((self.config.lam - 1.0) * mu_x)[:, None]
+        return left[:, None]
+
+    def _relax_siblings(self, p: torch.Tensor, kids: torch.Tensor) -> torch.Tensor:
+        """(M, V) node targets, (M, K) children tokens (-1: none), tried in order -> (M, V) p*."""
+        star = p.clone()
+        mu = p.clone()  # mass still movable: not moved yet, not on an earlier sibling
+        left = torch.full_like(p[:, 0], self.config.delta)
+        table = self.neighbours.to(p.device)
+        for s in range(kids.shape[1]):
+            x = kids[:, s]
+            present = x >= 0
+            xc = x.clamp(min=0)
+            nn = table[xc][:, : self.k]  # (M, k)
+            mu_nn = mu.gather(1, nn)
+            S = mu_nn.cumsum(-1)  # (M, k)
+            in_A = (S <= self._bound(mu.gather(1, xc[:, None]).squeeze(-1), left)) & present[:, None]
+            mass = (S * in_A).amax(-1)  # (M,)
+            # A's movable mass leaves its members (an earlier sibling in A keeps its own: mu = 0 there)
+            star = star.scatter(1, nn, star.gather(1, nn) - mu_nn * in_A)
+            star = star.scatter_add(1, xc[:, None], mass[:, None])
+            mu = mu.scatter(1, nn, mu_nn * ~in_A)
+            mu = mu.scatter(1, xc[:, None], torch.where(present[:, None], 0.0, mu.gather(1, xc[:, None])))
+            left = left - mass
+        return star
+
+    def _relax_drafted(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """(M, V) node targets, (M, V) the draft's q there -> (M, V) p*, independent of the draw."""
+        M, V = p.shape
+        C = min(DRAFTED_CANDIDATES, V)
+        gap, y = (q - p).topk(C, dim=-1)  # (M, C) the most under-covered tokens
+        gap = gap.clamp(min=0)
+        nn = self.neighbours.to(p.device)[y][..., : self.k]  # (M, C, k)
+        p_nn = p.gather(1, nn.reshape(M, -1)).view(M, C, -1)
+        S = p_nn.cumsum(-1)
+        if self.config.lam is not None:
+            bound = (self.config.lam - 1.0) * p.gather(1, y)[..., None]
+        else:
+            bound = torch.full_like(S[..., :1], self.config.delta)
+        in_A = S <= bound
+        mass = (S * in_A).amax(-1)  # (M, C)
+        credit = torch.minimum(mass, gap) * (gap > 0)
+        frac = torch.where(mass > 0, credit / mass.clamp_min(1e-30), 0.0)  # share of each member taken
+        load = torch.zeros_like(p).scatter_add(1, nn.reshape(M, -1), (frac[..., None] * in_A).reshape(M, -1))
+        total = credit.sum(-1)
+        scale = torch.ones_like(total)
+        if self.config.lam is None:
+            scale = torch.minimum(scale, self.config.delta / total.clamp_min(1e-30))
+        scale = torch.minimum(scale, 1.0 / load.amax(-1).clamp_min(1e-30))  # no member goes below 0
+        moved = total > 0
+        star = p - scale[:, None] * load * p
+        star = star.scatter_add(1, y, scale[:, None] * credit)
+        return torch.where(moved[:, None], star.clamp(min=0), p)
