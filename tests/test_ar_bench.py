@@ -13,6 +13,7 @@ from mmspec.models.eagle import EagleDraftHead
 from mmspec.models.llamagen import LlamaGenModel
 from mmspec.models.vq import TinyVQModel
 from mmspec.pipelines import SpeculativeARImagePipeline
+from mmspec.training.data import CLASS_NAMES, CLASS_PROMPTS
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +23,9 @@ def folders(tmp_path_factory):
     vq = TinyVQModel().eval()
     cfg = dict(vocab_size=vq.config.codebook_size, grid_size=vq.grid_size, num_classes=16, dim=32, n_layers=1,
                n_heads=2, mlp_hidden=64, initializer_range=0.3)
-    target, draft = LlamaGenModel(**cfg).eval(), LlamaGenModel(**cfg).eval()
+    # the recipe's class names, so that prompts map to class ids as with the bundled model
+    id2label = {str(i): f"{p}, {n}" for i, (p, n) in enumerate(zip(CLASS_PROMPTS, CLASS_NAMES))}
+    target, draft = LlamaGenModel(**cfg, id2label=id2label).eval(), LlamaGenModel(**cfg).eval()
     pipe = SpeculativeARImagePipeline(transformer=target, vqvae=vq, draft_model=draft,
                                       eagle_head=EagleDraftHead.from_target(target))
     pipe.save_pretrained(root / "ar-image")
@@ -33,7 +36,8 @@ def folders(tmp_path_factory):
 def test_bench_rows_carry_speed_quality_and_exactness(folders):
     methods = (("none", "none", {}), ("sjd", "sjd", {"sjd_window": 8}), ("zipar", "zipar", {"zipar_window": 4}))
     cfg = ar_image.ARImageBenchConfig(pipeline_dir=str(folders / "ar-image"), classifier_dir=str(folders / "classifier"),
-                                      methods=methods, images=3, reference_images=32, exact_samples=400)
+                                      methods=methods, images=3, reference_images=32, exact_samples=400,
+                                      bootstrap_resamples=50)
     result = ar_image.run(cfg)
     rows = {r["method"]: r for r in result["rows"]}
     assert rows["none"]["nfe"] == 256 and rows["none"]["nfe_speedup"] == 1.0 and rows["none"]["fd_ratio"] == 1.0
@@ -42,7 +46,16 @@ def test_bench_rows_carry_speed_quality_and_exactness(folders):
     assert "exact" not in rows["zipar"] and "exact" not in rows["none"]  # lossy / baseline: no test
     for row in rows.values():
         assert {"nfe", "draft_nfe", "tau", "wall_s", "wall_speedup", "fd", "fd_ratio", "class_acc"} <= row.keys()
-    assert result["setup"]["fd_real_floor"] >= 0 and 0 < result["setup"]["mean_top1_prob"] <= 1
+        # bootstrap intervals hold their estimates; accuracy stays a fraction
+        assert row["fd_ci_low"] <= row["fd"] <= row["fd_ci_high"]
+        assert 0 <= row["class_acc_ci_low"] <= row["class_acc"] <= row["class_acc_ci_high"] <= 1
+        assert row["fd_ratio_ci_low"] <= row["fd_ratio"] <= row["fd_ratio_ci_high"]
+    # the baseline against itself: a paired ratio of 1 in every resample
+    assert rows["none"]["fd_ratio_ci_low"] == pytest.approx(1.0) == rows["none"]["fd_ratio_ci_high"]
+    setup = result["setup"]
+    assert setup["fd_real_floor"] >= 0 and 0 < setup["mean_top1_prob"] <= 1
+    assert setup["fd_baseline"] == rows["none"]["fd"] and len(setup["fd_real_floor_ci"]) == 2
+    assert setup["bootstrap_resamples"] == cfg.bootstrap_resamples and "bootstrap_seed" in setup
     ar_image.save_grid(result, folders / "grid.png")
     assert (folders / "grid.png").stat().st_size > 0
 
