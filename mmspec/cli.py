@@ -94,6 +94,8 @@ def cmd_bench(args) -> int:
         from .bench import ar_image
 
         cfg = ar_image.ARImageBenchConfig.quick() if args.quick else ar_image.ARImageBenchConfig()
+        if args.images is not None:
+            cfg.images = args.images
         result = ar_image.public(ar_image.run(cfg, progress=None if args.quiet else _progress))
         columns = ar_image.AR_IMAGE_COLUMNS
     if args.json:
@@ -537,6 +539,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--pipeline", type=_existing_dir, metavar="DIR",
                        help="vlm only: the pipeline folder (default assets/vlm)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.add_argument("--images", type=_positive_int, metavar="N",
+                       help="ar-image only: images per method (default 128, 16 with --quick); FD intervals "
+                            "narrow as 1/sqrt(N)")
     showcase.add_argument("--out", default="outputs/showcase", type=_output_dir, metavar="DIR",
                           help="where the sample grids go (default outputs/showcase)")
     _add_generate_parser(sub)
@@ -555,6 +560,8 @@ def check_args(args) -> None:
             raise ValueError("--kind eagle needs --target DIR (the AR model it drafts for)")
         elif args.command == "bench" and args.pipeline is not None and args.name != "vlm":
             raise ValueError(f"--pipeline is for 'bench vlm' only, got 'bench {args.name}'")
+        elif args.command == "bench" and args.images is not None and args.name != "ar-image":
+            raise ValueError(f"--images is for 'bench ar-image' only, got 'bench {args.name}'")
     except UsageError:
         raise
     except ValueError as err:

@@ -80,10 +80,14 @@ def test_generate_rejects_bad_knobs(folders, tmp_path):
 
 def test_bench_json_is_written(folders, tmp_path, monkeypatch):
     small = ar_image.ARImageBenchConfig(pipeline_dir=str(folders / "ar-image"), classifier_dir=str(folders / "classifier"),
-                                        methods=(("none", "none", {}), ("gsd", "gsd", {})), images=2,
-                                        reference_images=16, exact_samples=0)
+                                        methods=(("none", "none", {}), ("gsd", "gsd", {})), images=3,
+                                        reference_images=16, exact_samples=0, bootstrap_resamples=20)
     monkeypatch.setattr(ar_image.ARImageBenchConfig, "quick", classmethod(lambda cls, **kw: small))
     path = tmp_path / "bench.json"
-    assert cli.main(["bench", "ar-image", "--quick", "--quiet", "--json", str(path)]) == 0
+    assert cli.main(["bench", "ar-image", "--quick", "--quiet", "--images", "2", "--json", str(path)]) == 0
     payload = json.loads(path.read_text())
     assert payload["bench"] == "ar-image" and [r["method"] for r in payload["rows"]] == ["none", "gsd"]
+    assert payload["setup"]["images"] == 2  # --images overrides the config's count
+    assert {"fd_ci_low", "fd_ci_high", "class_acc_ci_low", "class_acc_ci_high"} <= payload["rows"][1].keys()
+    with pytest.raises(SystemExit):  # --images is the AR image bench's alone
+        cli.main(["bench", "vlm", "--images", "2", "--quiet"])

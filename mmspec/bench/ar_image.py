@@ -46,7 +46,9 @@ BENCH_KNOBS = {"zipar+sjd": {"zipar_window": 4}, "zipar+gsd": {"zipar_window": 4
                "zipar+sjd+lantern": {"zipar_window": 4}}
 # ... and extra rows, (label, method, knobs), each listed after its method's row
 VARIANTS = {
-    "lantern": (("lantern++", "lantern", {"lantern_lam": 5.0, "lantern_k": 10}),),
+    "lantern": (("lantern-per-test", "lantern", {"lantern_budget": "per-test"}),
+                ("lantern++", "lantern", {"lantern_lam": 5.0, "lantern_k": 10})),
+    "sjd+lantern": (("sjd+lantern-per-test", "sjd+lantern", {"lantern_budget": "per-test"}),),
     "sjd": (("sjd-spatial", "sjd", {"sjd_init": "spatial"}),),
     "zipar": (("zipar-s4", "zipar", {"zipar_window": 4}),),
     "zipar+gsd": (("zipar+gsd-s2", "zipar+gsd", {"zipar_window": 2}),),

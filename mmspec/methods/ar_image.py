@@ -157,8 +157,9 @@ register_part(
     name="lantern", kind="rule", config=LatentProximityConfig, requires=("codebook",), lossless=False,
     build=_lantern, partners={"drafter": ("eagle", "jacobi", "deterministic")}, implies={"drafter": "eagle"},
     knob_info={"k": {"min": 1}, "delta": {"min": 0.0, "max": 1.0}, "lam": {"min": 1.0},
-               "rejection": {"choices": ("paper", "reference")}},
-    doc="LANTERN's relaxed test over latent proximity sets of the codebook (Jang et al., 2025)",
+               "rejection": {"choices": ("paper", "reference")}, "budget": {"choices": LatentProximityConfig.BUDGETS}},
+    doc="LANTERN's relaxed test over latent proximity sets of the codebook (Jang et al., 2025); "
+        "budget 'per-token' (default) keeps every emitted token within delta in TV, 'per-test' is the papers' rule",
     modalities=(MODALITY,))
 
 for _name, _doc in (
