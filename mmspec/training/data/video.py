@@ -35,7 +35,6 @@ Everything is drawn with torch ops from one ``torch.Generator``: a clip depends 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -95,16 +94,10 @@ class VideoPrompt:
     @classmethod
     def parse(cls, text: str) -> "VideoPrompt":
         """``"a red circle moving right"`` (any order, other words ignored): exactly one word of
-        each field must appear."""
-        check(isinstance(text, str) and text.strip() != "", "prompt", "a non-empty string", text)
-        words = re.findall(r"[a-z]+", text.lower())
-        ids = []
-        for name in PROMPT_FIELDS:
-            found = sorted({w for w in words if w in PROMPT_VOCAB[name]})
-            check(len(found) == 1, "prompt", f"text naming exactly one {name} of {', '.join(PROMPT_VOCAB[name])}",
-                  text)
-            ids.append(PROMPT_VOCAB[name].index(found[0]))
-        return cls(*ids)
+        each field must appear (the model's parser, ``mmspec.models.video_dit.parse_prompt``)."""
+        from ...models.video_dit import parse_prompt
+
+        return cls(*parse_prompt(text, PROMPT_VOCAB))
 
 
 def prompt_at(schedule: Sequence[tuple[int, VideoPrompt]], frame: int) -> VideoPrompt:
