@@ -23,6 +23,8 @@ from typing import Callable
 
 import torch
 
+from .errors import check
+
 Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``rope(x (B, H, T, D), positions (B, T)) -> x`` rotated by position."""
 
@@ -152,25 +154,194 @@ class StaticKVCache:
 
 class SinkWindowCache(StaticKVCache):
     """StreamingLLM's rolling cache (Xiao et al., 2024, "Efficient Streaming Language Models with
-    Attention Sinks"): keep the first ``sink`` tokens and the last ``window`` tokens.
+    Attention Sinks") at token or frame granularity: keep the first ``sink`` frames and the last
+    ``window`` frames, a frame being ``frame_size`` tokens (``frame_size=1``: tokens, as for LMs).
 
     Keys are stored *before* RoPE and rotated on read by their position inside the cache, so after
-    an eviction the kept tokens sit at consecutive positions ``0 .. sink + window - 1`` and the
-    next token continues from there: positions stay bounded and consistent for unbounded streams.
-    Memory is fixed at ``sink + window + max_block`` slots.
+    an eviction the kept entries sit at consecutive positions ``0 .. (sink + window) * frame_size
+    - 1`` (sink first) and the next block continues from there: positions stay bounded for
+    unbounded streams. Position p of a video token is ``frame * frame_size + j`` (j its place in
+    the frame): a ``Rope3D`` with ``frame_shape`` (h, w), ``h * w == frame_size``, reads the time
+    axis as the frame's cache order and height/width as the token's place in the frame. Rolling
+    evicts whole frames. Memory is fixed at ``capacity`` frames (default ``sink + window +
+    max_block``), plus the clean latents of those frames when ``latent_shape`` is given.
+
+    Two ways to append:
+
+    - decoder blocks (LMs, speculation): ``step`` writes the block past the committed entries and
+      advances; ``keep_block`` / ``truncate`` keep part of it and roll.
+    - Self-Forcing chunks (video, needs ``chunk``): ``begin_chunk()`` opens the next ``chunk``
+      frames; every ``step`` until ``commit`` writes the chunk's K/V into the *same* slots
+      (denoising steps overwrite, nothing advances), visible to the chunk itself (bidirectional
+      inside it) after the committed context; the last pass before ``commit(latents)`` is the
+      clean one (t = 0), whose K/V stay. ``commit`` advances, stores the clean latents, and rolls.
+      ``begin_recache(keep_sink)`` + one forward at t = 0 under a new prompt + ``commit()`` is
+      LongLive's prompt-switch re-cache: the cached frames' K/V recomputed from their clean
+      latents, chunk-causally, at the same cache positions.
+
+    Args:
+        sink, window, max_block: frames (``frame_size`` tokens each): pinned frames, recent
+            frames, and the largest block appended past them (a draft tree; the chunk for video,
+            default ``chunk``).
+        frame_size: tokens per frame.
+        chunk: frames per Self-Forcing chunk (enables ``begin_chunk`` / ``begin_recache``); sink
+            and window must then be multiples of it, so evictions and re-caches cut whole chunks.
+        capacity: frame slots of the cache; ``sink + window + max_block`` when None.
+        latent_shape: shape of one frame's clean latent (e.g. (C, h, w)) kept for ``begin_recache``;
+            None keeps no latents.
+        latent_dtype: dtype of the kept latents.
     """
 
     def __init__(self, num_layers: int, batch_size: int, num_heads: int, head_dim: int, sink: int,
-                 window: int, max_block: int, rope: Rope | None = None, dtype=torch.float32, device=None):
-        if sink < 0 or window < 1:
-            raise ValueError(f"sink must be >= 0 and window >= 1, got sink={sink}, window={window}")
-        super().__init__(num_layers, batch_size, num_heads, head_dim, sink + window + max_block,
-                         rope, dtype, device)
-        self.sink, self.window = sink, window
+                 window: int, max_block: int | None = None, rope: Rope | None = None, dtype=torch.float32,
+                 device=None, *, frame_size: int = 1, chunk: int | None = None, capacity: int | None = None,
+                 latent_shape: tuple[int, ...] | None = None, latent_dtype=torch.float32):
+        def is_int(x, low):
+            return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+        # every check before any buffer is allocated
+        check(is_int(frame_size, 1), "frame_size", "an int >= 1 (tokens per frame)", frame_size)
+        check(is_int(sink, 0), "sink", "an int >= 0 (pinned frames)", sink)
+        check(is_int(window, 1), "window", "an int >= 1 (recent frames kept)", window)
+        if chunk is not None:
+            check(is_int(chunk, 1), "chunk", "None or an int >= 1 (frames per chunk)", chunk)
+            check(chunk <= window, "chunk", f"<= window ({window} frames): a committed chunk must fit the window",
+                  chunk)
+            check(sink % chunk == 0, "sink", f"a multiple of chunk ({chunk}) so evictions and re-caches cut "
+                  "whole chunks", sink)
+            check(window % chunk == 0, "window", f"a multiple of chunk ({chunk}) so evictions and re-caches cut "
+                  "whole chunks", window)
+            max_block = chunk if max_block is None else max_block
+            check(is_int(max_block, 1) and max_block >= chunk, "max_block", f"an int >= chunk ({chunk})", max_block)
+        check(is_int(max_block, 1), "max_block", "an int >= 1 (frames of the largest block)", max_block)
+        if capacity is None:
+            capacity = sink + window + max_block
+        check(is_int(capacity, 1), "capacity", "None or an int >= 1 (frame slots)", capacity)
+        check(sink + window <= capacity, "sink + window", f"<= capacity ({capacity} frames)", sink + window)
+        check(sink + window + max_block <= capacity, "max_block",
+              f"<= capacity - sink - window ({capacity - sink - window} frames): room for a block past the "
+              "kept frames", max_block)
+        shape = getattr(rope, "frame_shape", None)
+        if frame_size > 1 and shape is not None:
+            check(shape[0] * shape[1] == frame_size, "frame_size",
+                  f"the rope's frame_shape {tuple(shape)} token count {shape[0] * shape[1]}", frame_size)
+        if latent_shape is not None:
+            latent_shape = tuple(latent_shape)
+            check(all(is_int(n, 1) for n in latent_shape), "latent_shape", "None or a tuple of ints >= 1",
+                  latent_shape)
+
+        super().__init__(num_layers, batch_size, num_heads, head_dim, capacity * frame_size, rope, dtype, device)
+        self.frame_size, self.chunk, self.capacity = frame_size, chunk, capacity
+        self.sink, self.window = sink * frame_size, window * frame_size  # tokens
         # position of every slot: committed slots are compact, so slot index == position; only
         # uncommitted draft-tree entries (depth-based positions) differ until the next commit
         self._arange = torch.arange(self.max_len, device=self.lengths.device).expand(batch_size, -1)
         self.pos = self._arange.clone()
+        self.latents = None if latent_shape is None else torch.zeros(
+            (batch_size, capacity) + latent_shape, dtype=latent_dtype, device=device)  # (B, capacity, *latent)
+        # (start (B,), tokens, "chunk" | "recache") of the open block, if any
+        self._open: tuple[torch.Tensor, int, str] | None = None
+        self._written = False  # a step wrote the open block
+
+    @property
+    def sink_frames(self) -> int:
+        return self.sink // self.frame_size
+
+    @property
+    def window_frames(self) -> int:
+        return self.window // self.frame_size
+
+    def num_frames(self) -> torch.Tensor:
+        """(B,) committed frames held (sink included), at most ``sink + window``."""
+        return self.lengths // self.frame_size
+
+    def nbytes(self) -> int:
+        return super().nbytes() + (0 if self.latents is None else self.latents.nbytes)
+
+    def next_positions(self) -> torch.Tensor:
+        """(B,) where the next block goes: the open chunk's (re-cache's) start while one is open."""
+        return (self.lengths if self._open is None else self._open[0]).clone()
+
+    # -- Self-Forcing chunks and LongLive re-cache ----------------------------------------------
+    def begin_chunk(self) -> None:
+        """Open the next chunk: until ``commit``, every ``step`` (one per denoising step, then the
+        clean pass) writes the chunk's ``chunk * frame_size`` tokens into the same slots."""
+        check(self.chunk is not None, "chunk", "set at construction to use begin_chunk", None)
+        self._check_closed("begin_chunk")
+        self._open, self._written = (self.lengths.clone(), self.chunk * self.frame_size, "chunk"), False
+
+    def begin_recache(self, keep_sink: bool = True) -> torch.Tensor:
+        """Open a re-cache of the committed frames (the window; the sink too unless ``keep_sink``)
+        and return their clean latents (B, n, *latent_shape), n a multiple of ``chunk`` (possibly
+        0). Run the model on them once at t = 0 under the new conditioning (one block,
+        chunk-causal: the cache's default mask), then ``commit()``: their K/V are then those of a
+        fresh prefill of the same frames at the same positions (the sink's kept or recomputed)."""
+        check(self.chunk is not None, "chunk", "set at construction to use begin_recache", None)
+        check(self.latents is not None, "latent_shape", "set at construction: a re-cache re-encodes the "
+              "cached frames' clean latents", None)
+        check(isinstance(keep_sink, bool), "keep_sink", "True or False", keep_sink)
+        self._check_closed("begin_recache")
+        n = int(self.lengths[0])
+        check(bool((self.lengths == n).all()), "lengths", "equal in every row for a re-cache",
+              self.lengths.tolist())
+        start = min(n, self.sink) if keep_sink else 0
+        self._open, self._written = (torch.full_like(self.lengths, start), n - start, "recache"), False
+        fs = self.frame_size
+        return self.latents[:, start // fs: n // fs].clone()
+
+    def commit(self, latents: torch.Tensor | None = None) -> None:
+        """Close the open chunk or re-cache. A chunk advances the cache by its frames (its K/V are
+        what the last ``step`` wrote: run the clean t = 0 pass last), stores ``latents`` (B,
+        chunk, *latent_shape), its clean latents (required when the cache keeps latents), and rolls
+        (evicts whole frames down to sink + window). A re-cache takes no latents."""
+        if self._open is None:
+            raise RuntimeError("commit() without an open chunk: call begin_chunk() or begin_recache() first")
+        start, T, kind = self._open
+        if T and not self._written:
+            raise RuntimeError(f"commit() of a {kind} no step wrote: run its t = 0 pass first")
+        if kind == "chunk":
+            if self.latents is None:
+                check(latents is None, "latents", "None: this cache keeps no latents (latent_shape=None)",
+                      type(latents).__name__)
+            else:
+                want = (self.batch_size, T // self.frame_size) + tuple(self.latents.shape[2:])
+                check(latents is not None and tuple(latents.shape) == want, "latents",
+                      f"the chunk's clean latents of shape {want}", None if latents is None else tuple(latents.shape))
+                f = (start // self.frame_size)[:, None] + torch.arange(want[1], device=start.device)  # (B, n)
+                index = f.view(*f.shape, *[1] * (latents.dim() - 2)).expand(want)
+                self.latents.scatter_(1, index, latents.to(self.latents))
+            self.lengths = start + T
+        else:
+            check(latents is None, "latents", "None for a re-cache (the cache has them)", type(latents).__name__)
+        self._open = None
+        self._evict()
+        self.pos.copy_(self._arange)
+
+    def _check_closed(self, what: str) -> None:
+        if self._open is not None:
+            raise RuntimeError(f"{what}() while a chunk or re-cache is open: commit() it first")
+
+    # -- the core's step, with an open chunk ----------------------------------------------------
+    def step(self, positions: torch.Tensor, tree_mask: torch.Tensor | None = None) -> CacheStep:
+        """Without an open chunk: ``StaticKVCache.step`` (write past the committed entries, advance).
+        With one: write the block into the open slots without advancing; ``tree_mask`` (B, T, T)
+        defaults to chunk-causal (bidirectional inside each chunk, causal across)."""
+        B, T = positions.shape
+        check(T % self.frame_size == 0, "positions", f"whole frames of {self.frame_size} tokens", T)
+        if self._open is None:
+            return super().step(positions, tree_mask)
+        start, size, _ = self._open
+        check(T == size, "positions", f"the open block's {size} tokens", T)
+        if tree_mask is None:
+            block = torch.arange(T, device=positions.device) // (self.chunk * self.frame_size)
+            tree_mask = (block[None, :] <= block[:, None]).expand(B, T, T)
+        slots = start[:, None] + torch.arange(T, device=positions.device)
+        ends = start + T
+        S = int(ends.max())
+        step = CacheStep(self, positions, slots, visibility_mask(ends, T, S, tree_mask),
+                         self._key_positions(slots, positions, S))
+        self._written = True
+        return step
 
     def _key_positions(self, slots, positions, S):
         self.pos.scatter_(1, slots, positions)
@@ -183,25 +354,37 @@ class SinkWindowCache(StaticKVCache):
         return self._rotate(q, step.positions), keys, self.v[layer, :, :, :S]
 
     def _evict(self) -> None:
+        """Keep the sink frames and the last ``window`` frames of every row (and their latents)."""
         cap = self.sink + self.window
         over = self.lengths > cap
         if not bool(over.any()):
             return
-        j = torch.arange(cap, device=self.lengths.device)
-        tail = self.lengths[:, None] - self.window + (j - self.sink)  # (B, cap)
-        src = torch.where(over[:, None] & (j >= self.sink), tail, j)
+        fs = self.frame_size
+        sink_f, cap_f = self.sink // fs, cap // fs
+        j = torch.arange(cap_f, device=self.lengths.device)
+        tail = self.lengths[:, None] // fs - self.window // fs + (j - sink_f)  # (B, cap_f) source frames
+        src_f = torch.where(over[:, None] & (j >= sink_f), tail, j)
+        src = (src_f[..., None] * fs + torch.arange(fs, device=j.device)).flatten(1)  # (B, cap) tokens
         L, B, H, _, D = self.k.shape
         index = src[None, :, None, :, None].expand(L, B, H, cap, D)
         for buf in (self.k, self.v):
             buf[:, :, :, :cap] = buf.gather(3, index)
+        if self.latents is not None:
+            index = src_f.view(B, cap_f, *[1] * (self.latents.dim() - 2)).expand(B, cap_f, *self.latents.shape[2:])
+            self.latents[:, :cap_f] = self.latents.gather(1, index)
         self.lengths = self.lengths.clamp(max=cap)
 
     def truncate(self, lengths: torch.Tensor) -> None:
+        self._check_closed("truncate")
+        if self.frame_size > 1:
+            check(bool((lengths % self.frame_size == 0).all()), "lengths",
+                  f"whole frames (multiples of {self.frame_size} tokens)", lengths.tolist())
         super().truncate(lengths)
         self._evict()
         self.pos.copy_(self._arange)
 
     def gather(self, start, idx, n) -> None:
+        self._check_closed("gather")
         super().gather(start, idx, n)
         self._evict()
         self.pos.copy_(self._arange)
