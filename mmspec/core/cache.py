@@ -15,6 +15,11 @@ Attention visibility of a block of T new tokens with an optional tree mask (B, T
 committed entry before the last ``R + T`` slots is visible; the last ``R + T`` (R earlier tree
 nodes appended this round plus the block itself) are visible where the mask says so. Without a
 mask the block is causal and R = 0.
+
+Streaming video appends whole chunks of frames to ``SinkWindowCache`` with Self-Forcing's write
+semantics instead: ``begin_chunk()``, one ``step`` per denoising pass (all into the same slots),
+the clean pass, ``commit(latents)``; a prompt switch re-caches with ``begin_recache(keep_sink)``,
+one pass, ``commit()`` (see the class).
 """
 
 from __future__ import annotations
