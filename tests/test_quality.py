@@ -242,6 +242,8 @@ def test_degenerate_intervals():
     fd = FrechetToReference(ReferenceStats.from_features(gaussian(256, 4, 0)))
     reps = fd_replicates(gaussian(16, 4, 1), fd, idx)
     assert centred_interval(reps / reps, 1.0, log=True) == pytest.approx((1.0, 1.0))
+    # an interval shifted below 0 is clipped where asked (FD >= 0)
+    assert centred_interval([0.0, 1.0, 2.0, 3.0, 4.0], 0.5, lower=0.0)[0] == 0.0
     # one index matrix per seed: the pairing across methods is reproducible
     assert np.array_equal(bootstrap_indices(16, 200, 0), idx)
 

@@ -201,9 +201,11 @@ def fd_replicates(feats, reference: ReferenceStats | FrechetToReference, idx: np
     return fd.many(feats[idx])
 
 
-def centred_interval(replicates, estimate: float, level: float = CI_LEVEL, log: bool = False) -> tuple[float, float]:
+def centred_interval(replicates, estimate: float, level: float = CI_LEVEL, log: bool = False,
+                     lower: float | None = None) -> tuple[float, float]:
     """The percentile interval of ``replicates`` moved so that their median sits on ``estimate``
-    (in log space with ``log=True``, for ratios).
+    (in log space with ``log=True``, for ratios), its ends clipped at ``lower`` (FD: 0, which a
+    shift can cross when the estimate is near 0, as the real-vs-real floor is).
 
     FD needs this: a resample repeats images, which shrinks the covariance's rank and inflates
     FD (measured at n = 128, F = 128 on Gaussian features: the replicates' median 36% above the
@@ -217,4 +219,7 @@ def centred_interval(replicates, estimate: float, level: float = CI_LEVEL, log: 
         return float(np.exp(low)), float(np.exp(high))
     low, high = percentile_interval(values, level)
     shift = estimate - float(np.median(values))
-    return low + shift, high + shift
+    low, high = low + shift, high + shift
+    if lower is not None:
+        low, high = max(low, lower), max(high, lower)
+    return low, high
