@@ -23,6 +23,9 @@
     mmspec train vlm-draft --method eagle|specvlm|vispec --target DIR --out DIR
                                      train a VLM draft head by online-logit distillation; also runs as
                                      accelerate launch --num_processes 2 -m mmspec train vlm-draft ...
+    mmspec train video-ae --out DIR  rebuild the streaming video model's frame autoencoder (about 6 min)
+    mmspec train video --ae DIR --out DIR
+                                     rebuild its chunk-causal video transformer (about 30 min)
 """
 
 from __future__ import annotations
@@ -282,6 +285,15 @@ def cmd_train(args) -> int:
         if record is not None:  # None on the other processes of an accelerate launch
             print(f"saved {args.out}: held-out top-1 agreement {record['heldout_top1']:.4f}, "
                   f"{record['wall_time_s']:.0f} s on {record['processes']} process(es)")
+    elif args.recipe == "video-ae":
+        record = recipes.train_video_ae(args.out, **common)
+        print(f"saved {args.out}: held-out reconstruction MSE {record['heldout_recon_mse']:.5f} "
+              f"(PSNR {record['heldout_psnr_db']:.1f} dB), {record['wall_time_s']:.0f} s")
+    elif args.recipe == "video":
+        record = recipes.train_video(args.out, ae_dir=args.ae, **common)
+        print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f}, rollout colour accuracy "
+              f"{record['rollout']['colour_acc']:.3f}, direction accuracy {record['rollout']['direction_acc']:.3f}, "
+              f"{record['wall_time_s']:.0f} s")
     elif args.recipe == "vlm":
         record = recipes.train_vlm(args.out, size=args.size, **common)
         print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f} nats/answer token, "
@@ -399,6 +411,10 @@ TRAIN_DEFAULTS = {
     # two threads, batch 32: ~0.95 s per target step (~26 min), ~0.1 s per draft-VLM step
     "vlm": dict(steps=1600, batch_size=32, lr=1e-3, dataset_size=16000),
     "vlm-draft": dict(steps=1000, batch_size=16, lr=1e-3, dataset_size=8000),
+    # one thread: ~0.25 s per autoencoder step at batch 16 (dataset_size in frames), ~1 s per
+    # video step at batch 8 (dataset_size in clips of 18 frames)
+    "video-ae": dict(steps=1500, batch_size=16, lr=2e-3, dataset_size=4096),
+    "video": dict(steps=1500, batch_size=8, lr=1e-3, dataset_size=2048),
 }
 
 
@@ -410,7 +426,9 @@ def _add_train_parser(sub) -> None:
              "ar-draft": "a draft for the AR image model: EAGLE's feature head or a small chain model",
              "classifier": "the shapes classifier whose features the AR image bench's FD uses",
              "vlm": "a tiny LLaVA-architecture VLM on procedural image/question/answer data",
-             "vlm-draft": "a draft head for the VLM (eagle, specvlm, vispec) by online-logit distillation"}
+             "vlm-draft": "a draft head for the VLM (eagle, specvlm, vispec) by online-logit distillation",
+             "video-ae": "the streaming video model's per-frame autoencoder on procedural moving shapes",
+             "video": "the chunk-causal video transformer on a trained frame autoencoder's latents"}
     for name, defaults in TRAIN_DEFAULTS.items():
         p = recipes.add_parser(name, help=helps[name])
         if name == "ar-draft":
@@ -433,6 +451,9 @@ def _add_train_parser(sub) -> None:
                            help="folder written by 'mmspec train vlm' (the VLM it drafts for)")
             p.add_argument("--rollout-steps", type=_positive_int, default=None,
                            help="anti-shortcut rollout steps (default: 2 for vispec, 1 otherwise)")
+        if name == "video":
+            p.add_argument("--ae", required=True, type=_existing_dir, metavar="DIR",
+                           help="folder written by 'mmspec train video-ae'")
         if name == "classifier":
             p.add_argument("--vq", type=_existing_dir, metavar="DIR",
                            help="also report the accuracy on this VQ's reconstructions of held-out images")

@@ -239,8 +239,8 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
 
     @register_to_config
     def __init__(self, latent_channels: int = 4, latent_size: int = 8, patch_size: int = 2, chunk_frames: int = 3,
-                 sink_frames: int = 3, window_frames: int = 12, dim: int = 128, n_layers: int = 4, n_heads: int = 4,
-                 mlp_hidden: int = 512, rope_theta: float = 100.0, prompt_vocab: dict | None = None,
+                 sink_frames: int = 3, window_frames: int = 9, dim: int = 128, n_layers: int = 4, n_heads: int = 4,
+                 mlp_hidden: int = 384, rope_theta: float = 100.0, prompt_vocab: dict | None = None,
                  prompt_dropout_prob: float = 0.1, sample_steps: int = 4, time_shift: float = 1.0,
                  guidance_scale: float = 3.0):
         super().__init__()

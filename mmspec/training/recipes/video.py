@@ -1,0 +1,380 @@
+"""Train the streaming video model: the frame autoencoder (``train_video_ae``) and the chunk-causal
+video DiT over its latents (``train_video``), on procedural moving-shapes clips.
+
+How ``train_video`` keeps rolling in distribution (the Self-Forcing lesson): every training clip
+is longer than the attention the model gets (a clip of ``clip_frames`` frames; a chunk sees only
+the sink and a window of at most ``window_frames`` frames, the window drawn per step, keys at
+cache-order positions), and it runs the two-stream plan (``ChunkPlan.two_stream``), which is
+exactly the rolling cache's computation. The context stream stands for the committed frames and
+is, per clip, either the clean latents, the latents noised to a small t (diffusion forcing's
+noisy context; the commit pass still says t = 0 at inference, so the model learns not to trust
+the context blindly), or, on some steps, the model's own one-step predictions (its imperfect
+outputs, labelled t = 0, as they are at inference). Clips with a prompt switch carry the new
+prompt on every frame, context included (what a LongLive re-cache of the whole visible set
+gives), and are trained only on the chunks from the switch on.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from ...core.errors import check
+from ...models import load_checkpoint
+from ...models.video_ae import FrameAutoencoder
+from ...models.video_dit import ChunkPlan, VideoDiTModel, commit, flow_timesteps, sample_chunk
+from ...utils.atomic import atomic_path
+from ..data.video import (PROMPT_VOCAB, VideoClipDataset, VideoPrompt, frame_colour, motion_direction,
+                          pixel_centroid, prompt_at)
+from ..loop import new_accelerator, train_loop
+from .common import (_is_int, batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, json_config,
+                     save_atomically, warmup_cosine)
+
+# the model the bundled assets use; see VideoDiTModel for the meaning of each
+DEFAULT_VIDEO_CONFIG = dict(chunk_frames=3, sink_frames=3, window_frames=9, dim=128, n_layers=4, n_heads=4,
+                            mlp_hidden=384, rope_theta=100.0, prompt_dropout_prob=0.1, sample_steps=4,
+                            time_shift=1.0, guidance_scale=3.0)
+_DERIVED = ("latent_channels", "latent_size", "prompt_vocab")
+SAMPLES_PNG = "samples.png"
+
+
+# -- data --------------------------------------------------------------------------------------
+def render_clips(dataset: VideoClipDataset) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Render a whole dataset: frames (N, F, 3, H, W), per-frame prompt ids (N, F, 3), switch
+    frames (N,) (-1: none)."""
+    items = [dataset[i] for i in range(len(dataset))]
+    return (torch.stack([it["frames"] for it in items]), torch.stack([it["prompt_ids"] for it in items]),
+            torch.tensor([it["switch_frame"] for it in items]))
+
+
+@torch.no_grad()
+def encode_clips(ae: FrameAutoencoder, frames: torch.Tensor, batch_size: int = 256) -> torch.Tensor:
+    """(N, F, 3, H, W) -> normalized latents (N, F, C, h, w)."""
+    ae.eval()
+    flat = frames.flatten(0, 1)
+    return torch.cat([ae.encode(chunk) for chunk in flat.split(batch_size)]).unflatten(0, frames.shape[:2])
+
+
+# -- the autoencoder ---------------------------------------------------------------------------
+@torch.no_grad()
+def heldout_recon(ae: FrameAutoencoder, frames: torch.Tensor, batch_size: int = 256) -> dict:
+    """Mean squared error (frames in [-1, 1]) and PSNR (on [0, 1], from that MSE) of
+    reconstructions of ``frames`` (N, 3, H, W), in eval mode, outputs clamped to [-1, 1]."""
+    ae.eval()
+    total = sum(F.mse_loss(ae(c).clamp(-1, 1), c, reduction="sum").item() for c in frames.split(batch_size))
+    mse = total / frames.numel()
+    return {"mse": mse, "psnr_db": 10 * math.log10(4.0 / mse)}  # peak-to-peak 2 in [-1, 1]
+
+
+def train_video_ae(out_dir: str | Path, *, steps: int, batch_size: int = 32, lr: float, seed: int = 0,
+                   dataset_size: int, clip_frames: int = 8, heldout_size: int = 32, model_config: dict | None = None,
+                   log_every: int = 50, warmup: int = 50, log: Callable[[str], None] = print) -> dict:
+    """Train a ``FrameAutoencoder`` with Adam on ``dataset_size`` frames, the first of the clips of
+    ``VideoClipDataset(ceil(dataset_size / clip_frames), seed, clip_frames, switch_prob=0.3)``, and save it to ``out_dir`` (fp16 safetensors, written
+    atomically) with ``train_log.json``, whose dict is returned: ``recipe``, ``seed``, ``steps``,
+    ``config``, ``train``, ``final_loss``, ``heldout_recon_mse``, ``heldout_psnr_db`` (on
+    ``heldout_size`` clips of a held-out seed), ``heldout``, ``latent_mean``/``latent_std``,
+    ``wall_time_s``. After training, the latent statistics are measured on the training frames.
+    Deterministic for a seed and a thread count."""
+    out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed, dataset_size=dataset_size,
+                         heldout_size=heldout_size, log_every=log_every, log=log, warmup=warmup)
+    check(_is_int(clip_frames, 1), "clip_frames", "an int >= 1", clip_frames)
+    accelerator = new_accelerator("train_video_ae")
+    start, cpu_start = time.perf_counter(), time.process_time()
+    torch.manual_seed(seed)
+    ae = FrameAutoencoder(**(model_config or {}))
+    size = ae.config.sample_size
+    clips = -(-dataset_size // clip_frames)
+    frames = render_clips(VideoClipDataset(clips, seed, clip_frames, size, switch_prob=0.3))[0].flatten(0, 1)
+    frames = frames[:dataset_size]
+    log(f"video-ae rendered {len(frames)} frames ({clips} clips) in {time.perf_counter() - start:.0f}s")
+    optimizer = torch.optim.Adam(ae.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, steps=steps))
+    order = torch.Generator().manual_seed(seed)
+    noise = torch.Generator().manual_seed(seed + 1)
+    batches = (frames[idx] for idx in batch_indices(len(frames), batch_size, steps, order))
+    final_loss = train_loop(ae, optimizer, batches, lambda m, x: m.loss(x, noise), steps=steps,
+                            accelerator=accelerator, schedule=schedule, name="video-ae", log=log, log_every=log_every)
+    ae.eval()
+    ae.set_latent_stats(frames)
+    held_seed = heldout_seed(seed)
+    held = render_clips(VideoClipDataset(heldout_size, held_seed, clip_frames, size, switch_prob=0.3))[0]
+    recon = heldout_recon(ae, held.flatten(0, 1))
+    log(f"video-ae held-out reconstruction MSE {recon['mse']:.5f} (PSNR {recon['psnr_db']:.1f} dB)")
+    record = {
+        "recipe": "video-ae", "seed": seed, "steps": steps, "config": json_config(ae),
+        "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "clip_frames": clip_frames,
+                  "clips": clips, "optimizer": "Adam", "schedule": f"linear warmup {warmup} steps, cosine to 10%"},
+        "final_loss": final_loss, "heldout_recon_mse": recon["mse"], "heldout_psnr_db": recon["psnr_db"],
+        "heldout": {"clips": heldout_size, "frames": heldout_size * clip_frames, "seed": held_seed},
+        "latent_mean": ae.latent_mean.tolist(), "latent_std": ae.latent_std.tolist(),
+        "wall_time_s": time.perf_counter() - start,
+        # this process's CPU seconds: the wall time the run takes alone on one thread
+        "cpu_time_s": time.process_time() - cpu_start,
+    }
+    save_atomically(ae, out, record)
+    return record
+
+
+# -- the video transformer ---------------------------------------------------------------------
+class TwoStreamLoss:
+    """The video DiT's training loss on a batch ``(latents (B, N, C, h, w), prompt ids (B, N, 3),
+    switch frames (B,))``: flow matching on the query stream of the two-stream plan.
+
+    Args:
+        window_choices: window sizes (frames) drawn uniformly per step.
+        noisy_context_prob: per clip, the probability that the context is noised (to t ~ U(0,
+            ``context_noise``)) rather than clean.
+        self_context_prob: per step, the probability that a no-grad pass first predicts x0 from
+            the query stream at t ~ U(0.1, 0.6) and those predictions become the context of the
+            clips (labelled t = 0).
+    """
+
+    def __init__(self, model: VideoDiTModel, num_frames: int, window_choices: list[int], generator: torch.Generator,
+                 noisy_context_prob: float = 0.3, context_noise: float = 0.2, self_context_prob: float = 0.25):
+        cfg = model.config
+        self.C, self.N, self.P = cfg.chunk_frames, num_frames, model.tokens_per_frame
+        self.plans = {w: ChunkPlan.two_stream(num_frames, self.C, self.P, cfg.sink_frames, w) for w in window_choices}
+        self.windows = list(window_choices)
+        self.generator = generator
+        self.noisy_context_prob, self.context_noise, self.self_context_prob = (noisy_context_prob, context_noise,
+                                                                               self_context_prob)
+
+    def per_chunk(self, values: torch.Tensor) -> torch.Tensor:
+        return values.repeat_interleave(self.C, dim=1)  # (B, chunks) -> (B, N)
+
+    def __call__(self, model: VideoDiTModel, batch) -> dict:
+        x0, prompt, switch = batch
+        B, N = x0.shape[:2]
+        g = self.generator
+        rand = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
+        randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+        plan = self.plans[self.windows[int(torch.randint(len(self.windows), (1,), generator=g))]]
+        # a switched clip carries the new prompt everywhere and learns from the switch on
+        prompt = torch.where((switch >= 0)[:, None, None], prompt[:, -1:].expand_as(prompt), prompt)
+        prompt = model.drop_prompts(prompt, g)
+        frame = torch.arange(N)
+        weight = (frame[None, :] >= switch.clamp(min=0)[:, None]).float()  # (B, N)
+        bcast = lambda t: t[..., None, None, None]  # noqa: E731
+
+        # context stream: clean, or noised to a small t
+        noisy = rand(B) < self.noisy_context_prob
+        t_ctx = torch.where(noisy[:, None], self.per_chunk(rand(B, N // self.C)) * self.context_noise, 0.0)
+        context = (1 - bcast(t_ctx)) * x0 + bcast(t_ctx) * randn(x0.shape)
+        if float(rand(1)) < self.self_context_prob:  # the model's own one-step predictions
+            t_s = self.per_chunk(0.1 + 0.5 * rand(B, N // self.C))
+            x_s = (1 - bcast(t_s)) * x0 + bcast(t_s) * randn(x0.shape)
+            with torch.no_grad():
+                v = model(torch.cat([x0, x_s], 1), torch.cat([torch.zeros(B, N), t_s], 1),
+                          torch.cat([prompt, prompt], 1), plan=plan)[:, N:]
+            context, t_ctx = x_s - bcast(t_s) * v, torch.zeros(B, N)
+
+        # query stream: every chunk at its own t
+        t_q = self.per_chunk(rand(B, N // self.C))
+        noise = randn(x0.shape)
+        x_q = (1 - bcast(t_q)) * x0 + bcast(t_q) * noise
+        v = model(torch.cat([context, x_q], 1), torch.cat([t_ctx, t_q], 1), torch.cat([prompt, prompt], 1),
+                  plan=plan)[:, N:]
+        err = (v - (noise - x0)).pow(2).mean(dim=(2, 3, 4))  # (B, N)
+        return {"loss": (err * weight).sum() / weight.sum()}
+
+
+@torch.no_grad()
+def heldout_loss(model: VideoDiTModel, latents: torch.Tensor, prompts: torch.Tensor, seed: int,
+                 batch_size: int = 16) -> float:
+    """Flow-matching loss on held-out clips (no switches): clean context, the full trained window,
+    each chunk at t from a generator seeded with ``seed``, in eval mode."""
+    model.eval()
+    cfg = model.config
+    N = latents.shape[1]
+    plan = ChunkPlan.two_stream(N, cfg.chunk_frames, model.tokens_per_frame, cfg.sink_frames, cfg.window_frames)
+    g = torch.Generator().manual_seed(seed)
+    total = 0.0
+    for x0, p in zip(latents.split(batch_size), prompts.split(batch_size)):
+        B = len(x0)
+        t = torch.rand(B, N // cfg.chunk_frames, generator=g).repeat_interleave(cfg.chunk_frames, 1)
+        noise = torch.randn(x0.shape, generator=g)
+        x_t = (1 - t[..., None, None, None]) * x0 + t[..., None, None, None] * noise
+        v = model(torch.cat([x0, x_t], 1), torch.cat([torch.zeros(B, N), t], 1), p, plan=plan)
+        total += (v[:, N:] - (noise - x0)).pow(2).mean().item() * B
+    return total / len(latents)
+
+
+@torch.no_grad()
+def rollout(model: VideoDiTModel, ae: FrameAutoencoder, schedules: list[list[tuple[int, VideoPrompt]]],
+            num_frames: int, generator: torch.Generator, guidance_scale: float | None = None,
+            steps: int | None = None, recache_sink: bool = True) -> torch.Tensor:
+    """The recipe's evaluation sampler: one stream per prompt schedule, chunk by chunk through the
+    rolling cache (``sample_chunk``), decoded to frames (B, F, 3, H, W) in [-1, 1].
+
+    A schedule's later prompts start at chunk boundaries; there the cached K/V are recomputed under
+    the new prompt from the kept clean latents (LongLive's re-cache; with ``recache_sink`` the sink
+    too, as the model was trained, else the sink keeps the old prompt's K/V)."""
+    model.eval()
+    ae.eval()
+    cfg = model.config
+    C, P = cfg.chunk_frames, model.tokens_per_frame
+    check(num_frames % C == 0, "num_frames", f"a multiple of chunk_frames ({C})", num_frames)
+    g = cfg.guidance_scale if guidance_scale is None else guidance_scale
+    timesteps = flow_timesteps(cfg.sample_steps if steps is None else steps, cfg.time_shift)
+    B = len(schedules)
+    guided = g != 1.0
+    cache = model.new_cache(2 * B if guided else B)
+    null = torch.tensor([model.null_prompt] * B)
+    shape = (B, C, cfg.latent_channels, cfg.latent_size, cfg.latent_size)
+    latents = []
+    current = None
+    for start in range(0, num_frames, C):
+        prompt = torch.tensor([prompt_at(s, start).ids for s in schedules])
+        if current is not None and not torch.equal(prompt, current):  # prompt switch: re-cache
+            done = torch.cat(latents, 1)  # (B, start, ...)
+            sink, window = cfg.sink_frames, cfg.window_frames
+            frames = list(range(min(sink, start))) + list(range(max(sink, start - window), start))
+            keep = 0 if recache_sink else min(sink, start)
+            frames = [f for f in frames if f >= keep]
+            cache.truncate(torch.full_like(cache.lengths, keep * P))
+            z = done[:, frames]
+            rows = torch.cat([prompt, null]) if guided else prompt
+            model(torch.cat([z, z]) if guided else z, 0.0, rows, cache=cache)
+            commit(cache)
+        current = prompt
+        noise = torch.randn(shape, generator=generator)
+        latents.append(sample_chunk(model, cache, noise, prompt, timesteps, g, null))
+    z = torch.cat(latents, 1)
+    return ae.decode(z.flatten(0, 1)).clamp(-1, 1).unflatten(0, (B, num_frames))
+
+
+def rollout_metrics(frames: torch.Tensor, schedules) -> dict:
+    """Per frame colour accuracy and per step direction accuracy of generated clips, measured from
+    pixels (``frame_colour``, ``pixel_centroid``, ``motion_direction``) against the schedules."""
+    B, Fr = frames.shape[:2]
+    want = torch.tensor([[prompt_at(s, f).ids for f in range(Fr)] for s in schedules])  # (B, F, 3)
+    colour_ok = frame_colour(frames) == want[..., 0]
+    rows = []
+    for b in range(B):
+        centroids = pixel_centroid(frames[b], want[b, :, 0])  # (F, 2), NaN where the colour is absent
+        seen = ~centroids.isnan().any(-1)
+        rows.append((motion_direction(centroids) == want[b, 1:, 2]) & seen[1:] & seen[:-1])
+    direction_ok = torch.stack(rows)
+    return {"colour_acc": colour_ok.float().mean().item(), "direction_acc": direction_ok.float().mean().item(),
+            "colour_ok": colour_ok, "direction_ok": direction_ok}
+
+
+def save_strip(frames: torch.Tensor, path: Path, every: int = 1, scale: int = 2) -> None:
+    """A PNG of clips (B, F, 3, H, W): one row per clip, every ``every``-th frame."""
+    from PIL import Image
+
+    rows = torch.cat([torch.cat(list(clip[::every]), -1) for clip in frames], -2)  # (3, B*H, F'*W)
+    img = ((rows + 1) / 2 * 255).round().clamp(0, 255).byte().permute(1, 2, 0).numpy()
+    image = Image.fromarray(img).resize((img.shape[1] * scale, img.shape[0] * scale), Image.NEAREST)
+    with atomic_path(path) as tmp:
+        image.save(tmp)
+
+
+def eval_schedules(n: int, clip_frames: int, chunk: int) -> list[list[tuple[int, VideoPrompt]]]:
+    """``n`` fixed evaluation schedules: prompts spread over the 64, every third one switching its
+    colour (odd) or direction (even) at the chunk boundary nearest the middle."""
+    schedules = []
+    mid = (clip_frames // 2) // chunk * chunk
+    for i in range(n):
+        p = VideoPrompt.from_index((i * 23) % 64)
+        if i % 3 == 2:
+            ids = list(p.ids)
+            field = 0 if i % 2 else 2
+            ids[field] = (ids[field] + 1) % 4
+            schedules.append([(0, p), (mid, VideoPrompt(*ids))])
+        else:
+            schedules.append([(0, p)])
+    return schedules
+
+
+def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_size: int, lr: float, seed: int = 0,
+                dataset_size: int, clip_frames: int = 18, heldout_size: int = 32, model_config: dict | None = None,
+                switch_prob: float = 0.25, eval_frames: int = 48, eval_clips: int = 12, log_every: int = 50,
+                warmup: int = 100, log: Callable[[str], None] = print) -> dict:
+    """Train a ``VideoDiTModel`` with AdamW on ``VideoClipDataset(dataset_size, seed, clip_frames,
+    switch_prob=switch_prob)`` encoded once by the autoencoder in ``ae_dir``, with the two-stream
+    loss (``TwoStreamLoss``; module docstring), and save it to ``out_dir`` (fp16 safetensors,
+    atomically) with ``train_log.json`` and ``samples.png`` (``eval_clips`` streams of
+    ``eval_frames`` frames, every other frame; every third stream switches its prompt mid-way).
+
+    The record: ``recipe``, ``seed``, ``steps``, ``config``, ``train``, ``ae_dir``, ``final_loss``,
+    ``heldout_loss`` (``heldout_size`` clips of a held-out seed), ``rollout`` (colour and direction
+    accuracy of the sample streams, measured from pixels), ``heldout``, ``wall_time_s``.
+    Other ``VideoDiTModel`` arguments default to ``DEFAULT_VIDEO_CONFIG``, overridden by
+    ``model_config``. Deterministic for a seed and a thread count."""
+    out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed, dataset_size=dataset_size,
+                         heldout_size=heldout_size, log_every=log_every, log=log, warmup=warmup)
+    ae_path = check_checkpoint_dir(ae_dir, "ae_dir", "a folder saved by FrameAutoencoder (e.g. by train_video_ae)")
+    model_config = dict(model_config or {})
+    check(not set(model_config) & set(_DERIVED), "model_config",
+          f"free of {', '.join(_DERIVED)} (they come from the autoencoder and the dataset)", model_config)
+    config = {**DEFAULT_VIDEO_CONFIG, **model_config}
+    C = config["chunk_frames"]
+    check(_is_int(clip_frames, 1) and clip_frames % C == 0 and clip_frames > config["sink_frames"] + config["window_frames"],
+          "clip_frames", f"a multiple of chunk_frames ({C}) longer than sink_frames + window_frames (so clips roll)",
+          clip_frames)
+    check(isinstance(switch_prob, (int, float)) and 0 <= switch_prob <= 1, "switch_prob", "a number in [0, 1]",
+          switch_prob)
+    check(_is_int(eval_frames, C) and eval_frames % C == 0, "eval_frames", f"a positive multiple of {C}", eval_frames)
+    check(_is_int(eval_clips, 1), "eval_clips", "an int >= 1", eval_clips)
+
+    accelerator = new_accelerator("train_video")
+    start, cpu_start = time.perf_counter(), time.process_time()
+    ae = load_checkpoint(FrameAutoencoder, ae_path)
+    size = ae.config.sample_size
+    frames, prompts, switches = render_clips(VideoClipDataset(dataset_size, seed, clip_frames, size,
+                                                              switch_prob=switch_prob, switch_multiple=C))
+    latents = encode_clips(ae, frames)
+    del frames
+    held_seed = heldout_seed(seed)
+    held_frames, held_prompts, _ = render_clips(VideoClipDataset(heldout_size, held_seed, clip_frames, size))
+    held_latents = encode_clips(ae, held_frames)
+    del held_frames
+    log(f"video rendered and encoded {dataset_size} + {heldout_size} clips of {clip_frames} frames "
+        f"in {time.perf_counter() - start:.0f}s")
+
+    torch.manual_seed(seed)
+    model = VideoDiTModel(**config, latent_channels=ae.config.latent_channels, latent_size=ae.latent_size,
+                          prompt_vocab={k: list(v) for k, v in PROMPT_VOCAB.items()})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, steps=steps))
+    order = torch.Generator().manual_seed(seed)
+    windows = list(range(C, config["window_frames"] + 1, C))
+    loss = TwoStreamLoss(model, clip_frames, windows, torch.Generator().manual_seed(seed + 1))
+    batches = ((latents[idx], prompts[idx], switches[idx])
+               for idx in batch_indices(dataset_size, batch_size, steps, order))
+    final_loss = train_loop(model, optimizer, batches, loss, steps=steps, accelerator=accelerator, schedule=schedule,
+                            grad_clip=1.0, name="video", log=log, log_every=log_every)
+    train_time = time.perf_counter() - start
+
+    held = heldout_loss(model, held_latents, held_prompts[:, 0], held_seed)
+    schedules = eval_schedules(eval_clips, eval_frames, C)
+    samples = rollout(model, ae, schedules, eval_frames, torch.Generator().manual_seed(seed))
+    metrics = rollout_metrics(samples, schedules)
+    log(f"video held-out loss {held:.4f}; {eval_clips} rollouts of {eval_frames} frames: colour accuracy "
+        f"{metrics['colour_acc']:.3f}, direction accuracy {metrics['direction_acc']:.3f}")
+    record = {
+        "recipe": "video", "seed": seed, "steps": steps, "config": json_config(model),
+        "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "clip_frames": clip_frames,
+                  "switch_prob": switch_prob, "windows": windows, "optimizer": "AdamW", "betas": [0.9, 0.95],
+                  "weight_decay": 0.01, "grad_clip": 1.0, "schedule": f"linear warmup {warmup} steps, cosine to 10%",
+                  "noisy_context_prob": loss.noisy_context_prob, "context_noise": loss.context_noise,
+                  "self_context_prob": loss.self_context_prob, "train_time_s": train_time},
+        "ae_dir": str(ae_path.resolve()), "final_loss": final_loss, "heldout_loss": held,
+        "rollout": {"clips": eval_clips, "frames": eval_frames, "colour_acc": metrics["colour_acc"],
+                    "direction_acc": metrics["direction_acc"], "schedules": [[(s, p.text) for s, p in sch]
+                                                                              for sch in schedules]},
+        "heldout": {"clips": heldout_size, "seed": held_seed},
+        "wall_time_s": time.perf_counter() - start,
+        # this process's CPU seconds: the wall time the run takes alone on one thread
+        "cpu_time_s": time.process_time() - cpu_start,
+    }
+    save_atomically(model, out, record, extra=lambda folder: save_strip(samples, folder / SAMPLES_PNG, every=2))
+    return record
