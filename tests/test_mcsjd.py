@@ -260,3 +260,33 @@ def test_gsd_at_zero_thresholds_on_mcsjd_is_mcsjd():
 def test_coupling_is_checked():
     with pytest.raises(ValueError, match="coupling must be one of 'independent', 'maximal', got 'gumbel'"):
         JacobiDrafter(8, coupling="gumbel")
+
+
+def test_late_tokens_follow_the_baseline_sampler():
+    """Long runs of coupled redrafts (16-token images, window 6, V = 4): the joint of tokens 10-11
+    and of 15-16 under MC-SJD matches plain AR sampling, by a two-sample chi-square (2 x 16 table,
+    N = 20,000 each, seeds 1 and 2, p >= 1e-3); always-keep must fail it."""
+    model = tiny_image(seed=5, vocab=4)
+    N = N_SAMPLES
+
+    def tokens(drafter, seed):
+        return SpeculativeDecoder(model, drafter, logits=IMAGE).generate(
+            model.class_prompts([1] * N), 16, uncond_input_ids=model.uncond_prompts(N),
+            generator=torch.Generator().manual_seed(seed)).sequences
+
+    def two_sample_p(a, b):
+        ca, cb = torch.bincount(a, minlength=16).double(), torch.bincount(b, minlength=16).double()
+        e = (ca + cb) / 2
+        keep = e > 0
+        stat = (((ca - e) ** 2 + (cb - e) ** 2) / e.clamp_min(1e-30))[keep].sum()
+        return float(torch.special.gammaincc(torch.tensor((int(keep.sum()) - 1) / 2, dtype=torch.double), stat / 2))
+
+    base = tokens(None, 1)
+    pairs = ((9, 10), (14, 15))
+
+    def pvalues(drafter):
+        s = tokens(drafter, 2)
+        return [two_sample_p(base[:, i] * 4 + base[:, j], s[:, i] * 4 + s[:, j]) for i, j in pairs]
+
+    assert min(pvalues(JacobiDrafter(4, 6, coupling="maximal"))) >= P_THRESHOLD
+    assert min(pvalues(AlwaysKeep(4, 6, coupling="maximal"))) < P_THRESHOLD
