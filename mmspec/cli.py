@@ -218,6 +218,8 @@ def cmd_showcase(args) -> int:
     _showcase_ar_image(args)
     _showcase_vlm()
     print("\nContinuous-token and video parts arrive with their modality adapters.")
+    print("Try the methods by hand in the Gradio demo: `make demo` (or `.venv/bin/mmspec demo`), then open "
+          "http://127.0.0.1:7860 in a browser.")
     return 0
 
 
