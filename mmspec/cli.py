@@ -404,7 +404,7 @@ def _text(text: str) -> str:
 # batch 16, 0.62 s per AR step at batch 32): about 6 and 19 minutes
 TRAIN_DEFAULTS = {
     "vq": dict(steps=1500, batch_size=16, lr=1e-3, dataset_size=4096),
-    "ar-image": dict(steps=2000, batch_size=32, lr=1e-3, dataset_size=8192),
+    "ar-image": dict(steps=2000, batch_size=32, lr=1e-3, dataset_size=32768),
     # one thread, batch 16: ~0.33 s per eagle step (the frozen target's forward dominates), ~0.2 s
     # per chain step; about 5 and 3.5 minutes with tokenizing
     "ar-draft": dict(steps=800, batch_size=16, lr=1e-3, dataset_size=4096),

@@ -42,6 +42,7 @@ from .. import methods
 from ..core import LogitsPipeline, SpeculativeDecoder
 from ..core.exactness import P_THRESHOLD, chisquare_pvalue
 from ..core.schedule import NextSetSchedule
+from ..training.recipes.ar_image import AR_DATA_STYLE
 from .quality import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CI_LEVEL, FrechetToReference, bootstrap_indices,
                       centred_interval, extract_features, fd_replicates, mean_ci, reference_stats)
 
@@ -80,6 +81,7 @@ class ARImageBenchConfig:
     seed: int = 0
     reference_images: int = 1024  # real images for the FD statistics
     reference_seed: int = 777
+    reference_style: str = AR_DATA_STYLE  # the scenes the bundled target was trained on
     exact_samples: int = 8_000
     exact_class: int = 5
     bootstrap_resamples: int = BOOTSTRAP_RESAMPLES  # paired over image indices, numpy default_rng
@@ -153,7 +155,7 @@ def run(cfg: ARImageBenchConfig, progress=None) -> dict:
     num_classes = model.config.num_classes
     labels = [i % num_classes for i in range(cfg.images)]
     say(f"reference features of {cfg.reference_images} real images")
-    ref = reference_stats(classifier, cfg.reference_images, cfg.reference_seed)
+    ref = reference_stats(classifier, cfg.reference_images, cfg.reference_seed, style=cfg.reference_style)
     fd_ref = FrechetToReference(ref)
     idx = bootstrap_indices(cfg.images, cfg.bootstrap_resamples, cfg.bootstrap_seed)
     floor, floor_reps = _real_floor(classifier, cfg, fd_ref, idx)
@@ -213,7 +215,7 @@ def run(cfg: ARImageBenchConfig, progress=None) -> dict:
     floor_low, floor_high = centred_interval(floor_reps, floor, lower=0.0)
     setup = {"pipeline": cfg.pipeline_dir, "classifier": cfg.classifier_dir, "images": cfg.images,
              "guidance_scale": cfg.guidance_scale, "temperature": cfg.temperature, "top_k": cfg.top_k,
-             "seed": cfg.seed, "reference_images": cfg.reference_images,
+             "seed": cfg.seed, "reference_images": cfg.reference_images, "reference_style": cfg.reference_style,
              "fd_baseline": base["fd"], "fd_baseline_ci": [base["fd_ci_low"], base["fd_ci_high"]],
              "fd_real_floor": floor, "fd_real_floor_ci": [floor_low, floor_high],
              "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.bootstrap_seed,
@@ -228,7 +230,7 @@ def _real_floor(classifier, cfg, fd_ref: FrechetToReference, idx):
     metric's floor at that size, what a perfect generator would score."""
     from ..training.data import ShapesDataset
 
-    data = ShapesDataset(cfg.images, cfg.reference_seed + 1, classifier.config.sample_size)
+    data = ShapesDataset(cfg.images, cfg.reference_seed + 1, classifier.config.sample_size, style=cfg.reference_style)
     images = torch.stack([data[i][0] for i in range(cfg.images)])
     feats = extract_features(classifier, images)
     return fd_ref(feats), fd_replicates(feats, fd_ref, idx)

@@ -66,10 +66,11 @@ def extract_features(classifier: nn.Module, images: torch.Tensor, batch_size: in
     return torch.cat([classifier.features(chunk) for chunk in images.split(batch_size)])
 
 
-def reference_stats(classifier: nn.Module, n: int, seed: int, batch_size: int = 256) -> ReferenceStats:
-    """Feature statistics of the real images ``ShapesDataset(n, seed)`` (classes balanced)."""
+def reference_stats(classifier: nn.Module, n: int, seed: int, batch_size: int = 256,
+                    style: str = "scene") -> ReferenceStats:
+    """Feature statistics of the real images ``ShapesDataset(n, seed, style=style)`` (classes balanced)."""
     check(isinstance(n, int) and not isinstance(n, bool) and n >= 2, "n", "an int >= 2", n)
-    dataset = ShapesDataset(n, seed, classifier.config.sample_size)
+    dataset = ShapesDataset(n, seed, classifier.config.sample_size, style=style)
     images = torch.stack([dataset[i][0] for i in range(n)])  # (n, 3, H, W)
     return ReferenceStats.from_features(extract_features(classifier, images, batch_size))
 

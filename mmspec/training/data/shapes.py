@@ -34,6 +34,11 @@ CLASS_NAMES = [f"{colour} {shape}" for colour in COLOURS for shape in SHAPES]
 CLASS_PROMPTS = [f"a {name}" for name in CLASS_NAMES]
 NUM_CLASSES = len(CLASS_NAMES)
 TEXTURES = ("stripes", "checker", "noise", "gradient")
+# "scene": the VLM's and the classifier's data (main object radius 0.28-0.58, 0-3 distractors);
+# "bold": the AR image target's data (radius 0.45-0.62, at most one distractor), where the shape
+# covers enough tokens to carry a real share of the loss (issue 10: on "scene" data the target
+# learned colour but not shape)
+STYLES = ("scene", "bold")
 
 _N_UNIFORMS = 64  # enough for the main object, the texture and 3 distractors
 
@@ -116,15 +121,18 @@ def _paint(image: torch.Tensor, colour: torch.Tensor, alpha: torch.Tensor) -> to
 
 
 def render(label: int, generator: torch.Generator, resolution: int = 64,
-           return_mask: bool = False, return_meta: bool = False):
+           return_mask: bool = False, return_meta: bool = False, style: str = "scene"):
     """Draw one scene of class ``label``: an image (3, H, W) in [-1, 1], and with ``return_mask``
     also the main object's coverage (H, W) in [0, 1]. Uses only ``generator`` for randomness.
 
     With ``return_meta`` a dict describing the scene comes last: ``label``, ``texture``,
     ``background`` (two RGB triples), ``distractors`` (a list of ``(shape name, RGB, cx, cy, r)``)
     and the main object's ``cx``, ``cy`` (in [-1, 1], y downwards), ``r`` and ``angle``. Asking for
-    it draws nothing more: the image is the same either way."""
+    it draws nothing more: the image is the same either way. ``style`` is one of ``STYLES``: "bold"
+    draws a larger main object (radius 0.45-0.62 instead of 0.28-0.58) over at most one distractor."""
     check(isinstance(label, int) and 0 <= label < NUM_CLASSES, "label", f"an int in [0, {NUM_CLASSES})", label)
+    check(style in STYLES, "style", f"one of {', '.join(STYLES)}", style)
+    bold = style == "bold"
     check(isinstance(resolution, int) and resolution >= 16, "resolution", "an int >= 16", resolution)
     # one draw of uniforms for all scalar choices keeps the per-image op count (and time) low
     rnd = iter(torch.rand(_N_UNIFORMS, generator=generator).tolist()).__next__
@@ -139,7 +147,7 @@ def render(label: int, generator: torch.Generator, resolution: int = 64,
     distractors = []
 
     # 2. distractors: 0-3 small shapes of any colour, under the main object
-    for _ in range(int(4 * rnd())):
+    for _ in range(int((2 if bold else 4) * rnd())):
         shape, r = int(len(SHAPES) * rnd()), 0.06 + 0.08 * rnd()
         cx, cy, angle = 1.6 * rnd() - 0.8, 1.6 * rnd() - 0.8, 2 * math.pi * rnd()
         colour = torch.tensor([rnd(), rnd(), rnd()])
@@ -148,7 +156,7 @@ def render(label: int, generator: torch.Generator, resolution: int = 64,
 
     # 3. main object: palette colour with a little jitter and a linear shading across it
     colour_id, shape = divmod(label, len(SHAPES))
-    r = 0.28 + 0.3 * rnd()
+    r = 0.45 + 0.17 * rnd() if bold else 0.28 + 0.3 * rnd()
     cx, cy = (2 * rnd() - 1) * (0.95 - r), (2 * rnd() - 1) * (0.95 - r)
     angle = 2 * math.pi * rnd()
     mask = _coverage(_sdf(shape, x - cx, y - cy, r, angle), resolution)  # (H, W)
@@ -179,13 +187,14 @@ def item_seed(seed: int, index: int) -> int:
 class ShapesDataset(torch.utils.data.Dataset):
     """``size`` procedural scenes; item ``i`` is ``(image (3, H, W) in [-1, 1], label)`` with
     ``label = i % 16``, so classes are balanced. Each item is drawn from its own generator seeded
-    from ``(seed, i)``: the same at any access order, in any worker."""
+    from ``(seed, i)``: the same at any access order, in any worker. ``style`` as in ``render``."""
 
-    def __init__(self, size: int, seed: int, resolution: int = 64):
+    def __init__(self, size: int, seed: int, resolution: int = 64, style: str = "scene"):
         check(isinstance(size, int) and size >= 1, "size", "an int >= 1", size)
         check(isinstance(seed, int) and seed >= 0, "seed", "an int >= 0", seed)
         check(isinstance(resolution, int) and resolution >= 16, "resolution", "an int >= 16", resolution)
-        self.size, self.seed, self.resolution = size, seed, resolution
+        check(style in STYLES, "style", f"one of {', '.join(STYLES)}", style)
+        self.size, self.seed, self.resolution, self.style = size, seed, resolution, style
 
     def __len__(self) -> int:
         return self.size
@@ -195,4 +204,4 @@ class ShapesDataset(torch.utils.data.Dataset):
             raise IndexError(f"index {i} out of range for a dataset of size {self.size}")
         label = i % NUM_CLASSES
         generator = torch.Generator().manual_seed(item_seed(self.seed, i))
-        return render(label, generator, self.resolution), label
+        return render(label, generator, self.resolution, style=self.style), label
