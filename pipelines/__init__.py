@@ -2,7 +2,9 @@
 
 _LAZY = {"SpeculativePipeline": ".base",
          "SpeculativeARImagePipeline": ".ar_image", "ARImagePipelineOutput": ".ar_image",
-         "SpeculativeVLMPipeline": ".vlm", "VLMPipelineOutput": ".vlm"}
+         "SpeculativeVLMPipeline": ".vlm", "VLMPipelineOutput": ".vlm",
+         "StreamingVideoPipeline": ".video", "StreamingVideoPipelineOutput": ".video", "VideoChunk": ".video",
+         "CacheLimitError": ".video"}
 
 __all__ = list(_LAZY)
 

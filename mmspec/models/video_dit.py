@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -324,17 +325,37 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
         return x.reshape(B, num_frames, C, s, s)
 
     # -- forward ------------------------------------------------------------------------------
+    @property
+    def rope_frames(self) -> int:
+        """Frame positions the time axis of the 3-D RoPE tells apart: one turn of its slowest
+        time frequency, ``floor(2 pi / min inv_freq_t)`` (291 for ``rope_theta=100`` and head
+        dimension 32). Past it the time rotation wraps around and far positions alias near ones,
+        so no cache of this model may show more frames than that (``new_cache`` refuses)."""
+        pairs = self.rope.sections[0]
+        return int(2 * math.pi / float(self.rope.inv_freq[:pairs].min()))
+
     def new_cache(self, batch_size: int, sink_frames: int | None = None, window_frames: int | None = None,
                   dtype=None) -> SinkWindowCache:
-        """A rolling cache for this model (token granularity; sink and window in frames)."""
+        """A rolling ``SinkWindowCache`` for this model at frame granularity: ``frame_size`` =
+        tokens per frame, Self-Forcing chunks of ``chunk_frames`` (``begin_chunk`` / ``commit``),
+        the clean latents of the kept frames stored for LongLive's re-cache (``recache``). Sink and
+        window in frames (default: the ones the model was trained with); sink + window + one chunk
+        must stay within ``rope_frames``."""
         cfg = self.config
         sink = cfg.sink_frames if sink_frames is None else sink_frames
         window = cfg.window_frames if window_frames is None else window_frames
         _chunks(cfg.chunk_frames, cfg.chunk_frames, sink, window)
-        P = self.tokens_per_frame
+        R = self.rope_frames
+        check(sink + window + cfg.chunk_frames <= R, "sink_frames + window_frames",
+              f"at most {R - cfg.chunk_frames} frames: with a chunk of {cfg.chunk_frames} the frames a chunk sees "
+              f"must stay within the {R} frame positions this model's RoPE tells apart", sink + window)
         p = next(self.parameters())
-        return SinkWindowCache(cfg.n_layers, batch_size, cfg.n_heads, cfg.dim // cfg.n_heads, sink * P, window * P,
-                               cfg.chunk_frames * P, rope=self.rope, dtype=dtype or p.dtype, device=p.device)
+        dtype = dtype or p.dtype
+        return SinkWindowCache(cfg.n_layers, batch_size, cfg.n_heads, cfg.dim // cfg.n_heads, sink, window,
+                               rope=self.rope, dtype=dtype, device=p.device, frame_size=self.tokens_per_frame,
+                               chunk=cfg.chunk_frames,
+                               latent_shape=(cfg.latent_channels, cfg.latent_size, cfg.latent_size),
+                               latent_dtype=dtype)
 
     def forward(self, latents: torch.Tensor, t, prompt: torch.Tensor, positions: torch.Tensor | None = None,
                 cache=None, plan: ChunkPlan | None = None) -> torch.Tensor:
@@ -415,37 +436,73 @@ def flow_timesteps(num_steps: int, shift: float = 1.0, device=None) -> torch.Ten
 
 
 def rewind(cache, num_tokens: int) -> None:
-    """Forget the block just appended (its slots are overwritten by the next step): how a
-    denoising step of a chunk reuses the same cache slots with today's ``SinkWindowCache``."""
+    """Forget the block just appended (its slots are overwritten by the next step): the
+    decoder-style way (``step`` advances, ``truncate`` back) for a denoising step to reuse a
+    chunk's slots; ``sample_chunk`` uses the cache's ``begin_chunk`` / ``commit`` instead."""
     cache.truncate(cache.lengths - num_tokens)
 
 
 def commit(cache) -> None:
-    """Keep everything appended and roll: evict down to sink + window."""
+    """Keep everything appended and roll: evict down to sink + window (decoder-style)."""
     cache.truncate(cache.lengths)
 
 
-@torch.no_grad()
-def sample_chunk(model: VideoDiTModel, cache, noise: torch.Tensor, prompt: torch.Tensor,
-                 timesteps: torch.Tensor, guidance_scale: float = 1.0, null_prompt: torch.Tensor | None = None):
-    """Denoise one chunk with Self-Forcing's cache semantics and return its clean latents.
+OnStep = Callable[[int, float, torch.Tensor], torch.Tensor]
+"""``on_step(i, t, x) -> x`` after Euler step i (from flow time t) of a chunk; may replace x."""
 
-    ``noise`` (B, C_f, C, h, w) at t = 1; ``timesteps`` from ``flow_timesteps``; ``cache`` holds
-    ``2B`` rows ``[cond; uncond]`` when ``guidance_scale != 1`` (``null_prompt`` (B, 3) ids for the
-    second half), else ``B``. Every denoising step writes the chunk's K/V into the same slots
-    (``rewind`` after it); a final pass at t = 0 on the clean latents writes the K/V that stay
-    (``commit``, which also rolls the cache)."""
+
+@torch.no_grad()
+def denoise_chunk(velocity: Callable[[torch.Tensor, float], torch.Tensor], noise: torch.Tensor,
+                  timesteps: torch.Tensor, guidance_scale: float = 1.0, on_step: OnStep | None = None):
+    """Euler steps of the flow ODE ``dx/dt = v`` from t = 1 (``noise`` (B, C_f, C, h, w)) down
+    the ``timesteps``, with classifier-free guidance ``v_u + s (v_c - v_u)`` (Ho & Salimans, 2022)
+    when ``guidance_scale != 1``: ``velocity(x, t)`` then gets ``[x; x]`` (2B rows, conditional
+    half first) and returns both halves' velocities. Returns the clean latents (B, C_f, C, h, w).
+    Every sampler of the video model denoises a chunk through this function."""
     guided = guidance_scale != 1.0
-    prompts = torch.cat([prompt, null_prompt]) if guided else prompt
     x = noise
-    T = noise.shape[1] * model.tokens_per_frame
-    for t, t_next in zip(timesteps[:-1].tolist(), timesteps[1:].tolist()):
-        v = model(torch.cat([x, x]) if guided else x, t, prompts, cache=cache)
-        rewind(cache, T)
+    for i, (t, t_next) in enumerate(zip(timesteps[:-1].tolist(), timesteps[1:].tolist())):
+        v = velocity(torch.cat([x, x]) if guided else x, t)
         if guided:
             v_cond, v_uncond = v.chunk(2)
             v = v_uncond + guidance_scale * (v_cond - v_uncond)
-        x = x + (t_next - t) * v  # Euler step of dx/dt = v
-    model(torch.cat([x, x]) if guided else x, 0.0, prompts, cache=cache)
-    commit(cache)
+        x = x + (t_next - t) * v  # Euler step
+        if on_step is not None:
+            x = on_step(i, t, x)
     return x
+
+
+@torch.no_grad()
+def sample_chunk(model: VideoDiTModel, cache: SinkWindowCache, noise: torch.Tensor, prompt: torch.Tensor,
+                 timesteps: torch.Tensor, guidance_scale: float = 1.0, null_prompt: torch.Tensor | None = None,
+                 on_step: OnStep | None = None):
+    """Denoise one chunk with Self-Forcing's cache semantics (Huang et al., 2025) and return its
+    clean latents.
+
+    ``noise`` (B, C_f, C, h, w) at t = 1; ``timesteps`` from ``flow_timesteps``; ``cache`` (from
+    ``model.new_cache``) holds ``2B`` rows ``[cond; uncond]`` when ``guidance_scale != 1``
+    (``null_prompt`` (B, 3) ids for the second half), else ``B``. ``begin_chunk`` opens the chunk:
+    every denoising step writes its K/V into the same slots; a final pass at t = 0 on the clean
+    latents writes the K/V that stay, and ``commit`` keeps them with the clean latents and rolls."""
+    guided = guidance_scale != 1.0
+    prompts = torch.cat([prompt, null_prompt]) if guided else prompt
+    cache.begin_chunk()
+    x = denoise_chunk(lambda x, t: model(x, t, prompts, cache=cache), noise, timesteps, guidance_scale, on_step)
+    clean = torch.cat([x, x]) if guided else x
+    model(clean, 0.0, prompts, cache=cache)
+    cache.commit(clean)
+    return x
+
+
+@torch.no_grad()
+def recache(model: VideoDiTModel, cache: SinkWindowCache, prompt: torch.Tensor, keep_sink: bool = False) -> int:
+    """LongLive's prompt-switch re-cache (Yang et al., 2025): recompute the K/V of the cached
+    frames (the window; the sink too unless ``keep_sink``) from their clean latents, in one pass
+    at t = 0 under ``prompt`` (the cache's rows: ``[cond; uncond]`` with guidance), at the same
+    cache positions. The cache then equals a fresh prefill of those frames under the new prompt.
+    Returns the frames re-encoded."""
+    latents = cache.begin_recache(keep_sink)
+    if latents.shape[1]:
+        model(latents, 0.0, prompt, cache=cache)
+    cache.commit()
+    return latents.shape[1]

@@ -28,7 +28,7 @@ from torch.nn import functional as F
 from ...core.errors import check
 from ...models import load_checkpoint
 from ...models.video_ae import FrameAutoencoder
-from ...models.video_dit import ChunkPlan, VideoDiTModel, commit, flow_timesteps, sample_chunk
+from ...models.video_dit import ChunkPlan, VideoDiTModel
 from ...utils.atomic import atomic_path
 from ..data.video import (PROMPT_VOCAB, VideoClipDataset, VideoPrompt, frame_colour, motion_direction,
                           pixel_centroid, prompt_at)
@@ -210,44 +210,28 @@ def heldout_loss(model: VideoDiTModel, latents: torch.Tensor, prompts: torch.Ten
 def rollout(model: VideoDiTModel, ae: FrameAutoencoder, schedules: list[list[tuple[int, VideoPrompt]]],
             num_frames: int, generator: torch.Generator, guidance_scale: float | None = None,
             steps: int | None = None, recache_sink: bool = True) -> torch.Tensor:
-    """The recipe's evaluation sampler: one stream per prompt schedule, chunk by chunk through the
-    rolling cache (``sample_chunk``), decoded to frames (B, F, 3, H, W) in [-1, 1].
+    """The recipe's evaluation sampler: one stream per prompt schedule through the streaming
+    pipeline's loop (``StreamingVideoPipeline.stream``, rolling cache; the one sampler of the video
+    model), decoded to frames (B, F, 3, H, W) in [-1, 1].
 
-    A schedule's later prompts start at chunk boundaries; there the cached K/V are recomputed under
-    the new prompt from the kept clean latents (LongLive's re-cache; with ``recache_sink`` the sink
-    too, as the model was trained, else the sink keeps the old prompt's K/V)."""
+    A schedule's later prompts start at chunk boundaries; at every frame where some stream switches,
+    the cached K/V of all streams are recomputed under their prompts from the kept clean latents
+    (LongLive's re-cache; with ``recache_sink`` the sink too, as the model was trained, else the sink
+    keeps the old prompt's K/V)."""
+    from ...pipelines.video import StreamingVideoPipeline
+
     model.eval()
     ae.eval()
-    cfg = model.config
-    C, P = cfg.chunk_frames, model.tokens_per_frame
+    C = model.config.chunk_frames
     check(num_frames % C == 0, "num_frames", f"a multiple of chunk_frames ({C})", num_frames)
-    g = cfg.guidance_scale if guidance_scale is None else guidance_scale
-    timesteps = flow_timesteps(cfg.sample_steps if steps is None else steps, cfg.time_shift)
-    B = len(schedules)
-    guided = g != 1.0
-    cache = model.new_cache(2 * B if guided else B)
-    null = torch.tensor([model.null_prompt] * B)
-    shape = (B, C, cfg.latent_channels, cfg.latent_size, cfg.latent_size)
-    latents = []
-    current = None
-    for start in range(0, num_frames, C):
-        prompt = torch.tensor([prompt_at(s, start).ids for s in schedules])
-        if current is not None and not torch.equal(prompt, current):  # prompt switch: re-cache
-            done = torch.cat(latents, 1)  # (B, start, ...)
-            sink, window = cfg.sink_frames, cfg.window_frames
-            frames = list(range(min(sink, start))) + list(range(max(sink, start - window), start))
-            keep = 0 if recache_sink else min(sink, start)
-            frames = [f for f in frames if f >= keep]
-            cache.truncate(torch.full_like(cache.lengths, keep * P))
-            z = done[:, frames]
-            rows = torch.cat([prompt, null]) if guided else prompt
-            model(torch.cat([z, z]) if guided else z, 0.0, rows, cache=cache)
-            commit(cache)
-        current = prompt
-        noise = torch.randn(shape, generator=generator)
-        latents.append(sample_chunk(model, cache, noise, prompt, timesteps, g, null))
-    z = torch.cat(latents, 1)
-    return ae.decode(z.flatten(0, 1)).clamp(-1, 1).unflatten(0, (B, num_frames))
+    starts = sorted({start for schedule in schedules for start, _ in schedule})
+    prompts = [(start, [prompt_at(schedule, start).text for schedule in schedules]) for start in starts]
+    pipe = StreamingVideoPipeline(vae=ae, transformer=model)
+    pipe.set_progress_bar_config(disable=True)
+    chunks = pipe.stream(prompts=prompts, num_frames=num_frames, generator=generator, guidance_scale=guidance_scale,
+                         num_inference_steps=steps, recache_sink=recache_sink, output_type="latent")
+    z = torch.cat([chunk.latents for chunk in chunks], 1)  # (B, F, C, h, w)
+    return ae.decode(z.flatten(0, 1)).clamp(-1, 1).unflatten(0, (len(schedules), num_frames))
 
 
 def rollout_metrics(frames: torch.Tensor, schedules) -> dict:

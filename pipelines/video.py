@@ -1,0 +1,536 @@
+"""``StreamingVideoPipeline``: prompt-conditioned streaming video generation, chunk by chunk, over
+the core's attention-sink rolling KV cache (diffusers conventions).
+
+::
+
+    pipe = StreamingVideoPipeline.from_pretrained("assets/video")
+    out = pipe("a red circle moving right", num_frames=96, generator=torch.Generator().manual_seed(0))
+    export_to_video(out.frames[0], "clip.mp4", fps=16)
+    for chunk in pipe.stream(prompts=[(0, "a red circle moving right"), (48, "a blue square moving up")],
+                             num_frames=None):  # unbounded: stop when you like
+        show(chunk.frames)
+
+The one loop is ``stream``; ``__call__`` collects it. Per chunk of ``chunk_frames`` latent frames
+(one latent frame per video frame: the autoencoder does not compress time): fresh noise, a few
+Euler steps of the flow ODE with classifier-free guidance (``denoise_chunk``), then the cache
+commit, then the autoencoder decodes the chunk and it is yielded. How a chunk sees the past is the
+``cache_mode``:
+
+- ``"rolling"`` (default): the core's ``SinkWindowCache`` (``sample_chunk``): Self-Forcing's
+  write semantics (every denoising step overwrites the chunk's slots, a clean t = 0 pass leaves
+  its K/V), StreamingLLM's sink frames (the first ``sink_frames``) plus a window of the last
+  ``window_frames``, keys stored before RoPE and rotated by cache order, so positions stay below
+  sink + window + one chunk however long the stream: latency and memory per chunk are flat.
+- ``"window-recompute"``: no K/V kept between denoising steps; every step re-encodes the same
+  visible frames (sink + window, their clean latents) from scratch together with the chunk
+  (StreamingLLM's sliding window with recompute baseline). Same positions and visibility as
+  ``"rolling"``; a one-layer model gives the same outputs (within float rounding), a deeper one
+  too until the first eviction (after it the cached K/V of deeper layers still carry evicted
+  frames, the recompute's do not).
+- ``"full-cache"``: the cache grows without eviction, keys at their absolute frame index. It
+  stops at ``max_frames("full-cache")`` frames (288 for the bundled model): one more chunk would
+  put keys past ``transformer.rope_frames``, where the time rotation wraps around. A ``num_frames``
+  past that is refused up front; an unbounded stream yields every chunk that fits, then raises
+  ``CacheLimitError``. Its storage doubles whenever it fills (``cache_bytes`` grows with the stream).
+- ``"no-sink"``: the window alone (``sink_frames`` 0): the attention-sink ablation.
+
+A prompt schedule ``prompts=[(0, text), (start, text), ...]`` switches prompts at chunk
+boundaries (a start frame that is not a multiple of ``chunk_frames`` is refused, naming the two
+nearest boundaries). At a switch, LongLive's re-cache (``recache``) recomputes the kept frames'
+K/V from their clean latents under the new prompt, so the new prompt takes hold within a chunk
+or two without a jump; ``recache_sink`` says whether the sink is recomputed too (default True:
+the recipe trains switched clips under the new prompt on every frame, context included, which is
+what a re-cache of the whole visible set gives) or keeps the old prompt's K/V.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import numpy as np
+import torch
+from diffusers import DiffusionPipeline
+from diffusers.utils import BaseOutput
+from diffusers.utils.torch_utils import randn_tensor
+from diffusers.video_processor import VideoProcessor
+
+from ..core.errors import check, check_choice
+from . import checks
+# diffusers loads components only from modules already imported: name them here
+from ..models import video_ae as _video_ae  # noqa: F401
+from ..models.video_dit import (ChunkPlan, VideoDiTModel, denoise_chunk, flow_timesteps, recache,
+                                sample_chunk)
+
+CACHE_MODES = ("rolling", "window-recompute", "full-cache", "no-sink")
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+
+
+class CacheLimitError(RuntimeError):
+    """An unbounded ``"full-cache"`` stream reached ``max_frames("full-cache")``; ``frames`` is
+    how many frames it yielded."""
+
+    def __init__(self, message: str, frames: int):
+        super().__init__(message)
+        self.frames = frames
+
+
+@dataclass
+class VideoChunk:
+    """One chunk of a stream.
+
+    Attributes:
+        frames: by ``output_type``: ``"pt"`` (B, n, 3, H, W) float in [0, 1], ``"np"`` (B, n, H,
+            W, 3) float in [0, 1], ``"pil"`` B lists of n images, ``"latent"`` the latents.
+        frame_indices: the absolute frame indices of these n frames.
+        latents: (B, n, C, h, w) the clean latents.
+        prompts: the prompt text of each row in force for this chunk.
+        stats: ``latency_s`` (wall time of this chunk: re-cache, denoising, commit, decode and
+            conversion), ``cache_frames`` (frames the cache holds after it), ``cache_bytes``
+            (bytes the cache object holds between chunks: K/V buffers and kept clean latents;
+            ``"window-recompute"`` keeps only latents and prompt ids), ``switched`` (a prompt
+            switch re-cache ran before this chunk), ``nfe`` (transformer passes for this chunk, a
+            guided pass over both halves counting once).
+    """
+
+    frames: list | np.ndarray | torch.Tensor
+    frame_indices: range
+    latents: torch.Tensor
+    prompts: list[str]
+    stats: dict
+
+
+@dataclass
+class StreamingVideoPipelineOutput(BaseOutput):
+    """``frames``: ``"pil"`` B lists of PIL images, ``"np"`` (B, F, H, W, 3) and ``"pt"`` (B, F, 3,
+    H, W) floats in [0, 1], ``"latent"`` (B, F, C, h, w). ``stats``: ``frames``, ``chunks``,
+    ``wall_seconds``, ``latency_s`` (per chunk), ``nfe``, ``cache_frames`` (after the last chunk),
+    ``cache_bytes`` (the largest), ``switch_frames`` (frames where a re-cache ran), and the
+    resolved ``cache_mode``, ``sink_frames``, ``window_frames``, ``num_inference_steps``,
+    ``guidance_scale``, ``recache_sink``."""
+
+    frames: list | np.ndarray | torch.Tensor
+    stats: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Setup:
+    """The checked, resolved arguments of one stream."""
+
+    schedule: list[tuple[int, torch.Tensor, list[str]]]  # (start frame, (B, 3) ids, texts)
+    num_frames: int | None
+    generator: torch.Generator | list[torch.Generator] | None
+    guidance_scale: float
+    steps: int
+    sink: int
+    window: int
+    cache_mode: str
+    recache_sink: bool
+    output_type: str
+    callback: Callable | None
+    tensor_inputs: tuple[str, ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.schedule[0][2])
+
+
+class _CachedContext:
+    """``rolling``, ``no-sink`` and ``full-cache``: the core's ``SinkWindowCache`` through
+    ``sample_chunk``; ``grow_to`` (frames) makes it a full cache that doubles its window when
+    full, up to ``grow_to``."""
+
+    def __init__(self, model: VideoDiTModel, rows: int, sink: int, window: int, grow_to: int | None = None):
+        self.model, self.rows, self.grow_to = model, rows, grow_to
+        self.cache = model.new_cache(rows, sink, window)
+
+    def frames(self) -> int:
+        return int(self.cache.num_frames()[0])
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes()
+
+    def sample(self, noise, prompt, null, timesteps, guidance_scale, on_step):
+        if self.grow_to is not None:
+            self._make_room(noise.shape[1])
+        return sample_chunk(self.model, self.cache, noise, prompt, timesteps, guidance_scale, null, on_step)
+
+    def recache(self, prompt_rows, keep_sink: bool) -> int:
+        """LongLive's re-cache; returns the transformer passes it ran (0 when nothing was cached)."""
+        return int(recache(self.model, self.cache, prompt_rows, keep_sink) > 0)
+
+    def _make_room(self, chunk: int) -> None:
+        """Full cache: a window that holds every frame so far plus the next chunk, so nothing is
+        ever evicted; the committed state is copied into a cache with twice the window."""
+        old = self.cache
+        n = self.frames()
+        if n + chunk <= old.window_frames:
+            return
+        if n + chunk > self.grow_to:
+            raise CacheLimitError(f"cache_mode='full-cache' stops at {self.grow_to} frames: one more chunk would put "
+                                  f"keys past the {self.model.rope_frames} frame positions the transformer's RoPE "
+                                  "tells apart (use cache_mode='rolling' for unbounded streams)", n)
+        new = self.model.new_cache(self.rows, 0, min(2 * old.window_frames, self.grow_to))
+        tokens = int(old.lengths.max())
+        new.k[..., :tokens, :] = old.k[..., :tokens, :]
+        new.v[..., :tokens, :] = old.v[..., :tokens, :]
+        new.latents[:, :n] = old.latents[:, :n]
+        new.lengths.copy_(old.lengths)
+        self.cache = new
+
+
+class _RecomputeContext:
+    """``window-recompute``: no K/V kept; the clean latents of the visible frames (the first
+    ``sink`` frames and the last ``window``) and the prompt ids each is encoded under. Every
+    denoising step runs the model from scratch on [visible frames at t = 0; the chunk at t],
+    chunk-causal at positions 0, 1, ... (cache order, as the rolling cache has them)."""
+
+    def __init__(self, model: VideoDiTModel, rows: int, sink: int, window: int):
+        self.model, self.sink, self.window = model, sink, window
+        cfg = model.config
+        p = next(model.parameters())
+        self.latents = torch.zeros(rows, 0, cfg.latent_channels, cfg.latent_size, cfg.latent_size,
+                                   dtype=p.dtype, device=p.device)  # (rows, n, C, h, w)
+        self.prompts = torch.zeros(rows, 0, 3, dtype=torch.long, device=p.device)  # (rows, n, 3)
+        self._plans: dict[int, ChunkPlan] = {}
+
+    def frames(self) -> int:
+        return self.latents.shape[1]
+
+    def nbytes(self) -> int:
+        return self.latents.nbytes + self.prompts.nbytes
+
+    def _plan(self, num_frames: int) -> ChunkPlan:
+        if num_frames not in self._plans:  # the default plan of the model's forward, built once
+            cfg = self.model.config
+            self._plans[num_frames] = ChunkPlan.rolling(num_frames, cfg.chunk_frames, self.model.tokens_per_frame)
+        return self._plans[num_frames]
+
+    def sample(self, noise, prompt, null, timesteps, guidance_scale, on_step):
+        guided = guidance_scale != 1.0
+        rows = torch.cat([prompt, null]) if guided else prompt  # (rows, 3)
+        R, n, C = rows.shape[0], self.frames(), noise.shape[1]
+        prompts = torch.cat([self.prompts, rows[:, None].expand(R, C, 3)], 1)
+        plan = self._plan(n + C)
+
+        def velocity(x, t):
+            times = torch.cat([torch.zeros(R, n), torch.full((R, C), t)], 1).to(x.device)
+            return self.model(torch.cat([self.latents, x], 1), times, prompts, plan=plan)[:, n:]
+
+        x = denoise_chunk(velocity, noise, timesteps, guidance_scale, on_step)
+        keep = lambda z: z if z.shape[1] <= self.sink + self.window else torch.cat(  # noqa: E731
+            [z[:, :self.sink], z[:, z.shape[1] - self.window:]], 1)
+        self.latents = keep(torch.cat([self.latents, torch.cat([x, x]) if guided else x], 1))
+        self.prompts = keep(prompts)
+        return x
+
+    def recache(self, prompt_rows, keep_sink: bool) -> int:
+        """The visible frames (the sink too unless ``keep_sink``) are encoded under the new prompt
+        from now on; no transformer pass (returns 0)."""
+        start = min(self.sink, self.frames()) if keep_sink else 0
+        self.prompts = self.prompts.clone()
+        self.prompts[:, start:] = prompt_rows[:, None]
+        return 0
+
+
+class StreamingVideoPipeline(DiffusionPipeline):
+    """Chunk-causal video diffusion over latent frames, streamed.
+
+    Components: ``vae`` (``FrameAutoencoder``: frames <-> normalized latents, one frame at a
+    time) and ``transformer`` (``VideoDiTModel``: the chunk-causal flow-matching DiT; its config
+    holds the prompt vocabulary and the sampling defaults). The module docstring describes the
+    loop, the cache modes and the prompt switch.
+    """
+
+    model_cpu_offload_seq = "transformer->vae"
+    _callback_tensor_inputs = ["latents"]
+
+    def __init__(self, vae, transformer):
+        super().__init__()
+        self.register_modules(vae=vae, transformer=transformer)
+        self.video_processor = VideoProcessor(do_resize=False, do_normalize=True)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
+        """diffusers' loader, computing in float32 by default (checkpoints ship as fp16), after
+        ``check_pipeline_folder`` has checked every component folder (nothing is built before)."""
+        from .loading import check_pipeline_folder
+
+        check_pipeline_folder(pretrained_model_name_or_path, cls, provided=kwargs)
+        kwargs.setdefault("dtype", torch.float32)
+        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+
+    @property
+    def chunk_frames(self) -> int:
+        return self.transformer.config.chunk_frames
+
+    @property
+    def interrupt(self) -> bool:
+        """Set ``pipe._interrupt = True`` (from a callback) to end the stream after the current
+        chunk (which finishes its steps and is yielded). Every stream starts with it False."""
+        return getattr(self, "_interrupt", False)
+
+    def max_frames(self, cache_mode: str = "rolling") -> int | None:
+        """Frames a stream in ``cache_mode`` can produce: None (unbounded) except for
+        ``"full-cache"``, which stops one chunk short of ``transformer.rope_frames``."""
+        check_choice("cache_mode", cache_mode, CACHE_MODES)
+        if cache_mode != "full-cache":
+            return None
+        C = self.chunk_frames
+        return (self.transformer.rope_frames // C - 1) * C
+
+    # -- inputs -----------------------------------------------------------------------------------
+    def check_inputs(self, prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps, sink_frames,
+                     window_frames, cache_mode, recache_sink, output_type, callback_on_step_end,
+                     callback_on_step_end_tensor_inputs) -> _Setup:
+        """Every argument of ``stream``, checked before any model runs: ``ValueError`` naming the
+        argument and the allowed values. Returns them resolved (defaults from the transformer's
+        config, prompts parsed to ids)."""
+        model = self.transformer
+        cfg, C = model.config, self.chunk_frames
+        check_choice("cache_mode", cache_mode, CACHE_MODES)
+        checks.check_output_type(output_type, OUTPUT_TYPES)
+        checks.check_int(num_frames, "num_frames", 1, optional=True)
+        check((prompt is None) != (prompts is None), "prompt", "exactly one of prompt and prompts (a schedule)",
+              {"prompt": prompt, "prompts": prompts})
+        if prompt is not None:
+            schedule = [(0, checks.check_prompts(prompt, "prompt"))]
+        else:
+            schedule = _check_schedule(prompts, num_frames, C)
+        ids = [(start, model.encode_prompts(texts), texts) for start, texts in schedule]
+        checks.check_int(num_inference_steps, "num_inference_steps", 1, optional=True)
+        checks.check_number(guidance_scale, "guidance_scale", 0, optional=True)
+        check(recache_sink is None or isinstance(recache_sink, bool), "recache_sink", "None, True or False",
+              recache_sink)
+        if cache_mode == "full-cache":
+            for name, value in (("sink_frames", sink_frames), ("window_frames", window_frames)):
+                check(value is None, name, "None with cache_mode='full-cache' (it keeps every frame)", value)
+            sink, window = 0, None
+            limit = self.max_frames(cache_mode)
+            check(num_frames is None or num_frames <= limit, "num_frames",
+                  f"None or at most {limit} with cache_mode='full-cache' (past it keys would leave the "
+                  f"{model.rope_frames} frame positions the transformer's RoPE tells apart)", num_frames)
+        else:
+            if cache_mode == "no-sink":
+                check(sink_frames in (None, 0), "sink_frames", "None or 0 with cache_mode='no-sink'", sink_frames)
+                sink = 0
+            else:
+                sink = cfg.sink_frames if sink_frames is None else sink_frames
+                check(checks.is_int(sink) and sink >= 0 and sink % C == 0, "sink_frames",
+                      f"None or a multiple of chunk_frames ({C}), >= 0", sink)
+            window = cfg.window_frames if window_frames is None else window_frames
+            check(checks.is_int(window) and window >= C and window % C == 0, "window_frames",
+                  f"None or a positive multiple of chunk_frames ({C})", window)
+            R = model.rope_frames
+            check(sink + window + C <= R, "sink_frames + window_frames",
+                  f"at most {R - C} frames: with a chunk of {C} the frames a chunk sees must stay within the {R} "
+                  "frame positions the transformer's RoPE tells apart", sink + window)
+        B = len(schedule[0][1])
+        checks.check_generator(generator, B)
+        checks.check_callback(callback_on_step_end, "callback_on_step_end")
+        inputs = callback_on_step_end_tensor_inputs
+        check(isinstance(inputs, (list, tuple)) and all(k in self._callback_tensor_inputs for k in inputs),
+              "callback_on_step_end_tensor_inputs", f"a list of names among {self._callback_tensor_inputs}", inputs)
+        return _Setup(schedule=ids, num_frames=num_frames, generator=generator,
+                      guidance_scale=float(cfg.guidance_scale if guidance_scale is None else guidance_scale),
+                      steps=cfg.sample_steps if num_inference_steps is None else num_inference_steps,
+                      sink=sink, window=window, cache_mode=cache_mode,
+                      recache_sink=True if recache_sink is None else recache_sink, output_type=output_type,
+                      callback=callback_on_step_end, tensor_inputs=tuple(inputs))
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def stream(self, prompt: str | list[str] | None = None, prompts: list | None = None, num_frames: int | None = None,
+               generator: torch.Generator | list[torch.Generator] | None = None, guidance_scale: float | None = None,
+               num_inference_steps: int | None = None, sink_frames: int | None = None,
+               window_frames: int | None = None, cache_mode: str = "rolling", recache_sink: bool | None = None,
+               output_type: str = "pt", callback_on_step_end: Callable | None = None,
+               callback_on_step_end_tensor_inputs: list[str] = ("latents",)) -> Iterator[VideoChunk]:
+        """Generate a video chunk by chunk: returns an iterator of ``VideoChunk`` (frames, their
+        indices, latents, prompts, stats), each yielded as soon as it is decoded. Arguments are
+        checked now, before any model runs; the work happens as you iterate.
+
+        Args:
+            prompt: a prompt such as ``"a red circle moving right"`` (one word of each field of
+                the transformer's ``prompt_vocab``: colour, shape, direction), or a list of them
+                (one video per prompt). Exclusive with ``prompts``.
+            prompts: a schedule ``[(0, text), (start, text), ...]``: start frames strictly
+                increasing from 0, each a multiple of ``chunk_frames`` (below ``num_frames`` when
+                it is given); a text may be a list with one prompt per video.
+            num_frames: frames to generate (the last chunk is cut to fit); None: unbounded.
+            generator: a ``torch.Generator``, or one per video (video r then equals that prompt
+                generated alone with generator r).
+            guidance_scale: classifier-free guidance ``v_u + s (v_c - v_u)``; 1 disables it;
+                None: the transformer config's (3.0 for the bundled model).
+            num_inference_steps: Euler steps per chunk; None: the config's ``sample_steps``.
+            sink_frames, window_frames: frames kept as sink and as window (multiples of
+                ``chunk_frames``); None: the ones the model was trained with. Sink + window + one
+                chunk must fit in ``transformer.rope_frames``; past the trained sizes the model is
+                out of its training distribution.
+            cache_mode: ``"rolling"``, ``"window-recompute"``, ``"full-cache"`` or ``"no-sink"``
+                (module docstring).
+            recache_sink: at a prompt switch, recompute the sink's K/V too (True, default: as
+                trained) or keep them (False).
+            output_type: ``"pt"`` (default here), ``"np"``, ``"pil"`` or ``"latent"``.
+            callback_on_step_end: ``callback(pipe, step, timestep, callback_kwargs) -> dict`` after
+                every denoising step; ``step`` counts steps over the stream from 0, ``timestep``
+                is the flow time t the step started from, ``callback_kwargs["latents"]`` the
+                chunk's (B, n, C, h, w) latents after it (a returned ``"latents"`` of that shape
+                replaces them); ``pipe._interrupt = True`` ends the stream after the chunk.
+            callback_on_step_end_tensor_inputs: among ``"latents"``.
+        """
+        setup = self.check_inputs(prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps,
+                                  sink_frames, window_frames, cache_mode, recache_sink, output_type,
+                                  callback_on_step_end, callback_on_step_end_tensor_inputs)
+        return self._stream(setup)
+
+    @torch.no_grad()
+    def _stream(self, s: _Setup) -> Iterator[VideoChunk]:
+        model, vae = self.transformer, self.vae
+        cfg, C = model.config, self.chunk_frames
+        device = self._execution_device
+        B = s.batch_size
+        guided = s.guidance_scale != 1.0
+        rows = 2 * B if guided else B
+        null = torch.tensor([model.null_prompt] * B, device=device)
+        timesteps = flow_timesteps(s.steps, cfg.time_shift)
+        if s.cache_mode == "window-recompute":
+            context = _RecomputeContext(model, rows, s.sink, s.window)
+        elif s.cache_mode == "full-cache":
+            limit = self.max_frames("full-cache")
+            context = _CachedContext(model, rows, 0, min(limit, 4 * C), grow_to=limit)
+        else:
+            context = _CachedContext(model, rows, s.sink, s.window)
+        shape = (B, C, cfg.latent_channels, cfg.latent_size, cfg.latent_size)
+        dtype = next(model.parameters()).dtype
+        total = None if s.num_frames is None else math.ceil(s.num_frames / C)
+        self._interrupt = False
+        step = 0
+
+        def on_step(i, t, x):
+            nonlocal step
+            if s.callback is not None:
+                kwargs = {"latents": x} if "latents" in s.tensor_inputs else {}
+                returned = s.callback(self, step, t, kwargs)
+                check(isinstance(returned, dict) and set(returned) <= set(s.tensor_inputs), "callback_on_step_end",
+                      f"a callable returning a dict of requested tensor inputs ({', '.join(s.tensor_inputs) or 'none'})",
+                      returned if not isinstance(returned, dict) else f"a dict with {sorted(returned)}")
+                if "latents" in returned:
+                    new = returned["latents"]
+                    check(isinstance(new, torch.Tensor) and new.shape == x.shape, "latents",
+                          f"a tensor of shape {tuple(x.shape)} (returned by callback_on_step_end)", new)
+                    x = new.to(x)
+            step += 1
+            return x
+
+        current = None
+        with self.progress_bar(iterable=itertools.count() if total is None else range(total)) as chunks:
+            for c in chunks:
+                begin = time.perf_counter()
+                start = c * C
+                ids, texts = _prompt_at(s.schedule, start)
+                switched = current is not None and not torch.equal(ids, current)
+                nfe = 0
+                if switched:
+                    nfe += context.recache(torch.cat([ids, null]) if guided else ids, keep_sink=not s.recache_sink)
+                current = ids
+                noise = randn_tensor(shape, generator=s.generator, device=device, dtype=dtype)
+                x = context.sample(noise, ids, null, timesteps, s.guidance_scale, on_step)
+                nfe += s.steps + (s.cache_mode != "window-recompute")
+                n = C if s.num_frames is None else min(C, s.num_frames - start)
+                latents = x[:, :n]
+                frames = latents if s.output_type == "latent" else self._postprocess(latents, s.output_type)
+                stats = dict(latency_s=time.perf_counter() - begin, cache_frames=context.frames(),
+                             cache_bytes=context.nbytes(), switched=switched, nfe=int(nfe))
+                yield VideoChunk(frames=frames, frame_indices=range(start, start + n), latents=latents,
+                                 prompts=list(texts), stats=stats)
+                if self.interrupt:
+                    return
+
+    def _postprocess(self, latents: torch.Tensor, output_type: str):
+        """(B, n, C, h, w) latents -> decoded frames as ``output_type`` (diffusers' ``VideoProcessor``)."""
+        B, n = latents.shape[:2]
+        pixels = self.vae.decode(latents.flatten(0, 1)).clamp(-1, 1).unflatten(0, (B, n))  # (B, n, 3, H, W)
+        return self.video_processor.postprocess_video(pixels.permute(0, 2, 1, 3, 4).float(), output_type=output_type)
+
+    @torch.no_grad()
+    def __call__(self, prompt: str | list[str] | None = None, num_frames: int = 96,
+                 generator: torch.Generator | list[torch.Generator] | None = None, guidance_scale: float | None = None,
+                 num_inference_steps: int | None = None, sink_frames: int | None = None,
+                 window_frames: int | None = None, cache_mode: str = "rolling", recache_sink: bool | None = None,
+                 output_type: str = "pil", return_dict: bool = True, callback_on_step_end: Callable | None = None,
+                 callback_on_step_end_tensor_inputs: list[str] = ("latents",), prompts: list | None = None):
+        """Generate ``num_frames`` frames per prompt: ``stream`` collected (the same arguments; see
+        it), with ``num_frames`` required and ``output_type`` ``"pil"`` by default.
+
+        Returns:
+            ``StreamingVideoPipelineOutput(frames, stats)``, or ``(frames,)`` when
+            ``return_dict=False``. ``frames[r]`` is video r: a list of PIL images, an (F, H, W, 3)
+            array or an (F, 3, H, W) tensor in [0, 1].
+        """
+        checks.check_int(num_frames, "num_frames", 1)
+        checks.check_flag(return_dict, "return_dict")
+        chunks = list(self.stream(prompt=prompt, prompts=prompts, num_frames=num_frames, generator=generator,
+                                  guidance_scale=guidance_scale, num_inference_steps=num_inference_steps,
+                                  sink_frames=sink_frames, window_frames=window_frames, cache_mode=cache_mode,
+                                  recache_sink=recache_sink, output_type=output_type,
+                                  callback_on_step_end=callback_on_step_end,
+                                  callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs))
+        parts = [c.frames for c in chunks]
+        if output_type == "pil":
+            frames = [sum((p[r] for p in parts), []) for r in range(len(parts[0]))]
+        elif output_type == "np":
+            frames = np.concatenate(parts, axis=1)
+        else:
+            frames = torch.cat(parts, 1)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return (frames,)
+        cfg = self.transformer.config
+        latency = [c.stats["latency_s"] for c in chunks]
+        stats = dict(frames=chunks[-1].frame_indices.stop, chunks=len(chunks), wall_seconds=sum(latency),
+                     latency_s=latency, nfe=sum(c.stats["nfe"] for c in chunks),
+                     cache_frames=chunks[-1].stats["cache_frames"], cache_bytes=max(c.stats["cache_bytes"] for c in chunks),
+                     switch_frames=[c.frame_indices.start for c in chunks if c.stats["switched"]], cache_mode=cache_mode,
+                     sink_frames=0 if cache_mode in ("no-sink", "full-cache") else
+                     (cfg.sink_frames if sink_frames is None else sink_frames),
+                     window_frames=None if cache_mode == "full-cache" else
+                     (cfg.window_frames if window_frames is None else window_frames),
+                     num_inference_steps=cfg.sample_steps if num_inference_steps is None else num_inference_steps,
+                     guidance_scale=cfg.guidance_scale if guidance_scale is None else guidance_scale,
+                     recache_sink=True if recache_sink is None else recache_sink)
+        return StreamingVideoPipelineOutput(frames=frames, stats=stats)
+
+
+def _prompt_at(schedule, frame: int) -> tuple[torch.Tensor, list[str]]:
+    """The (B, 3) ids and texts in force at ``frame`` (the schedule sorted by start frame)."""
+    active = schedule[0]
+    for entry in schedule:
+        if entry[0] <= frame:
+            active = entry
+    return active[1], active[2]
+
+
+def _check_schedule(prompts, num_frames: int | None, chunk: int) -> list[tuple[int, list[str]]]:
+    """``[(start frame, text or list of texts), ...]`` -> ``[(start, [texts])]``; see ``stream``."""
+    check(isinstance(prompts, (list, tuple)) and len(prompts) >= 1
+          and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in prompts), "prompts",
+          "a non-empty list of (start frame, text) pairs", prompts)
+    starts = [p[0] for p in prompts]
+    below = "" if num_frames is None else f" and below num_frames ({num_frames})"
+    check(all(checks.is_int(s) for s in starts) and starts[0] == 0 and all(a < b for a, b in zip(starts, starts[1:]))
+          and (num_frames is None or starts[-1] < num_frames), "prompts",
+          f"sorted by start frame: strictly increasing from 0{below}", starts)
+    out = []
+    for i, (start, text) in enumerate(prompts):
+        low = start // chunk * chunk
+        check(start % chunk == 0, f"prompts[{i}] start frame",
+              f"a multiple of chunk_frames ({chunk}): prompts switch at chunk boundaries, e.g. {low} or {low + chunk}",
+              start)
+        texts = checks.check_prompts(text, f"prompts[{i}] text")
+        check(len(texts) == len(out[0][1]) if out else True, f"prompts[{i}] text",
+              f"{len(out[0][1]) if out else 0} prompts (one per video, as prompts[0])", text)
+        out.append((int(start), texts))
+    return out
