@@ -9,6 +9,8 @@
                                      write PNGs from the bundled AR image pipeline
     mmspec generate vlm --image PATH --prompt "describe the image in detail ." --method vispec
                                      answer a question about an image with the bundled VLM
+    mmspec generate video --prompt "a red circle moving right" [--switch FRAME:TEXT ...] --frames 96 --out clip.mp4
+                                     stream a video (MP4 or GIF) from the bundled streaming video pipeline
     mmspec demo [--host H] [--port P] the Gradio demo on 127.0.0.1 (AR image and VLM tabs)
     mmspec batch JOBS.jsonl --out DIR  resumable batch generation (PNG / text per job + manifest.jsonl)
     mmspec train vq --out DIR        rebuild the tiny VQ tokenizer from a seed (about 6 min on 2 cores)
@@ -130,6 +132,8 @@ def cmd_generate(args) -> int:
     import torch
 
     _set_threads(args.threads)
+    if args.kind == "video":
+        return _generate_video(args)
     knobs = args.method_knobs
     if args.kind == "vlm":
         return _generate_vlm(args, knobs)
@@ -164,6 +168,26 @@ def _generate_vlm(args, knobs: dict) -> int:
     print(out.texts[0])
     print(f"-- method {args.method}: {len(out.tokens[0])} tokens, {s['nfe']} target passes "
           f"({s['tau']:.2f} tokens per pass), {s['wall_seconds']:.2f} s", file=sys.stderr)
+    return 0
+
+
+def _generate_video(args) -> int:
+    import torch
+
+    from .pipelines import StreamingVideoPipeline, save_video
+
+    pipe = StreamingVideoPipeline.from_pretrained(args.model)
+    pipe.set_progress_bar_config(disable=args.quiet)
+    schedule = [(0, args.prompt)] + sorted(args.switch or [])
+    out = pipe(prompts=schedule, num_frames=args.frames, generator=torch.Generator().manual_seed(args.seed),
+               num_inference_steps=args.steps, guidance_scale=args.guidance_scale)
+    path = save_video(out.frames[0], args.out, fps=args.fps, scale=args.scale)
+    s = out.stats
+    latency = sorted(s["latency_s"])[len(s["latency_s"]) // 2]
+    switches = f"; prompt switches (re-cache) at frames {s['switch_frames']}" if s["switch_frames"] else ""
+    print(f"{path}: {s['frames']} frames ({s['chunks']} chunks of {pipe.chunk_frames}) at {args.fps} fps; median "
+          f"chunk latency {1000 * latency:.0f} ms; cache {s['cache_frames']} frames, {s['cache_bytes'] / 1024:.0f} "
+          f"KiB{switches}")
     return 0
 
 
@@ -473,12 +497,51 @@ def _add_train_parser(sub) -> None:
         p.add_argument("--threads", type=_positive_int, default=2, help="torch intra-op threads (default 2)")
 
 
+def _switch(text: str) -> tuple[int, str]:
+    """``FRAME:TEXT``: the prompt from frame FRAME (>= 1; frame 0 is --prompt) on."""
+    frame, sep, prompt = text.partition(":")
+    if not sep or not frame.strip().isdigit() or int(frame) < 1 or not prompt.strip():
+        raise argparse.ArgumentTypeError(f"must be FRAME:TEXT with FRAME an int >= 1 (e.g. '48:a blue circle moving "
+                                         f"right'), got {text!r}")
+    return int(frame), prompt
+
+
+def _video_file(text: str) -> str:
+    if Path(text).suffix.lower() not in (".mp4", ".gif"):
+        raise argparse.ArgumentTypeError(f"must end in .mp4 or .gif, got {text!r}")
+    return _output_file(text)
+
+
+def _add_generate_video_parser(kinds) -> None:
+    v = kinds.add_parser("video", help="stream a video from the bundled chunk-causal video model (rolling KV cache)")
+    v.add_argument("--prompt", required=True, type=_text, help='e.g. "a red circle moving right" (a colour, a shape '
+                   "and a direction: red green blue yellow, circle square triangle star, right left up down)")
+    v.add_argument("--switch", action="append", type=_switch, metavar="FRAME:TEXT",
+                   help="switch to TEXT at FRAME, a multiple of the model's chunk (3 frames for the bundled one); "
+                        "repeatable, any order; the cached frames are re-encoded under the new prompt")
+    v.add_argument("--frames", type=_positive_int, default=96, help="frames to generate (default 96)")
+    v.add_argument("--out", required=True, type=_video_file, metavar="PATH",
+                   help="clip.mp4 (H.264 through imageio-ffmpeg) or clip.gif; written to a temporary file and renamed")
+    v.add_argument("--fps", type=_positive_int, default=16, help="(default 16)")
+    v.add_argument("--scale", type=_positive_int, default=8,
+                   help="upscale factor of the 32x32 frames in the file, nearest neighbour (default 8: 256x256)")
+    v.add_argument("--steps", type=_positive_int, default=None,
+                   help="denoising steps per chunk (default: the model's, 4)")
+    v.add_argument("--guidance-scale", type=_non_negative_float, default=None,
+                   help="classifier-free guidance (default: the model's, 3.0)")
+    v.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "assets" / "video"),
+                   type=_existing_dir, metavar="DIR", help="pipeline folder (default assets/video)")
+    v.add_argument("--seed", type=_non_negative_int, default=0, help="(default 0)")
+    v.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
+    v.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
 def _add_generate_parser(sub) -> None:
     from . import methods
 
     METHODS, VLM_METHODS = methods.names("ar-image"), methods.names("vlm")
 
-    gen = sub.add_parser("generate", help="run a bundled pipeline: images (ar-image) or answers (vlm)")
+    gen = sub.add_parser("generate", help="run a bundled pipeline: images (ar-image), answers (vlm) or videos (video)")
     kinds = gen.add_subparsers(dest="kind", required=True)
     v = kinds.add_parser("vlm", help="answer a question about an image with the bundled VLM (lossless methods)")
     v.add_argument("--image", required=True, type=_image_file, metavar="PATH",
@@ -494,6 +557,7 @@ def _add_generate_parser(sub) -> None:
     v.add_argument("--seed", type=_non_negative_int, default=0, help="(default 0)")
     v.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
     v.add_argument("--quiet", action="store_true", help="no progress bar")
+    _add_generate_video_parser(kinds)
     p = kinds.add_parser("ar-image", help="AR image generation over VQ tokens")
     p.add_argument("--prompt", required=True, nargs="+", type=_text, help='class prompts, e.g. "a red circle"')
     p.add_argument("--method", default="none",
@@ -577,7 +641,7 @@ def check_args(args) -> None:
     """What argparse cannot see alone, checked before anything loads: method names and knobs
     through the method registry, arguments that need each other. ``UsageError`` otherwise."""
     try:
-        if args.command == "generate":
+        if args.command == "generate" and args.kind != "video":
             args.method_knobs = _knobs(args.knob, args.kind, args.method)
         elif args.command == "train" and args.recipe == "ar-draft" and args.kind == "eagle" and args.target is None:
             raise ValueError("--kind eagle needs --target DIR (the AR model it drafts for)")

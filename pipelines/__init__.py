@@ -4,7 +4,7 @@ _LAZY = {"SpeculativePipeline": ".base",
          "SpeculativeARImagePipeline": ".ar_image", "ARImagePipelineOutput": ".ar_image",
          "SpeculativeVLMPipeline": ".vlm", "VLMPipelineOutput": ".vlm",
          "StreamingVideoPipeline": ".video", "StreamingVideoPipelineOutput": ".video", "VideoChunk": ".video",
-         "CacheLimitError": ".video"}
+         "CacheLimitError": ".video", "save_video": ".video", "save_frame_strip": ".video"}
 
 __all__ = list(_LAZY)
 

@@ -49,6 +49,7 @@ import itertools
 import math
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
@@ -377,7 +378,7 @@ class StreamingVideoPipeline(DiffusionPipeline):
             callback_on_step_end: ``callback(pipe, step, timestep, callback_kwargs) -> dict`` after
                 every denoising step; ``step`` counts steps over the stream from 0, ``timestep``
                 is the flow time t the step started from, ``callback_kwargs["latents"]`` the
-                chunk's (B, n, C, h, w) latents after it (a returned ``"latents"`` of that shape
+                chunk's (B, chunk_frames, C, h, w) latents after it (a returned ``"latents"`` of that shape
                 replaces them); ``pipe._interrupt = True`` ends the stream after the chunk.
             callback_on_step_end_tensor_inputs: among ``"latents"``.
         """
@@ -388,7 +389,7 @@ class StreamingVideoPipeline(DiffusionPipeline):
 
     @torch.no_grad()
     def _stream(self, s: _Setup) -> Iterator[VideoChunk]:
-        model, vae = self.transformer, self.vae
+        model = self.transformer
         cfg, C = model.config, self.chunk_frames
         device = self._execution_device
         B = s.batch_size
@@ -414,8 +415,9 @@ class StreamingVideoPipeline(DiffusionPipeline):
             if s.callback is not None:
                 kwargs = {"latents": x} if "latents" in s.tensor_inputs else {}
                 returned = s.callback(self, step, t, kwargs)
+                requested = ", ".join(s.tensor_inputs) or "none"
                 check(isinstance(returned, dict) and set(returned) <= set(s.tensor_inputs), "callback_on_step_end",
-                      f"a callable returning a dict of requested tensor inputs ({', '.join(s.tensor_inputs) or 'none'})",
+                      f"a callable returning a dict of requested tensor inputs ({requested})",
                       returned if not isinstance(returned, dict) else f"a dict with {sorted(returned)}")
                 if "latents" in returned:
                     new = returned["latents"]
@@ -472,12 +474,10 @@ class StreamingVideoPipeline(DiffusionPipeline):
         """
         checks.check_int(num_frames, "num_frames", 1)
         checks.check_flag(return_dict, "return_dict")
-        chunks = list(self.stream(prompt=prompt, prompts=prompts, num_frames=num_frames, generator=generator,
-                                  guidance_scale=guidance_scale, num_inference_steps=num_inference_steps,
-                                  sink_frames=sink_frames, window_frames=window_frames, cache_mode=cache_mode,
-                                  recache_sink=recache_sink, output_type=output_type,
-                                  callback_on_step_end=callback_on_step_end,
-                                  callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs))
+        s = self.check_inputs(prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps, sink_frames,
+                              window_frames, cache_mode, recache_sink, output_type, callback_on_step_end,
+                              callback_on_step_end_tensor_inputs)
+        chunks = list(self._stream(s))  # what stream() yields
         parts = [c.frames for c in chunks]
         if output_type == "pil":
             frames = [sum((p[r] for p in parts), []) for r in range(len(parts[0]))]
@@ -488,19 +488,14 @@ class StreamingVideoPipeline(DiffusionPipeline):
         self.maybe_free_model_hooks()
         if not return_dict:
             return (frames,)
-        cfg = self.transformer.config
         latency = [c.stats["latency_s"] for c in chunks]
         stats = dict(frames=chunks[-1].frame_indices.stop, chunks=len(chunks), wall_seconds=sum(latency),
                      latency_s=latency, nfe=sum(c.stats["nfe"] for c in chunks),
-                     cache_frames=chunks[-1].stats["cache_frames"], cache_bytes=max(c.stats["cache_bytes"] for c in chunks),
-                     switch_frames=[c.frame_indices.start for c in chunks if c.stats["switched"]], cache_mode=cache_mode,
-                     sink_frames=0 if cache_mode in ("no-sink", "full-cache") else
-                     (cfg.sink_frames if sink_frames is None else sink_frames),
-                     window_frames=None if cache_mode == "full-cache" else
-                     (cfg.window_frames if window_frames is None else window_frames),
-                     num_inference_steps=cfg.sample_steps if num_inference_steps is None else num_inference_steps,
-                     guidance_scale=cfg.guidance_scale if guidance_scale is None else guidance_scale,
-                     recache_sink=True if recache_sink is None else recache_sink)
+                     cache_frames=chunks[-1].stats["cache_frames"],
+                     cache_bytes=max(c.stats["cache_bytes"] for c in chunks),
+                     switch_frames=[c.frame_indices.start for c in chunks if c.stats["switched"]],
+                     cache_mode=s.cache_mode, sink_frames=s.sink, window_frames=s.window, num_inference_steps=s.steps,
+                     guidance_scale=s.guidance_scale, recache_sink=s.recache_sink)
         return StreamingVideoPipelineOutput(frames=frames, stats=stats)
 
 
@@ -534,3 +529,70 @@ def _check_schedule(prompts, num_frames: int | None, chunk: int) -> list[tuple[i
               f"{len(out[0][1]) if out else 0} prompts (one per video, as prompts[0])", text)
         out.append((int(start), texts))
     return out
+
+
+# -- files ------------------------------------------------------------------------------------------
+VIDEO_SUFFIXES = (".mp4", ".gif")
+
+
+def _as_images(frames, scale: int) -> list:
+    """PIL images (or an (F, H, W, 3) float array in [0, 1]) -> RGB images ``scale`` times larger
+    (nearest neighbour: the tiny frames stay sharp)."""
+    import PIL.Image
+
+    if isinstance(frames, np.ndarray):
+        check(frames.ndim == 4 and frames.shape[-1] == 3 and np.issubdtype(frames.dtype, np.floating), "frames",
+              "PIL images or an (F, H, W, 3) float array in [0, 1]", getattr(frames, "shape", frames))
+        frames = [PIL.Image.fromarray((f.clip(0, 1) * 255).round().astype(np.uint8)) for f in frames]
+    check(len(frames) >= 1 and all(isinstance(f, PIL.Image.Image) for f in frames), "frames",
+          "a non-empty list of PIL images or an (F, H, W, 3) float array in [0, 1]", type(frames).__name__)
+    checks.check_int(scale, "scale", 1)
+    return [f.convert("RGB").resize((f.width * scale, f.height * scale), PIL.Image.NEAREST) for f in frames]
+
+
+def save_video(frames, path, fps: int = 16, scale: int = 8) -> Path:
+    """Write one video (``frames``: PIL images, e.g. ``out.frames[0]``, or an (F, H, W, 3) float
+    array in [0, 1]) to ``path``, ``scale`` times larger (nearest neighbour), by its suffix:
+    ``.mp4`` through diffusers' ``export_to_video`` (imageio + imageio-ffmpeg: H.264, yuv420p;
+    a side that is not a multiple of 16 is scaled up to one by the encoder, so the default 8x of
+    32 px frames, 256 px, is kept as is) or ``.gif`` through Pillow (looping). Written to a
+    temporary file beside ``path`` and renamed: an interrupted write leaves no partial file."""
+    from diffusers.utils import export_to_video
+
+    from ..utils.atomic import atomic_path
+
+    path = Path(path)
+    check_choice("path suffix", path.suffix.lower(), VIDEO_SUFFIXES)
+    checks.check_int(fps, "fps", 1)
+    images = _as_images(frames, scale)
+    with atomic_path(path) as tmp:
+        if path.suffix.lower() == ".mp4":
+            export_to_video(images, str(tmp), fps=fps)
+        else:
+            images[0].save(tmp, format="GIF", save_all=True, append_images=images[1:],
+                           duration=max(1, round(1000 / fps)), loop=0)
+    return path
+
+
+def save_frame_strip(videos, path, every: int = 1, per_row: int = 16, scale: int = 2) -> Path:
+    """A PNG of videos (each a list of PIL images or an (F, H, W, 3) float array in [0, 1]):
+    every ``every``-th frame, ``per_row`` frames per row, the rows of one video after another,
+    ``scale`` times larger; written atomically."""
+    import PIL.Image
+
+    from ..utils.atomic import atomic_path
+
+    checks.check_int(every, "every", 1)
+    checks.check_int(per_row, "per_row", 1)
+    rows = []
+    for video in videos:
+        images = _as_images(video, scale)[::every]
+        rows += [images[i:i + per_row] for i in range(0, len(images), per_row)]
+    w, h = rows[0][0].size
+    strip = PIL.Image.new("RGB", (w * max(len(r) for r in rows), h * len(rows)), "white")
+    for y, row in enumerate(rows):
+        for x, image in enumerate(row):
+            strip.paste(image, (x * w, y * h))
+    with atomic_path(path) as tmp:
+        strip.save(tmp, format="PNG")
+    return Path(path)
