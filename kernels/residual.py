@@ -4,18 +4,15 @@ numerically zero (SJD issue #7)."""
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 
-try:
+from .dispatch import TRITON_AVAILABLE, dtype_problem, use_triton
+
+_TRITON_AVAILABLE = TRITON_AVAILABLE
+if _TRITON_AVAILABLE:
     import triton
     import triton.language as tl
-except ImportError:
-    triton = None
-_TRITON_AVAILABLE = triton is not None
-# the kernel computes in fp32, so float64 inputs stay on the reference
-_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def residual_distribution_reference(p: torch.Tensor, q: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
@@ -84,15 +81,17 @@ def residual_distribution_triton(p: torch.Tensor, q: torch.Tensor, eps: float = 
     return out.view(p.shape)
 
 
-def _kernel_enabled(device: torch.device) -> bool:
-    """Whether auto-selection picks the Triton kernel for tensors on ``device``."""
-    # the env var is read per call so that it can be flipped without re-importing
-    return _TRITON_AVAILABLE and device.type == "cuda" and os.environ.get("MMSPEC_DISABLE_KERNELS") != "1"
+def _kernel_enabled(device: torch.device, unsupported: str | None = None) -> bool:
+    """Whether the dispatcher runs the Triton kernel for tensors on ``device`` (``mmspec.kernels.dispatch``:
+    CUDA in auto mode, unless ``MMSPEC_KERNELS=torch`` or ``MMSPEC_DISABLE_KERNELS=1``)."""
+    return use_triton("residual", device, unsupported, available=_TRITON_AVAILABLE)
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
-    """p, q (..., V) -> (..., V): the Triton kernel where enabled, silently the reference otherwise."""
+    """p, q (..., V) -> (..., V): the Triton kernel where enabled, the reference otherwise (silently,
+    unless ``MMSPEC_KERNELS=triton``); the kernel computes in fp32, so float64 stays on the reference."""
     # broadcasting p against q is left to the reference; the kernel takes same-shape rows only
-    if p.shape == q.shape and p.dtype in _KERNEL_DTYPES and _kernel_enabled(p.device):
+    problem = dtype_problem(p, q) or (None if p.shape == q.shape else "the kernel takes same-shape p and q")
+    if _kernel_enabled(p.device, problem):
         return residual_distribution_triton(p, q, eps)
     return residual_distribution_reference(p, q, eps)
