@@ -1,0 +1,252 @@
+"""Fused guided acceptance: the Triton kernels in Triton's interpreter on the CPU, decision for
+decision against the core's own rule objects (``SpeculativeSampling``, ``GroupedAcceptance``,
+``GreedyMatch``) behind the core's ``LogitsPipeline``, on the uniforms the core draws from the same
+seeded generator; the torch reference likewise; the fused probabilities against the pipeline.
+
+Tolerances: accepted lengths and tokens equal; accept probabilities within 1e-6 (fp32 softmax in a
+different summation order); probabilities within 1e-6, greedy one-hots exact."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from mmspec.core import GreedyMatch, GroupedAcceptance, GroupedAcceptanceConfig, LogitsPipeline, SpeculativeSampling
+from mmspec.core.tree import DraftTree, Tree
+from mmspec.kernels import dispatch
+from mmspec.kernels.guided_accept import Grouping, guided_accept, guided_accept_reference, guided_probs, process_logits
+from mmspec.kernels.interpret import run_interpreted
+
+accept_mod = importlib.import_module("mmspec.kernels.guided_accept")
+needs_triton = pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels need a CUDA GPU")
+SEED = 11
+
+
+def _case(B, G, V, *, guidance=None, temperature=1.0, top_k=None, drafted=True, ties=False, group=None,
+          dtype=torch.float32, seed=0):
+    """One chain block whose drafts the target often accepts: drafted q is the target's processed
+    distribution blurred by noise, drafts drawn from it; deterministic drafts are the target's
+    argmax, a quarter of them replaced at random. ``ties``: integer logits (ties everywhere)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 2 * B if guidance is not None else B
+    logits = torch.randint(-3, 4, (rows, G + 1, V), generator=g).float() if ties else \
+        2 * torch.randn(rows, G + 1, V, generator=g)
+    pipe = LogitsPipeline(temperature=temperature, top_k=top_k, guidance_scale=guidance)
+    target_logits = pipe.merge_guidance(logits)[:, :G]  # (B, G, V)
+    q = None
+    if drafted and temperature > 0:
+        blurred = target_logits + 0.7 * torch.randn(B, G, V, generator=g)
+        q = LogitsPipeline(temperature=temperature, top_k=top_k)(blurred)  # (B, G, V)
+        tokens = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, G)
+    else:
+        tokens = target_logits.argmax(-1)
+        swap = torch.rand(B, G, generator=g) < 0.25
+        tokens = torch.where(swap, torch.randint(V, (B, G), generator=g), tokens)
+    knobs = dict(guidance_scale=guidance, temperature=temperature, top_k=top_k)
+    return dict(logits=logits.to(dtype), tokens=tokens, q=q, knobs=knobs, pipe=pipe, group=group)
+
+
+def _gsd(V: int, half_width: int, p_threshold: float, d_threshold: float, seed: int) -> GroupedAcceptance:
+    emb = torch.randn(V, 4, generator=torch.Generator().manual_seed(seed))
+    return GroupedAcceptance(emb, GroupedAcceptanceConfig(p_threshold, d_threshold, half_width))
+
+
+CASES = {
+    "exact-drafted-cfg": _case(48, 4, 37, guidance=3.0),
+    "exact-onehot-V300": _case(24, 3, 300, temperature=0.8, drafted=False, seed=1),
+    "exact-topk-ties-cfg": _case(16, 3, 37, guidance=2.0, top_k=7, ties=True, seed=2),
+    "gsd-drafted-cfg": _case(24, 3, 37, guidance=3.0, group=_gsd(37, 3, 0.2, 8.0, 0), seed=3),
+    "gsd-onehot-ties": _case(16, 3, 37, drafted=False, ties=True, group=_gsd(37, 4, 0.15, 6.0, 1), seed=4),
+    "greedy-cfg-ties": _case(32, 5, 37, guidance=1.5, temperature=0, ties=True, seed=5),
+    "nothing-drafted": _case(8, 0, 37, seed=6),
+    "two-blocks-V5000": _case(3, 2, 5000, seed=7),
+    "exact-drafted-fp16": _case(16, 4, 37, guidance=3.0, dtype=torch.float16, seed=8),
+}
+
+
+def _rule(case):
+    if case["knobs"]["temperature"] == 0:
+        return GreedyMatch()
+    return case["group"] if case["group"] is not None else SpeculativeSampling()
+
+
+def _core(case):
+    """The core's decision on this block: its pipeline, its rule, a generator seeded with SEED."""
+    B, G = case["tokens"].shape
+    draft = DraftTree(case["tokens"], Tree.chain(B, G), case["q"])
+    return _rule(case)(draft, case["pipe"](case["logits"]), torch.Generator().manual_seed(SEED))
+
+
+def _kwargs(case) -> dict:
+    """The kernel's arguments, with the uniforms the core's rule draws from the same generator:
+    ``rand((B, G))`` for the accept tests, then ``rand((B, 1))`` for the draw."""
+    B, G = case["tokens"].shape
+    gen = torch.Generator().manual_seed(SEED)
+    u_accept, u_sample = torch.rand((B, G), generator=gen), torch.rand((B, 1), generator=gen)[:, 0]
+    group = Grouping.of(case["group"]) if case["group"] is not None else None
+    return dict(logits=case["logits"], tokens=case["tokens"], q=case["q"], u_accept=u_accept, u_sample=u_sample,
+                group=group, **case["knobs"])
+
+
+PROBS = {
+    "cfg-topk": (_case(4, 2, 37, seed=9)["logits"].repeat(2, 1, 1), dict(guidance_scale=2.5, temperature=0.7,
+                                                                          top_k=5)),
+    "plain": (2 * torch.randn(3, 2, 300, generator=torch.Generator().manual_seed(10)), {}),
+    "greedy-cfg": (_case(4, 2, 37, ties=True, seed=11)["logits"].repeat(2, 1, 1),
+                   dict(guidance_scale=1.5, temperature=0)),
+}
+
+
+@pytest.fixture(scope="module")
+def kernel_outputs() -> dict:
+    """Every case through the kernels, once, in Triton's interpreter in a child process."""
+    if not dispatch.TRITON_AVAILABLE:
+        pytest.skip("triton is not installed")
+    calls = {f"accept/{n}": ("guided_accept_triton", (), _kwargs(c)) for n, c in CASES.items()}
+    calls.update({f"probs/{n}": ("guided_probs_triton", (logits,), knobs) for n, (logits, knobs) in PROBS.items()})
+    return run_interpreted(calls)
+
+
+def _assert_same_decisions(got, core):
+    assert torch.equal(got.num_accepted, core.num_accepted), (got.num_accepted, core.num_accepted)
+    assert torch.equal(got.next_token, core.next_token)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_decides_as_the_core(kernel_outputs, name):
+    case = CASES[name]
+    got = kernel_outputs[f"accept/{name}"]
+    assert not isinstance(got, Exception), got
+    _assert_same_decisions(got, _core(case))
+    ref = guided_accept_reference(**_kwargs(case))
+    torch.testing.assert_close(got.accept_prob, ref.accept_prob, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_decides_as_the_core(name):
+    case = CASES[name]
+    _assert_same_decisions(guided_accept_reference(**_kwargs(case)), _core(case))
+
+
+def test_cases_bite():
+    """The blocks mix accepts and rejects, and other uniforms change the decisions: equal
+    decisions above are not an accident of all-accept or all-reject blocks."""
+    for name, case in CASES.items():
+        B, G = case["tokens"].shape
+        n = _core(case).num_accepted
+        if G:
+            assert 0 < int(n.sum()) < B * G and bool((n < G).any()), name
+        if case["knobs"]["temperature"] != 0:
+            kw = _kwargs(case)
+            other = guided_accept_reference(**dict(kw, u_accept=1 - kw["u_accept"], u_sample=1 - kw["u_sample"]))
+            core = _core(case)
+            assert not (torch.equal(other.num_accepted, core.num_accepted)
+                        and torch.equal(other.next_token, core.next_token)), name
+
+
+def test_gsd_groups_are_not_trivial():
+    """The grouped cases' accept probabilities differ from exact speculative sampling's (for
+    deterministic drafts they only grow: the group's mass includes p(x))."""
+    for name in ("gsd-drafted-cfg", "gsd-onehot-ties"):
+        kw = _kwargs(CASES[name])
+        grouped = guided_accept_reference(**kw).accept_prob
+        exact = guided_accept_reference(**dict(kw, group=None)).accept_prob
+        assert (grouped - exact).abs().max() > 1e-3, name
+        if kw["q"] is None:
+            assert bool((grouped >= exact).all()), name
+
+
+@needs_triton
+@pytest.mark.parametrize("name", list(PROBS))
+def test_fused_probabilities_match_the_pipeline(kernel_outputs, name):
+    logits, knobs = PROBS[name]
+    got = kernel_outputs[f"probs/{name}"]
+    assert not isinstance(got, Exception), got
+    pipe = LogitsPipeline(temperature=knobs.get("temperature", 1.0), top_k=knobs.get("top_k"),
+                          guidance_scale=knobs.get("guidance_scale"))
+    expected = pipe(logits)
+    assert torch.equal(process_logits(logits, **knobs), expected)
+    if pipe.greedy:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
+
+
+def test_reference_with_top_p_is_the_pipeline():
+    """Top-p is not fused; the reference (which the dispatcher takes for it) applies the pipeline's."""
+    case = CASES["exact-drafted-cfg"]
+    pipe = LogitsPipeline(temperature=1.0, top_p=0.8, guidance_scale=3.0)
+    B, G = case["tokens"].shape
+    core = SpeculativeSampling()(DraftTree(case["tokens"], Tree.chain(B, G), case["q"]), pipe(case["logits"]),
+                                 torch.Generator().manual_seed(SEED))
+    got = guided_accept(**dict(_kwargs(case)), top_p=0.8)
+    assert torch.equal(got.num_accepted, core.num_accepted) and torch.equal(got.next_token, core.next_token)
+
+
+# -- dispatch and bad input ------------------------------------------------------------------------
+def test_dispatch_takes_the_reference_on_cpu(monkeypatch):
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the dispatcher chose the Triton kernel for CPU tensors")
+
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    monkeypatch.setattr(accept_mod, "guided_accept_triton", no_kernel)
+    monkeypatch.setattr(accept_mod, "guided_probs_triton", no_kernel)
+    kw = _kwargs(CASES["gsd-drafted-cfg"])
+    got, ref = guided_accept(**kw), guided_accept_reference(**kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))
+    logits, knobs = PROBS["cfg-topk"]
+    assert torch.equal(guided_probs(logits, **knobs), process_logits(logits, **knobs))
+
+
+def test_forced_triton_fails_clearly(monkeypatch):
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    kw = _kwargs(CASES["exact-drafted-cfg"])
+    with pytest.raises(dispatch.KernelUnavailableError, match="guided acceptance kernel, but the tensors are on cpu"):
+        guided_accept(**kw)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(dispatch.KernelUnavailableError, match="top-p"):
+        guided_accept(**kw, top_p=0.9)
+    calls = []
+    monkeypatch.setattr(accept_mod, "guided_accept_triton", lambda *a, **k: calls.append(k))
+    guided_accept(**kw)
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("bad,message", [
+    (dict(temperature=-1.0), "temperature must be >= 0"),
+    (dict(top_k=0), "top_k must be None or an int >= 1"),
+    (dict(u_accept=torch.rand(48, 3)), r"u_accept must be a \(48, 4\) tensor"),
+    (dict(u_sample=None), "u_sample must be"),
+    (dict(guidance_scale=None), r"logits must be \(48, 5, V\)"),
+    (dict(q=torch.rand(48, 4, 36)), "q must be None or"),
+    (dict(temperature=0, group=Grouping(torch.zeros(37, 4))), "group must be None with temperature 0"),
+    (dict(group=Grouping(torch.zeros(36, 4))), r"group must be None or a Grouping with \(37, E\)"),
+])
+def test_bad_input(bad, message):
+    with pytest.raises(ValueError, match=message):
+        guided_accept_reference(**dict(_kwargs(CASES["exact-drafted-cfg"]), **bad))
+
+
+# -- compiled kernels on a GPU --------------------------------------------------------------------
+@needs_triton
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("knobs", [dict(guidance=4.0), dict(guidance=4.0, top_k=1000),
+                                   dict(guidance=4.0, temperature=0)])
+def test_kernel_on_cuda_at_image_vocabulary(monkeypatch, dtype, knobs):
+    """A 16k image vocabulary (4 tiles of 4096), bf16 logits (upcast on load): GPU rounding (FMA,
+    fast exp, fp32 cumsum in torch's CUDA reference) may flip a decision whose uniform sits on a
+    threshold, so at most 1 row in 128 may differ; accept probabilities within 1e-5."""
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    case = _case(128, 6, 16384, **knobs, dtype=dtype, seed=12)
+    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _kwargs(case).items()}
+    got = guided_accept(**kw)
+    ref = guided_accept_reference(**_kwargs(case))
+    differ = (got.num_accepted.cpu() != ref.num_accepted) | (got.next_token.cpu() != ref.next_token)
+    assert int(differ.sum()) <= 1
+    torch.testing.assert_close(got.accept_prob.cpu(), ref.accept_prob, atol=1e-5, rtol=0)
