@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mmspec-installed
 
-.PHONY: run test install demo bench bench-ar-image bench-vlm assets clean
+.PHONY: run test install demo bench bench-ar-image bench-vlm bench-kernels assets clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,6 +32,10 @@ bench-ar-image: $(STAMP)
 
 bench-vlm: $(STAMP)
 	$(BIN)/mmspec bench vlm --json bench-vlm.json
+
+# the kernels against their references (in Triton's interpreter without a GPU) and H100 projections
+bench-kernels: $(STAMP)
+	$(BIN)/mmspec bench kernels --json bench-kernels.json
 
 # rebuild every bundled checkpoint from its seed (about 90 min on 2 cores); model_index.json files and
 # assets/vlm/processor (a copy of the target recipe's processor files) are static

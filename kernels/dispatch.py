@@ -67,19 +67,21 @@ def unavailable(device: torch.device, available: bool = TRITON_AVAILABLE) -> str
 
 
 def use_triton(op: str, device: torch.device, unsupported: str | None = None,
-               available: bool = TRITON_AVAILABLE) -> bool:
+               available: bool = TRITON_AVAILABLE, preferred: bool = True) -> bool:
     """Whether ``op`` runs its Triton kernel for tensors on ``device``.
 
     ``unsupported``: why the kernel cannot take these particular inputs (None when it can); auto
-    mode then falls back, forced mode raises. Auto mode never picks the interpreter: CPU tensors
-    take the reference unless ``MMSPEC_KERNELS=triton``.
+    mode then falls back, forced mode raises. ``preferred=False``: the kernel can run but is not
+    expected to beat the reference on these inputs; auto mode takes the reference, forced mode the
+    kernel. Auto mode never picks the interpreter: CPU tensors take the reference unless
+    ``MMSPEC_KERNELS=triton``.
     """
     requested = mode()
     if requested == "torch":
         return False
     reason = unavailable(device, available)
     if requested == "auto":
-        return device.type == "cuda" and reason is None and unsupported is None
+        return device.type == "cuda" and reason is None and unsupported is None and preferred
     reason = reason or unsupported
     if reason is not None:
         raise KernelUnavailableError(f"{ENV}=triton forces the Triton {op} kernel, but {reason}; "

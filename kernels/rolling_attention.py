@@ -56,7 +56,9 @@ def slot_table(lengths: torch.Tensor, ring_start: torch.Tensor, block_start: tor
     return key_pos, held[:, None, :] | block_vis
 
 
-def _check_inputs(q, k, v, lengths, block_start, positions, sink, window, ring_start, tree_mask):
+def _check_inputs(q, k, v, lengths, block_start, positions, sink, window, ring_start, tree_mask, values=True):
+    """Shapes always; the index tensors' values only with ``values`` (reading them syncs with the
+    device, which the kernel path does not do per layer: it trusts the cache that built them)."""
     check(q.dim() == 4 and k.dim() == 4 and v.shape == k.shape, "q, k, v",
           "(B, Hq, T, D), (B, Hkv, C, D) and v shaped like k", (tuple(q.shape), tuple(k.shape), tuple(v.shape)))
     B, Hq, T, D = q.shape
@@ -71,15 +73,17 @@ def _check_inputs(q, k, v, lengths, block_start, positions, sink, window, ring_s
               (tuple(t.shape), t.dtype))
     check(positions.shape == (B, T) and not positions.is_floating_point(), "positions",
           f"a ({B}, {T}) integer tensor", (tuple(positions.shape), positions.dtype))
+    if tree_mask is not None:
+        check(tree_mask.shape == (B, T, T), "tree_mask", f"None or a ({B}, {T}, {T}) bool tensor",
+              tuple(tree_mask.shape))
+    if not values:
+        return
     check(bool(((lengths >= 0) & (lengths <= sink + window)).all()), "lengths", f"in [0, sink + window = "
           f"{sink + window}]", lengths.tolist())
     check(bool(((ring_start >= 0) & (ring_start < window)).all()), "ring_start", f"in [0, window = {window})",
           ring_start.tolist())
     check(bool(((block_start >= 0) & (block_start + T <= C)).all()), "block_start",
           f"in [0, C - T = {C - T}] (the block's {T} slots inside the buffer)", block_start.tolist())
-    if tree_mask is not None:
-        check(tree_mask.shape == (B, T, T), "tree_mask", f"None or a ({B}, {T}, {T}) bool tensor",
-              tuple(tree_mask.shape))
 
 
 def rolling_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
@@ -255,9 +259,9 @@ def rolling_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              window: int, ring_start: torch.Tensor | None = None,
                              tree_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
     """The Triton kernel (CUDA, or the CPU under ``TRITON_INTERPRET=1``); same contract as the
-    reference for the ropes ``rope_problem`` accepts."""
+    reference for the ropes ``rope_problem`` accepts, with the index tensors' values unchecked."""
     ring_start = torch.zeros_like(lengths) if ring_start is None else ring_start
-    _check_inputs(q, k, v, lengths, block_start, positions, sink, window, ring_start, tree_mask)
+    _check_inputs(q, k, v, lengths, block_start, positions, sink, window, ring_start, tree_mask, values=False)
     check(q.dtype == k.dtype == v.dtype, "q, k, v", "one dtype", (q.dtype, k.dtype, v.dtype))
     problem = rope_problem(rope)
     check(problem is None, "rope", "a rotary embedding the kernel can fuse", problem)
@@ -291,16 +295,25 @@ def rolling_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out
 
 
+# Each query tile's program rotates every key it reads, so the rotation's sin/cos work grows with
+# the number of query tiles: for a draft tree or a token block (one or two tiles) it is small next
+# to the key traffic it saves, for a video chunk of thousands of queries it would dominate (the
+# bench's projection: about 2x the attention's own tensor-core time for a Wan-sized chunk). Auto
+# mode sends such blocks to the reference (rotate once, then attend).
+FUSED_MAX_QUERIES = 128
+
+
 def rolling_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                       block_start: torch.Tensor, positions: torch.Tensor, rope, *, sink: int, window: int,
                       ring_start: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
                       scale: float | None = None) -> torch.Tensor:
-    """Sink-window attention with fused RoPE (module docstring): the Triton kernel on CUDA, the
-    reference elsewhere or for ropes the kernel cannot fuse (``MMSPEC_KERNELS`` forces either)."""
+    """Sink-window attention with fused RoPE (module docstring): the Triton kernel on CUDA for
+    blocks of at most ``FUSED_MAX_QUERIES`` queries, the reference elsewhere, for longer blocks or
+    for ropes the kernel cannot fuse (``MMSPEC_KERNELS`` forces either)."""
     problem = (dtype_problem(q, k, v) or (None if q.dtype == k.dtype == v.dtype else "q, k, v differ in dtype")
                or rope_problem(rope))
     args = (q, k, v, lengths, block_start, positions, rope)
     kwargs = dict(sink=sink, window=window, ring_start=ring_start, tree_mask=tree_mask, scale=scale)
-    if use_triton("rolling attention", q.device, problem):
+    if use_triton("rolling attention", q.device, problem, preferred=q.shape[2] <= FUSED_MAX_QUERIES):
         return rolling_attention_triton(*args, **kwargs)
     return rolling_attention_reference(*args, **kwargs)

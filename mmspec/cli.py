@@ -5,6 +5,8 @@
     mmspec bench ar-image [--json PATH]
                                      every AR image method on the bundled checkpoints: NFE, wall, FD, accuracy
     mmspec bench vlm [--json PATH]   every VLM method and transformers' assisted generation: tau, tokens/s
+    mmspec bench kernels [--json PATH]
+                                     the kernels against their torch references; H100 roofline projections
     mmspec generate ar-image --method gsd --prompt "a red circle" --out DIR
                                      write PNGs from the bundled AR image pipeline
     mmspec generate vlm --image PATH --prompt "describe the image in detail ." --method vispec
@@ -38,7 +40,7 @@ import os
 import sys
 from pathlib import Path
 
-BENCHES = ("core", "ar-image", "vlm")
+BENCHES = ("core", "ar-image", "vlm", "kernels")
 
 
 class UsageError(ValueError):
@@ -95,6 +97,12 @@ def cmd_bench(args) -> int:
             cfg.pipeline_dir = args.pipeline
         result = vlm.run(cfg, progress=None if args.quiet else _progress)
         columns = vlm.VLM_COLUMNS
+    elif args.name == "kernels":
+        from .bench import kernels
+
+        cfg = kernels.KernelBenchConfig.quick() if args.quick else kernels.KernelBenchConfig()
+        result = kernels.run(cfg, progress=None if args.quiet else _progress)
+        columns = kernels.KERNELS_COLUMNS
     else:
         from .bench import ar_image
 

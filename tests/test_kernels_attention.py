@@ -333,6 +333,26 @@ def test_use_triton(monkeypatch, env, device, interpret, available, unsupported,
             dispatch.use_triton(*args)
 
 
+def test_long_rolling_blocks_take_the_reference_unless_forced(monkeypatch):
+    """Auto mode keeps the fused rotation to blocks of at most FUSED_MAX_QUERIES queries (longer
+    ones re-rotate every key per query tile); forcing Triton runs the kernel anyway."""
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    cuda = torch.device("cuda")
+    assert dispatch.use_triton("op", cuda, None, True, preferred=True)
+    assert not dispatch.use_triton("op", cuda, None, True, preferred=False)
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    assert dispatch.use_triton("op", cuda, None, True, preferred=False)
+    calls = []
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(rolling_mod, "rolling_attention_triton", lambda *a, **k: calls.append(a[0].shape[2]))
+    g = torch.Generator().manual_seed(6)
+    T = rolling_mod.FUSED_MAX_QUERIES + 1
+    q, k, v = _qkv(1, 2, 2, T, T + 8, 16, g)
+    lengths = torch.tensor([8])
+    rolling_attention(q, k, v, lengths, lengths, 8 + torch.arange(T)[None], Rope1D(16), sink=0, window=8)
+    assert calls == [T]
+
+
 def test_bad_switch_values(monkeypatch):
     monkeypatch.setenv("MMSPEC_KERNELS", "cuda")
     with pytest.raises(ValueError, match="MMSPEC_KERNELS must be one of 'auto', 'triton', 'torch'"):
