@@ -89,6 +89,13 @@ def use_triton(op: str, device: torch.device, unsupported: str | None = None,
     return True
 
 
+def considered(device: torch.device) -> bool:
+    """A cheap first test for hot paths: False when ``use_triton`` would certainly say False for
+    ``device`` (``torch`` mode, or auto mode off CUDA), so callers skip building its arguments."""
+    requested = mode()
+    return requested == "triton" or (requested == "auto" and device.type == "cuda")
+
+
 def dtype_problem(*tensors: torch.Tensor) -> str | None:
     """Why the kernels cannot take these tensors' dtypes (None when they can)."""
     for t in tensors:

@@ -15,8 +15,10 @@ Layout of one layer's buffers k, v (B, Hkv, C, D):
   causal); they must not overlap a held entry. ``SinkWindowCache`` writes the block right after
   its committed entries (``block_start = lengths``); a ring buffer writes it past the window.
 
-Row b holds ``lengths[b] <= sink + window`` committed entries, at positions ``0 .. lengths[b] -
-1``, all visible to the block. Keys are rotated by their position, queries by theirs: exactly
+Row b holds ``lengths[b]`` entries before the block, at positions ``0 .. lengths[b] - 1``, all
+visible to the block: at most ``sink + window`` in a wrapped ring; the compact layout (ring start
+0) may hold more, past the window, at position = slot (a chain of drafts appended before the
+cache rolls). Keys are rotated by their position, queries by theirs: exactly
 ``SinkWindowCache``'s read path (``rope(k, key_positions)``, ``rope(q, positions)``,
 ``scaled_dot_product_attention`` with its mask), which the reference below reproduces.
 """
@@ -47,8 +49,9 @@ def slot_table(lengths: torch.Tensor, ring_start: torch.Tensor, block_start: tor
     rel = s - block_start[:, None]  # (B, C)
     in_block = (rel >= 0) & (rel < T)
     t_blk = rel.clamp(0, T - 1)
-    logical = torch.where(s < sink, s, sink + (s - sink - ring_start[:, None]) % window)  # (B, C)
-    held = ~in_block & (s < sink + window) & (logical < lengths[:, None])
+    ring = ring_start[:, None]
+    logical = torch.where(s < sink, s, torch.where(s < sink + window, sink + (s - sink - ring) % window, s))  # (B, C)
+    held = ~in_block & (logical < lengths[:, None]) & ((s < sink + window) | (ring == 0))
     key_pos = torch.where(in_block, positions.gather(1, t_blk), logical)
     if tree_mask is None:
         tree_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
@@ -78,8 +81,8 @@ def _check_inputs(q, k, v, lengths, block_start, positions, sink, window, ring_s
               tuple(tree_mask.shape))
     if not values:
         return
-    check(bool(((lengths >= 0) & (lengths <= sink + window)).all()), "lengths", f"in [0, sink + window = "
-          f"{sink + window}]", lengths.tolist())
+    check(bool(((lengths >= 0) & (lengths <= torch.where(ring_start == 0, C, sink + window))).all()), "lengths",
+          f"in [0, sink + window = {sink + window}] with a ring (in [0, C = {C}] when compact)", lengths.tolist())
     check(bool(((ring_start >= 0) & (ring_start < window)).all()), "ring_start", f"in [0, window = {window})",
           ring_start.tolist())
     check(bool(((block_start >= 0) & (block_start + T <= C)).all()), "block_start",
@@ -199,7 +202,7 @@ if TRITON_AVAILABLE:
         n_held = tl.load(LENS + b).to(tl.int32)
         ring = tl.load(RING + b).to(tl.int32)
         bstart = tl.load(BSTART + b).to(tl.int32)
-        held_end = tl.where(n_held <= SINK, n_held, SINK + WIN)
+        held_end = tl.where(ring == 0, n_held, SINK + WIN)
         end = tl.maximum(held_end, bstart + T)
         qk_scale = sm_scale * 1.4426950408889634
 
@@ -211,8 +214,9 @@ if TRITON_AVAILABLE:
             n_ok = offs_n < end
             rel = offs_n - bstart
             in_block = (rel >= 0) & (rel < T)
-            logical = tl.where(offs_n < SINK, offs_n, SINK + (offs_n - SINK - ring + WIN) % WIN)
-            held = (~in_block) & (offs_n < SINK + WIN) & (logical < n_held)
+            in_ring = (offs_n >= SINK) & (offs_n < SINK + WIN)
+            logical = tl.where(in_ring, SINK + (offs_n - SINK - ring + WIN) % WIN, offs_n)
+            held = (~in_block) & (logical < n_held) & ((offs_n < SINK + WIN) | (ring == 0))
             blk_pos = tl.load(POS + b * spb + rel, mask=in_block & n_ok, other=0)
             k_pos = tl.where(in_block, blk_pos, logical)
 

@@ -249,6 +249,34 @@ def test_rolling_reference_is_the_sink_window_cache(name):
     torch.testing.assert_close(rolling_attention_reference(**kw), expected, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("kind", ["static", "rolling", "slot"])
+def test_attend_on_cpu_is_the_models_former_path(kind, monkeypatch):
+    """``CacheStep.attend`` (the models' call) is ``update`` + SDPA with ``step.mask``, bit for bit,
+    wherever the dispatch takes the torch path."""
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    H, D = 2, 16
+    make = {"static": lambda: StaticKVCache(1, 2, H, D, max_len=30, rope=Rope1D(D)),
+            "rolling": lambda: SinkWindowCache(1, 2, H, D, sink=2, window=5, max_block=6, rope=Rope1D(D)),
+            "slot": lambda: importlib.import_module("mmspec.core.cache").SlotKVCache(1, 2, H, D, max_len=30,
+                                                                                   rope=Rope1D(D))}[kind]
+    a, b = make(), make()
+    g = torch.Generator().manual_seed(7)
+    tree = _random_tree(2, 6, g)
+    for T, mask in [(9, None), (6, tree.ancestor_mask), (1, None)]:
+        pos = a.next_positions()[:, None] + torch.arange(T) if kind != "slot" else torch.arange(T).expand(2, T)
+        q, k, v = (torch.randn(2, H, T, D, generator=g) for _ in range(3))
+        step_a, step_b = a.step(pos, mask), b.step(pos, mask)
+        got = step_a.attend(0, q, k, v)
+        expected = torch.nn.functional.scaled_dot_product_attention(*step_b.update(0, q, k, v), attn_mask=step_b.mask)
+        assert torch.equal(got, expected)
+        if kind == "slot":
+            a.commit(torch.ones(2, T, dtype=torch.bool))
+            b.commit(torch.ones(2, T, dtype=torch.bool))
+        else:
+            a.keep_block(T, None, torch.tensor([T, T - 1 if T > 1 else 1]))
+            b.keep_block(T, None, torch.tensor([T, T - 1 if T > 1 else 1]))
+
+
 def test_rolling_reference_bites():
     """A ring read as if compact, or keys at the wrong positions, is caught by these comparisons."""
     kw, expected = ROLLING_CASES["tokens-1d-ring5"]
@@ -351,6 +379,18 @@ def test_long_rolling_blocks_take_the_reference_unless_forced(monkeypatch):
     lengths = torch.tensor([8])
     rolling_attention(q, k, v, lengths, lengths, 8 + torch.arange(T)[None], Rope1D(16), sink=0, window=8)
     assert calls == [T]
+
+
+def test_considered_never_hides_a_kernel_use_triton_would_pick(monkeypatch):
+    monkeypatch.delenv("MMSPEC_DISABLE_KERNELS", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for mode, cpu, cuda in [("auto", False, True), ("torch", False, False), ("triton", True, True)]:
+        monkeypatch.setenv(dispatch.ENV, mode)
+        assert dispatch.considered(torch.device("cpu")) is cpu
+        assert dispatch.considered(torch.device("cuda")) is cuda
+        for device in ("cpu", "cuda"):
+            if dispatch.use_triton("op", torch.device(device), None, True):
+                assert dispatch.considered(torch.device(device))
 
 
 def test_bad_switch_values(monkeypatch):

@@ -7,8 +7,11 @@ The decoder talks to every cache through three calls:
   (``idx=None``: the first ``n[b]``, a plain truncation, as for chains);
 - ``truncate(lengths)``.
 
-Native models additionally call ``step(positions, tree_mask)`` once per forward and
-``step.update(layer, q, k, v)`` in every attention layer (see ``CacheStep``). The HF adapter
+Native models additionally call ``step(positions, tree_mask)`` once per forward and, in every
+attention layer, ``step.attend(layer, q, k, v)`` (store the block, attend: the tree-verify or
+rolling attention kernel of ``mmspec.kernels`` where its dispatch picks Triton,
+``scaled_dot_product_attention`` with ``step.mask`` otherwise) or ``step.update(layer, q, k, v)``
+and their own attention (see ``CacheStep``). The HF adapter
 (``mmspec.adapters.hf``) implements the decoder-facing calls over transformers' ``DynamicCache``.
 
 Attention visibility of a block of T new tokens with an optional tree mask (B, T, R + T): every
@@ -27,7 +30,11 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from torch.nn import functional as F
 
+from ..kernels import dispatch as kernel_dispatch
+from ..kernels.rolling_attention import FUSED_MAX_QUERIES, rolling_attention_triton, rope_problem
+from ..kernels.tree_attention import tree_attention_triton
 from .errors import check
 
 Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -55,16 +62,27 @@ class CacheStep:
     """One forward's view of a native cache: where the block goes and what it may see."""
 
     def __init__(self, cache: "StaticKVCache", positions: torch.Tensor, slots: torch.Tensor,
-                 mask: torch.Tensor, key_positions: torch.Tensor | None):
+                 mask: torch.Tensor, key_positions: torch.Tensor | None, tree_mask: torch.Tensor | None = None):
         self.cache = cache
         self.positions = positions  # (B, T)
         self.slots = slots  # (B, T)
         self.mask = mask  # (B, 1, T, S)
         self.key_positions = key_positions  # (B, S) for caches that rotate keys on read
+        self.tree_mask = tree_mask  # (B, T, W) the mask's block part (None: causal), for the kernels
 
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store this block's k, v (B, H, T, D) for ``layer``; return rotated q and all keys/values."""
         return self.cache._update(self, layer, q, k, v)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store this block's k, v (B, H, T, D) for ``layer`` and return the block's attention output
+        (B, H, T, D): ``scaled_dot_product_attention(*update(...), attn_mask=mask)``, or the same
+        through a kernel of ``mmspec.kernels`` where its dispatch picks Triton."""
+        out = self.cache._kernel_attention(self, layer, q, k, v)
+        if out is not None:
+            return out
+        q, k, v = self.update(layer, q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
 
 
 class StaticKVCache:
@@ -109,7 +127,7 @@ class StaticKVCache:
         if S > self.max_len:
             raise ValueError(f"cache overflow: a block needs {S} slots, the cache has max_len={self.max_len}")
         mask = visibility_mask(ends, T, S, tree_mask)
-        step = CacheStep(self, positions, slots, mask, self._key_positions(slots, positions, S))
+        step = CacheStep(self, positions, slots, mask, self._key_positions(slots, positions, S), tree_mask)
         self.lengths = ends
         return step
 
@@ -129,6 +147,20 @@ class StaticKVCache:
         S = step.mask.shape[-1]
         self._write(layer, step, self._rotate(k, step.positions), v)
         return self._rotate(q, step.positions), self.k[layer, :, :, :S], self.v[layer, :, :, :S]
+
+    def _kernel_attention(self, step, layer, q, k, v) -> torch.Tensor | None:
+        """The tree-verify attention kernel's output where the kernels' dispatch picks it, else None
+        (before anything is written). The kernel applies ``step.mask``'s rule from the block's
+        prefix length and its tree mask instead of reading the dense mask."""
+        if step.positions.shape[1] == 0 or not kernel_dispatch.considered(q.device):
+            return None
+        problem = kernel_dispatch.dtype_problem(q, self.k) or (None if q.dtype == self.k.dtype else "q and the cache "
+                                                              "differ in dtype")
+        if not kernel_dispatch.use_triton("tree attention", q.device, problem):
+            return None
+        width = step.positions.shape[1] if step.tree_mask is None else step.tree_mask.shape[-1]
+        q, keys, values = self._update(step, layer, q, k, v)
+        return tree_attention_triton(q, keys, values, step.slots[:, -1] + 1 - width, step.tree_mask)
 
     # -- decoder-facing -------------------------------------------------------------------------
     def truncate(self, lengths: torch.Tensor) -> None:
@@ -344,7 +376,7 @@ class SinkWindowCache(StaticKVCache):
         ends = start + T
         S = int(ends.max())
         step = CacheStep(self, positions, slots, visibility_mask(ends, T, S, tree_mask),
-                         self._key_positions(slots, positions, S))
+                         self._key_positions(slots, positions, S), tree_mask)
         self._written = True
         return step
 
@@ -357,6 +389,24 @@ class SinkWindowCache(StaticKVCache):
         self._write(layer, step, k, v)
         keys = self._rotate(self.k[layer, :, :, :S], step.key_positions)
         return self._rotate(q, step.positions), keys, self.v[layer, :, :, :S]
+
+    def _kernel_attention(self, step, layer, q, k, v) -> torch.Tensor | None:
+        """The rolling attention kernel (keys rotated as they are read, nothing re-rotated in memory)
+        where the kernels' dispatch picks it, else None. The block sits right after the entries it
+        sees (``block_start`` = the slots' start, this cache's compact layout, ring start 0); blocks
+        whose tree mask reaches earlier tree nodes (a draft's frontier) take the default path."""
+        T = step.positions.shape[1]
+        if T == 0 or (step.tree_mask is not None and step.tree_mask.shape[-1] != T) or \
+                not kernel_dispatch.considered(q.device):
+            return None
+        problem = (kernel_dispatch.dtype_problem(q, self.k) or (None if q.dtype == self.k.dtype else
+                   "q and the cache differ in dtype") or rope_problem(self.rope))
+        if not kernel_dispatch.use_triton("rolling attention", q.device, problem, preferred=T <= FUSED_MAX_QUERIES):
+            return None
+        self._write(layer, step, k, v)
+        start = step.slots[:, 0]
+        return rolling_attention_triton(q, self.k[layer], self.v[layer], start, start, step.positions, self.rope,
+                                        sink=self.sink, window=self.window, tree_mask=step.tree_mask)
 
     def _evict(self) -> None:
         """Keep the sink frames and the last ``window`` frames of every row (and their latents)."""
@@ -425,6 +475,9 @@ class SlotKVCache(StaticKVCache):
         L = self.k.shape[0]
         self._pending = (positions, [None] * L, [None] * L)
         return CacheStep(self, positions, positions, mask, None)
+
+    def _kernel_attention(self, step, layer, q, k, v):
+        return None  # written-slot masks are not a prefix + tree: SDPA with step.mask
 
     def _update(self, step, layer, q, k, v):
         S = self.max_len

@@ -53,8 +53,7 @@ class LlamaGenBlock(nn.Module):
         if step is None:  # reference path: full causal attention over the given tokens
             y = F.scaled_dot_product_attention(rope.apply(q, tables), rope.apply(k, tables), v, is_causal=True)
         else:
-            q, k, v = step.update(self.layer, q, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
+            y = step.attend(self.layer, q, k, v)  # the cache's kernels where dispatch picks them
         x = x + self.wo(y.transpose(1, 2).reshape(B, T, C))
         h = self.ffn_norm(x)
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))

@@ -46,8 +46,7 @@ class Block(nn.Module):
             q, k = rope.apply(q, tables), rope.apply(k, tables)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            q, k, v = step.update(self.layer, q, k, v)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
+            y = step.attend(self.layer, q, k, v)  # the cache's kernels where dispatch picks them
         x = x + self.out(y.transpose(1, 2).reshape(B, T, C))
         gate, up = self.gate_up(self.mlp_norm(x)).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
