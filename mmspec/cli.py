@@ -448,7 +448,7 @@ TRAIN_DEFAULTS = {
     # one thread: ~0.25 s per autoencoder step at batch 16 (dataset_size in frames), ~1 s per
     # video step at batch 8 (dataset_size in clips of 18 frames)
     "video-ae": dict(steps=1500, batch_size=16, lr=2e-3, dataset_size=4096),
-    "video": dict(steps=2500, batch_size=8, lr=1e-3, dataset_size=2048),
+    "video": dict(steps=1500, batch_size=8, lr=1e-3, dataset_size=2048),
     # one thread, batch 64: ~0.12 s per step, about 2.5 minutes with rendering (dataset_size in frames)
     "video-judge": dict(steps=1000, batch_size=64, lr=3e-3, dataset_size=16384),
 }
