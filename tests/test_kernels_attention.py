@@ -139,6 +139,14 @@ def _rolling_cases() -> dict:
     cases["frames-3d-ring2"] = (dict(q=q, k=k, v=v, lengths=lengths, block_start=lengths.clone(), positions=pos,
                                      ring_start=ring, rope=rope, sink=fs, window=3 * fs,
                                      tree_mask=torch.ones(2, fs, fs, dtype=torch.bool)), expected)
+    # compact rows holding more than sink + window: a chain of drafts appended after a full window,
+    # before the cache rolls (a draft model's chain steps); entries past the window at position = slot
+    D, H = 16, 2
+    cache = SinkWindowCache(1, 2, H, D, sink=2, window=5, max_block=8, rope=Rope1D(D))
+    _stream_cache(cache, [(4, [4, 3])] * 3, g, H, D, 3)  # leaves a 3-token block unkept
+    expected, kw = _stream_cache(cache, [], g, H, D, 2)
+    assert bool((kw["lengths"] > 7).all())
+    cases["compact-past-window"] = (dict(kw, rope=cache.rope, sink=2, window=5), expected)
     # one query over a full 255-entry cache (4 sink + 251 window), GQA 6 over 2 heads; ring layout
     D = 32
     rope = Rope1D(D, theta=500.0)
