@@ -3,6 +3,8 @@
 draft -> verify in one target pass -> accept -> commit the KV cache, for chains and trees, with
 exact and relaxed acceptance rules, a logits pipeline with classifier-free guidance, and static
 or sink+window rolling caches. Adapters turn model families into its ``Target`` / ``Drafter``.
+Continuous tokens run through the same loop: per-position ``TokenDist``s from a
+``DensityPipeline`` instead of probabilities (``mmspec.core.distributions``).
 
 The seams (``Target``, ``Drafter`` with ``DrafterBase``'s defaults, ``FeatureHead``,
 ``AcceptanceRule``, ``DecodingSchedule`` -> ``SchedulePlan``, ``KVCache``) are typed in one place,
@@ -12,6 +14,7 @@ The seams (``Target``, ``Drafter`` with ``DrafterBase``'s defaults, ``FeatureHea
 from .acceptance import GreedyMatch, SpeculativeSampling
 from .cache import SinkWindowCache, SlotKVCache, StaticKVCache
 from .decoder import DecodeOutput, DecodeState, SpeculativeDecoder
+from .distributions import DensityPipeline, Draw, HeadMeter, Residual, TokenDist
 from .lookup import PromptLookupDrafter
 from .drafters import EagleTreeDrafter, JacobiDrafter, ModelChainDrafter, ModelTreeDrafter, NullDrafter
 from .logits import LogitsPipeline
@@ -21,14 +24,15 @@ from .schedule import NextSetSchedule, RasterSchedule
 from .stats import Stats
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
 from .types import (Acceptance, AcceptanceRule, DecodingSchedule, Drafter, DrafterBase, FeatureHead, KVCache,
-                    ModelOutput, SchedulePlan, Target)
+                    ModelOutput, SchedulePlan, Target, TokenHead)
 
 __all__ = [
-    "Acceptance", "AcceptanceRule", "DecodeOutput", "DecodeState", "DecodingSchedule", "DraftTree", "Drafter",
-    "DrafterBase", "EagleTreeDrafter", "FeatureHead", "GreedyMatch",
+    "Acceptance", "AcceptanceRule", "DecodeOutput", "DecodeState", "DecodingSchedule", "DensityPipeline", "Draw",
+    "DraftTree", "Drafter", "DrafterBase", "EagleTreeDrafter", "FeatureHead", "GreedyMatch", "HeadMeter",
     "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDrafter", "KVCache", "LatentProximityAcceptance",
     "LatentProximityConfig", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter",
-    "NextSetSchedule", "NullDrafter", "PromptLookupDrafter", "RasterSchedule", "SchedulePlan", "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder",
-    "SpeculativeSampling", "StaticKVCache", "Stats", "Target", "Tree", "dynamic_tree", "latent_neighbours",
-    "sampled_tree",
+    "NextSetSchedule", "NullDrafter", "PromptLookupDrafter", "RasterSchedule", "Residual", "SchedulePlan",
+    "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder",
+    "SpeculativeSampling", "StaticKVCache", "Stats", "Target", "TokenDist", "TokenHead", "Tree", "dynamic_tree",
+    "latent_neighbours", "sampled_tree",
 ]

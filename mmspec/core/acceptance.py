@@ -10,6 +10,9 @@ distribution there; when all children are rejected (or a leaf is reached) the wa
 Chains take a vectorised path with the same semantics (all accept tests at once, the first
 rejection ends the chain). A new rule (LANTERN's relaxed test, GSD's groups) overrides
 ``accept_prob`` / ``reject``; the walk, the batching and the bookkeeping stay here.
+
+Continuous tokens (``p_all`` a ``TokenDist``) take the same chain path on densities: accept with
+``exp(min(0, log p(x) - log q(x)))``, on rejection draw from ``p.residual(q)``.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from __future__ import annotations
 import torch
 
 from ..kernels import residual_distribution
-from .sampling import Generators, rand, sample
+from .distributions import TokenDist
+from .sampling import Generators, rand, sample, select_rows
 from .tree import DraftTree
 from .types import Acceptance
 
@@ -31,7 +35,16 @@ class SpeculativeSampling:
     the same recursion stays exact. Deterministic form (``q is None``, EAGLE's top-k trees): q is
     the point mass at x, so accept with ``p(x)`` and on rejection zero ``p(x)`` and renormalise.
     A numerically zero residual falls back to ``p`` (SJD issue #7).
+
+    Densities (continuous tokens, ``p_all`` a ``TokenDist``): x drawn from q is accepted with
+    ``min(1, p(x) / q(x))`` in float64 log space, the first rejection ends the chain and the
+    correction is drawn from ``p.residual(q)`` (exact, ``mmspec.core.distributions.Residual``);
+    the output has density p (the discrete proof with integrals). Accepted drafts are emitted as
+    ``p.score`` says (a diffusion head's ``path`` rule: the target's last denoising step). Trees
+    are refused: sibling recursion would need the residual's normalised density.
     """
+
+    continuous = True  # verifies TokenDist targets too
 
     def accept_prob(self, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
         px = p.gather(-1, x[:, None]).squeeze(-1)
@@ -41,13 +54,22 @@ class SpeculativeSampling:
         return torch.where(qx > 0, (px / qx.clamp_min(1e-30)).clamp(max=1.0), 0.0)
 
     def reject(self, p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+        if isinstance(p, TokenDist):
+            return p.residual(q)
         if q is None:
             q = torch.nn.functional.one_hot(x, p.shape[-1]).to(p.dtype)
         return residual_distribution(p, q)
 
     def sample(self, p: torch.Tensor, generator: Generators = None) -> torch.Tensor:
-        """(B, V) -> (B,) tokens; row b draws from generator b of a per-row tuple."""
+        """(B, V) -> (B,) tokens; row b draws from generator b of a per-row tuple. A (B,)
+        ``TokenDist`` gives (B, *token_shape) tokens."""
+        if not isinstance(p, torch.Tensor):
+            return p.sample(generator).token
         return sample(p, generator)
+
+    def score(self, p: TokenDist, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """Densities: ``(log p(x), the tokens the target emits for x)``."""
+        return p.score(x)
 
     def uniform(self, shape: tuple[int, ...], device, generator: Generators) -> torch.Tensor:
         """(B, ...) uniforms for the accept tests; row b's from generator b of a per-row tuple."""
@@ -55,9 +77,38 @@ class SpeculativeSampling:
 
     def __call__(self, draft: DraftTree, p_all: torch.Tensor, generator: Generators = None) -> Acceptance:
         """``p_all`` (B, N+1, V): the target's processed distribution after every node."""
+        if isinstance(p_all, TokenDist):
+            return self._chain_density(draft, p_all, generator)
         if draft.tree.is_chain and draft.tokens.shape[1] > 0:
             return self._chain(draft, p_all, generator)
         return self._walk(draft, p_all, generator)
+
+    def _chain_density(self, draft: DraftTree, p_all: TokenDist, generator) -> Acceptance:
+        """The chain walk on densities: float64 log-ratio tests at once, the first rejection ends
+        the chain; only the rows that need it draw a correction (residual) or a bonus."""
+        check_chain(draft)
+        B, G = p_all.batch_shape[0], draft.tokens.shape[1]
+        device = p_all.device
+        rows = torch.arange(B, device=device)
+        n = torch.zeros(B, dtype=torch.long, device=device)
+        emitted = None
+        if G > 0:
+            x = draft.draws
+            logp, emitted = self.score(p_all[:, :G], x)  # (B, G)
+            logq = x.log_prob if x.log_prob is not None else draft.q.log_prob(x)
+            u = rand((B, G), generator, device, torch.float64)
+            ok = u.log() < (logp - logq).clamp(max=0.0)
+            n = ok.long().cumprod(1).sum(1)  # (B,) accepted prefix length
+        next_token = torch.zeros((B,) + tuple(p_all.token_shape), dtype=p_all.token_dtype, device=device)
+        bonus = n == G
+        for take, dist in ((~bonus, lambda r: self.reject(p_all[r, n[r]], draft.q[r, n[r]], None)),
+                           (bonus, lambda r: p_all[r, torch.full_like(r, G)])):
+            r = rows[take]
+            if r.numel():
+                next_token[r] = dist(r).sample(select_rows(generator, r)).token.to(next_token.dtype)
+        depth = torch.arange(G + 1, device=device)
+        path = torch.where(depth <= n[:, None], depth, -1)
+        return Acceptance(path=path, num_accepted=n, next_token=next_token, tokens=emitted)
 
     def _chain(self, draft: DraftTree, p_all: torch.Tensor, generator) -> Acceptance:
         """The walk for a chain, all positions at once: the first rejection ends it."""
@@ -113,12 +164,22 @@ class SpeculativeSampling:
         return Acceptance(path=path, num_accepted=num_acc, next_token=self.sample(p, generator))
 
 
+def check_chain(draft: DraftTree) -> None:
+    """Continuous tokens are verified in chains only; say why otherwise."""
+    if not draft.tree.is_chain:
+        raise ValueError("continuous tokens need chain drafts, got a tree: recursive rejection among "
+                         "siblings scores the next sibling under the residual (p - q)^+ / (1 - beta), "
+                         "whose normaliser 1 - beta has no closed form for densities")
+
+
 class GreedyMatch(SpeculativeSampling):
     """Greedy verification: accept a child iff it is the target's argmax; no randomness.
 
     Equivalent to speculative sampling with the one-hot greedy distribution, and bit-identical to
     greedy target-only decoding.
     """
+
+    continuous = False
 
     def uniform(self, shape, device, generator):
         return torch.zeros(shape, device=device)  # accept probability is exactly 0 or 1

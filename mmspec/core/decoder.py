@@ -14,21 +14,23 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 
 from .acceptance import GreedyMatch, SpeculativeSampling
-from .drafters import NullDrafter
+from .distributions import DensityPipeline, HeadMeter
+from .drafters import EagleTreeDrafter, ModelTreeDrafter, NullDrafter
 from .errors import check
 from .logits import LogitsPipeline
 from .sampling import Generators, as_generators, repeat_rows, select_rows
 from .schedule import RasterSchedule
 from .stats import Stats
+from .tokens import gather_tokens, scatter_tokens_
 from .tree import DraftTree, Tree
-from .types import Acceptance, AcceptanceRule, DecodeState, DecodingSchedule, Drafter, Target
+from .types import Acceptance, AcceptanceRule, DecodeState, DecodingSchedule, Drafter, ModelOutput, Target
 
 __all__ = ["DecodeOutput", "DecodeState", "SpeculativeDecoder", "pad_prompts"]
 
 
 @dataclass
 class DecodeOutput:
-    sequences: torch.Tensor  # (B, max_new_tokens) generated tokens, pad_token_id after the end
+    sequences: torch.Tensor  # (B, max_new_tokens[, *token_shape]) generated tokens, pad_token_id after the end
     lengths: torch.Tensor  # (B,) generated tokens per row (EOS included)
     stats: Stats
 
@@ -61,23 +63,59 @@ class SpeculativeDecoder:
         schedule: which positions each pass decodes (``DecodingSchedule``, see
             ``mmspec.core.schedule``); default raster next-token order. Drafters and rules see the
             schedule's lanes as rows. A schedule keeps no per-call state, so decoders may share one.
+
+    Continuous tokens: a target with a non-empty ``token_shape`` (e.g. ``(2, d)``) returns
+    features (``ModelOutput.cond``) and per-token heads instead of logits; ``logits`` is then a
+    ``DensityPipeline`` (the default), the rule one with ``continuous = True`` (speculative
+    sampling on densities by default), drafts are chains and the order is raster. Prompts are still
+    ids; the history holds them broadcast over the token shape in the target's ``token_dtype``.
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, rule: AcceptanceRule | None = None,
-                 logits: LogitsPipeline | None = None, schedule: DecodingSchedule | None = None):
+                 logits: LogitsPipeline | DensityPipeline | None = None, schedule: DecodingSchedule | None = None):
         self.target = target
+        self.token_shape = tuple(getattr(target, "token_shape", ()))
         self.schedule = schedule if schedule is not None else RasterSchedule()
         self.drafter = drafter if drafter is not None else NullDrafter()
-        self.logits = logits if logits is not None else LogitsPipeline()
+        if logits is None:
+            logits = DensityPipeline() if self.token_shape else LogitsPipeline()
+        self.logits = logits
         self.rule = rule if rule is not None else (GreedyMatch() if self.logits.greedy else SpeculativeSampling())
         for name, value, proto in (("drafter", self.drafter, Drafter), ("rule", self.rule, AcceptanceRule),
                                    ("schedule", self.schedule, DecodingSchedule)):
             check(isinstance(value, proto), name, f"a {proto.__name__} (members: {_members(proto)})",
                   type(value).__name__)
+        if self.token_shape:
+            self._check_continuous()
+        else:
+            check(isinstance(self.logits, LogitsPipeline), "logits",
+                  "a LogitsPipeline for a token-id target (DensityPipeline is for continuous tokens)",
+                  type(self.logits).__name__)
+            check(not getattr(self.drafter, "token_shape", ()), "drafter",
+                  "a drafter of token ids for a token-id target", type(self.drafter).__name__)
         dv = self.drafter.vocab_size
         check(dv is None or dv == target.vocab_size, "drafter.vocab_size",
               f"equal to the target's vocabulary size ({target.vocab_size})", dv)
         self.schedule.check_drafter(self.drafter)
+
+    def _check_continuous(self) -> None:
+        """What continuous tokens need of the other seams, refused with the reason."""
+        shape = self.token_shape
+        check(isinstance(self.logits, DensityPipeline), "logits",
+              f"a DensityPipeline for continuous tokens (token_shape={shape})", type(self.logits).__name__)
+        check(isinstance(self.schedule, RasterSchedule), "schedule",
+              "RasterSchedule for continuous tokens (next-set orders need lane drafts of token ids)",
+              type(self.schedule).__name__)
+        check(getattr(self.rule, "continuous", False), "rule",
+              "a rule that verifies densities (continuous = True, e.g. SpeculativeSampling) for continuous tokens",
+              type(self.rule).__name__)
+        d = self.drafter
+        check(not isinstance(d, (ModelTreeDrafter, EagleTreeDrafter)), "drafter",
+              "a chain drafter for continuous tokens: recursive rejection among tree siblings needs the residual's "
+              "normalised density, whose normaliser 1 - beta has no closed form", type(d).__name__)
+        check(isinstance(d, NullDrafter) or tuple(getattr(d, "token_shape", ())) == shape, "drafter",
+              f"a drafter of continuous tokens of shape {shape} (a ModelChainDrafter over a continuous draft model)",
+              type(d).__name__)
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens: int, *, uncond_input_ids=None,
@@ -115,6 +153,8 @@ class SpeculativeDecoder:
               "None or a mapping of keyword inputs for the prompt pass", type(conditioning).__name__)
         check(callback is None or callable(callback), "callback", "None or a callable (step, state)", callback)
         eos = _eos_ids(eos_token_id)
+        continuous = bool(self.token_shape)
+        check(not continuous or eos is None, "eos_token_id", "None for continuous tokens", eos_token_id)
         guided = self.logits.uses_guidance
         if guided and uncond_input_ids is None:
             raise ValueError("uncond_input_ids must be given when guidance_scale is set "
@@ -138,24 +178,34 @@ class SpeculativeDecoder:
         B = B * sched.lanes
         block = self.drafter.max_block
         capacity = ids.shape[1] + plan.lane_tokens + 2 * block + 1
-        history = torch.full((ids.shape[0], capacity), 0, dtype=torch.long, device=device)
+        if continuous:  # prompt ids broadcast over the token shape
+            dtype = getattr(self.target, "token_dtype", torch.float32)
+            ids = ids.to(dtype).view(*ids.shape, *(1,) * len(self.token_shape)).expand(*ids.shape, *self.token_shape)
+        history = torch.zeros((ids.shape[0], capacity) + self.token_shape, dtype=ids.dtype, device=device)
         history[:, : ids.shape[1]] = ids
         conditioning = dict(conditioning or {})
+        meters = {"target": HeadMeter(), "draft": HeadMeter()} if continuous else None
         state = DecodeState(history, lens.clone(), B, self.logits, generator, capacity,
-                            prompt_lengths=lens.clone(), conditioning=conditioning)
-        stats = Stats(profile=profile)
+                            prompt_lengths=lens.clone(), conditioning=conditioning, new_tokens=max_new_tokens,
+                            meters=meters)
+        stats = Stats(profile=profile, heads=meters)
         draft_forwards_before = self.drafter.forwards
         target, cache = plan.bind(self.target, state)
 
         # 1. prefill the prompts; the first token comes from the target alone
         with stats.timed("prefill", device):
-            positions = torch.arange(ids.shape[1], device=device).expand_as(ids)
+            positions = torch.arange(ids.shape[1], device=device).expand(ids.shape[:2])
             out = target(ids, positions, cache, **conditioning)
             cache.truncate(lens)
-            last = out.logits[torch.arange(state.rows, device=device), (lens - 1).clamp(min=0)]  # (R, V)
-            probs = self.logits(last)  # (B, V)
+            rows, at = torch.arange(state.rows, device=device), (lens - 1).clamp(min=0)
+            if continuous:  # the (B,) distributions after each prompt's last position
+                last = ModelOutput(logits=None, cond=out.cond[rows, at][:, None], heads=out.heads)
+                probs = state.distribution(last, at[:, None], meters["target"])[:, 0]
+            else:
+                last = out.logits[rows, at]  # (R, V)
+                probs = self.logits(last)  # (B, V)
             sel = plan.prefill_rows(state)
-            first = torch.zeros(B, dtype=torch.long, device=device)
+            first = history.new_zeros((B,) + self.token_shape)
             count = torch.ones(B, dtype=torch.long, device=device)
             if sel is None:
                 first = self.rule.sample(probs, generator)
@@ -183,7 +233,10 @@ class SpeculativeDecoder:
             # 3. verify every drafted token in one target pass
             with stats.timed("verify", device):
                 out = target(state.expand(tokens), positions, cache, mask)
-                probs = self.logits(out.logits)  # (B, T, V)
+                if continuous:  # (B, T) distributions
+                    probs = state.distribution(out, positions, meters["target"])
+                else:
+                    probs = self.logits(out.logits)  # (B, T, V)
                 stats.target_forwards += 1
             # 4. accept
             with stats.timed("accept", device):
@@ -200,11 +253,16 @@ class SpeculativeDecoder:
                 idx = None if tree.is_chain else state.expand(acc.path.clamp(min=0))
                 cache.keep_block(T, idx, state.expand(keep))
                 self.drafter.update(state, draft, acc, probs, out)
-                path_tokens = tokens.gather(1, acc.path[:, 1:].clamp(min=0))  # (B, D)
-                new = torch.cat([path_tokens, path_tokens.new_zeros(B, 1)], 1)
-                new.scatter_(1, acc.num_accepted[:, None], acc.next_token[:, None])
+                if acc.tokens is not None:  # the rule emits other tokens than the drafts on the path
+                    path_tokens = acc.tokens.to(tokens.dtype)  # (B, D, *token_shape)
+                else:
+                    path_tokens = gather_tokens(tokens, acc.path[:, 1:].clamp(min=0))  # (B, D)
+                new = torch.cat([path_tokens, path_tokens.new_zeros((B, 1) + self.token_shape)], 1)
+                scatter_tokens_(new, acc.num_accepted[:, None], acc.next_token[:, None].to(new.dtype))
                 emitted = torch.where(emitting, keep, 0)
                 stats.record_step(plan.per_output(emitted))
+                if continuous:
+                    stats.record_tests(draft.tokens.shape[1], acc.num_accepted[emitting])
                 self._emit(state, new, emitted)
                 done = plan.finished(state)
             step += 1
@@ -223,7 +281,7 @@ class SpeculativeDecoder:
         """Append ``new[b, :count[b]]`` to every target row's history (both CFG halves)."""
         new, count = state.expand(new), state.expand(count)
         cols = state.lengths[:, None] + torch.arange(new.shape[1], device=new.device)
-        state.tokens.scatter_(1, cols.clamp(max=state.tokens.shape[1] - 1), new)
+        scatter_tokens_(state.tokens, cols.clamp(max=state.tokens.shape[1] - 1), new)
         state.lengths = state.lengths + count
 
 

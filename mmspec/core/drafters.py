@@ -13,9 +13,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..kernels import residual_distribution
+from .distributions import Draw
 from .errors import check, check_choice
 from .sampling import rand, randint, sample
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
@@ -31,9 +34,15 @@ class NullDrafter(DrafterBase):
     lane_safe = True  # works under any schedule
 
     def propose(self, state: DecodeState) -> DraftTree:
-        B = state.batch_size
-        empty = torch.zeros(B, 0, dtype=torch.long, device=state.tokens.device)
-        return DraftTree(empty, Tree(empty, max_depth=0, max_children=0))
+        return _empty_draft(state)
+
+
+def _empty_draft(state: DecodeState) -> DraftTree:
+    """No draft: the root alone (tokens (B, 0, *token_shape) in the history's dtype)."""
+    B = state.batch_size
+    empty = torch.zeros(B, 0, dtype=torch.long, device=state.tokens.device)
+    tokens = empty if not state.continuous else state.tokens.new_zeros((B, 0) + state.token_shape)
+    return DraftTree(tokens, Tree(empty, max_depth=0, max_children=0))
 
 
 class _DraftModelRunner:
@@ -60,32 +69,50 @@ class _DraftModelRunner:
         self.cache = self.model.new_cache(state.rows, state.max_len)
         self.exact = torch.zeros_like(state.lengths)
 
-    def root_logits(self, state: DecodeState) -> torch.Tensor:
-        """(R, V) draft logits after each row's root, feeding the history the cache lacks."""
+    def _feed_history(self, state: DecodeState):
+        """Feed the history the cache lacks (at least the root): (output (R, W, ...), (R,) the
+        root's column in it)."""
         self.exact = torch.minimum(self.exact, state.lengths - 1)  # always re-feed at least the root
         self.cache.truncate(self.exact)
         width = int((state.lengths - self.exact).max())
         positions = self.exact[:, None] + torch.arange(width, device=self.exact.device)  # (R, W)
-        feed = state.tokens.gather(1, positions.clamp(max=state.tokens.shape[1] - 1))
+        feed = state.history(positions.clamp(max=state.tokens.shape[1] - 1))
         # the first feed is the draft's prompt pass: it takes the call's conditioning as the target's did
         first = self.conditioned and bool((self.exact == 0).all())
         conditioning = state.conditioning if first else {}
-        logits = self.model(feed, positions, self.cache, **conditioning).logits  # (R, W, V)
+        out = self.model(feed, positions, self.cache, **conditioning)
         self.forwards += 1
-        last = (state.lengths - 1 - self.exact)[:, None, None].expand(-1, 1, logits.shape[-1])
+        last = state.lengths - 1 - self.exact
         self.cache.truncate(state.lengths)  # right padding of shorter rows is not history
         self.exact = state.lengths.clone()
-        return logits.gather(1, last).squeeze(1)
+        return out, last
+
+    def root_logits(self, state: DecodeState) -> torch.Tensor:
+        """(R, V) draft logits after each row's root, feeding the history the cache lacks."""
+        out, last = self._feed_history(state)
+        logits = out.logits  # (R, W, V)
+        return logits.gather(1, last[:, None, None].expand(-1, 1, logits.shape[-1])).squeeze(1)
+
+    def root_output(self, state: DecodeState) -> ModelOutput:
+        """Continuous drafts: the draft model's output at each row's root, features (R, 1, H)."""
+        out, last = self._feed_history(state)
+        rows = torch.arange(last.shape[0], device=last.device)
+        return ModelOutput(logits=None, cond=out.cond[rows, last][:, None], heads=out.heads)
 
     def run(self, state: DecodeState, tokens: torch.Tensor, depths: torch.Tensor,
             tree_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Feed (B, T) tokens at (B, T) depths below each row's root; returns (R, T, V) logits.
 
         Positions are per target row: the two CFG halves share tokens but not prompt lengths."""
+        return self.run_output(state, tokens, depths, tree_mask).logits
+
+    def run_output(self, state: DecodeState, tokens: torch.Tensor, depths: torch.Tensor,
+                   tree_mask: torch.Tensor | None = None) -> ModelOutput:
+        """``run``'s whole model output (continuous drafts read its ``cond``)."""
         self.forwards += 1
         positions = (state.lengths - 1)[:, None] + state.expand(depths)
         mask = None if tree_mask is None else state.expand(tree_mask)
-        return self.model(state.expand(tokens), positions, self.cache, mask).logits
+        return self.model(state.expand(tokens), positions, self.cache, mask)
 
 
 class _ModelDrafter(DrafterBase):
@@ -95,6 +122,7 @@ class _ModelDrafter(DrafterBase):
     def __init__(self, model, conditioned: bool = True):
         self.runner = _DraftModelRunner(model, conditioned)
         self.vocab_size = model.vocab_size
+        self.token_shape = tuple(getattr(model, "token_shape", ()))  # () for token ids
 
     @property
     def forwards(self) -> int:
@@ -110,15 +138,38 @@ class ModelChainDrafter(_ModelDrafter):
     Samples ``gamma`` tokens from the draft's processed distribution q (same logits pipeline as
     the target, so with guidance the draft is guided too) and hands q to the acceptance rule.
     ``conditioned=False`` keeps the call's conditioning (e.g. images) from the draft model.
+
+    Continuous tokens (a draft model with a ``token_shape``): q is the draft head's ``TokenDist``
+    through the call's ``DensityPipeline``, and the draws (with their denoising paths and log q)
+    go to the rule with the tokens.
+
+    ``warmup``: the first ``ceil(warmup * max_new_tokens)`` tokens of every row come from the
+    target alone (nothing is drafted before; CSpD's token pre-filling, Wang et al., 2025). Exact.
     """
 
-    def __init__(self, model, gamma: int = 4, conditioned: bool = True):
+    def __init__(self, model, gamma: int = 4, conditioned: bool = True, warmup: float = 0.0):
         check(isinstance(gamma, int) and gamma >= 1, "gamma", "an int >= 1", gamma)
+        check(isinstance(warmup, (int, float)) and not isinstance(warmup, bool) and 0.0 <= warmup < 1.0, "warmup",
+              "a fraction in [0, 1) of the tokens to generate", warmup)
         super().__init__(model, conditioned)
         self.gamma = gamma
+        self.warmup = float(warmup)
         self.max_block = gamma + 1
 
+    def warming_up(self, state: DecodeState) -> bool:
+        """True while some row has generated fewer than ``ceil(warmup * max_new_tokens)`` tokens
+        (rows advance in lockstep then: every pass emits one token per row)."""
+        if self.warmup == 0.0:
+            return False
+        B = state.batch_size
+        generated = int((state.lengths[:B] - state.prompt_lengths[:B]).min())
+        return generated < math.ceil(self.warmup * state.new_tokens)
+
     def propose(self, state: DecodeState) -> DraftTree:
+        if self.warming_up(state):
+            return _empty_draft(state)
+        if state.continuous:
+            return self._propose_densities(state)
         logits = self.runner.root_logits(state)  # (R, V)
         toks, qs = [], []
         for i in range(self.gamma):
@@ -130,6 +181,25 @@ class ModelChainDrafter(_ModelDrafter):
                 logits = self.runner.run(state, x[:, None], torch.full_like(x[:, None], i + 1))[:, 0]
         tokens = torch.stack(toks, 1)
         return DraftTree(tokens, Tree.chain(tokens.shape[0], self.gamma, tokens.device), torch.stack(qs, 1))
+
+    def _propose_densities(self, state: DecodeState) -> DraftTree:
+        """The same chain on continuous tokens: q is a ``TokenDist``, x a ``Draw``."""
+        out = self.runner.root_output(state)  # (R, 1, H) features after the root
+        meter = None if state.meters is None else state.meters["draft"]
+        root = (state.lengths - 1)[:, None]  # (R, 1)
+        draws, qs = [], []
+        for i in range(self.gamma):
+            q = state.distribution(out, root + i, meter)[:, 0]  # (B,)
+            x = q.sample(state.generator)
+            draws.append(x)
+            qs.append(q)
+            if i + 1 < self.gamma:
+                depth = torch.full((state.batch_size, 1), i + 1, dtype=torch.long, device=root.device)
+                out = self.runner.run_output(state, x.token[:, None].to(state.tokens.dtype), depth)
+        x = Draw.stack(draws, 1)  # (B, gamma)
+        B = x.token.shape[0]
+        return DraftTree(x.token.to(state.tokens.dtype), Tree.chain(B, self.gamma, x.token.device),
+                         type(qs[0]).stack(qs, 1), draws=x)
 
 
 class ModelTreeDrafter(_ModelDrafter):
@@ -143,6 +213,10 @@ class ModelTreeDrafter(_ModelDrafter):
 
     def __init__(self, model, top_k: int = 4, depth: int = 4, total_tokens: int = 16,
                  mode: str = "topk", conditioned: bool = True):
+        check(not getattr(model, "token_shape", ()), "model",
+              "a token-id model: continuous tokens are drafted in chains (ModelChainDrafter), since recursive "
+              "rejection among siblings needs the residual's normalised density, whose normaliser 1 - beta has "
+              "no closed form", type(model).__name__)
         super().__init__(model, conditioned)
         self.top_k, self.depth, self.total_tokens, self.mode = top_k, depth, total_tokens, mode
         self.max_block = _tree_block(model.vocab_size, top_k, depth, total_tokens, mode)

@@ -58,6 +58,8 @@ class GroupedAcceptance(SpeculativeSampling):
         config: the thresholds and window.
     """
 
+    continuous = False  # token ids and their embeddings only
+
     def __init__(self, embeddings: torch.Tensor, config: GroupedAcceptanceConfig | None = None):
         self.embeddings = embeddings.detach().float()
         self.config = config or GroupedAcceptanceConfig()
@@ -224,6 +226,8 @@ class LatentProximityAcceptance(SpeculativeSampling):
         neighbours: (V, >= k + 1) nearest codes per code, nearest first (``latent_neighbours``).
         config: k, delta or lam, the rejection variant and the budget.
     """
+
+    continuous = False  # proximity sets over a codebook's ids
 
     def __init__(self, neighbours: torch.Tensor, config: LatentProximityConfig | None = None):
         self.config = config or LatentProximityConfig()

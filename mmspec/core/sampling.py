@@ -1,6 +1,6 @@
 """Randomness of the core: categorical sampling and uniforms, drawn per row.
 
-Every random number the core draws goes through ``rand`` / ``randint`` here, so that a *list of
+Every random number the core draws goes through ``rand`` / ``randn`` / ``randint`` here, so that a *list of
 generators* (diffusers' convention: one ``torch.Generator`` per output row) means what users
 expect: row r draws its numbers from generator r, in the same order and amounts as when it is
 decoded alone, so row r of a batch equals that row decoded alone with the same generator.
@@ -73,6 +73,11 @@ def _per_row(draw, shape: tuple, generator: Generators):
 def rand(shape, generator: Generators = None, device=None, dtype=torch.float32) -> torch.Tensor:
     """``torch.rand(shape)`` whose row r (``shape[0]``) comes from generator r of a per-row tuple."""
     return _per_row(lambda s, g: torch.rand(s, device=device, dtype=dtype, generator=g), tuple(shape), generator)
+
+
+def randn(shape, generator: Generators = None, device=None, dtype=torch.float32) -> torch.Tensor:
+    """``torch.randn(shape)`` drawn per row like ``rand`` (continuous tokens' noise)."""
+    return _per_row(lambda s, g: torch.randn(s, device=device, dtype=dtype, generator=g), tuple(shape), generator)
 
 
 def randint(low: int, high: int, shape, generator: Generators = None, device=None) -> torch.Tensor:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .cache import SlotKVCache
+from .tokens import gather_tokens, token_mask
 from .errors import check, check_choice
 from .types import Drafter, ModelOutput
 
@@ -72,13 +73,13 @@ class RasterPlan:
         B, max_new = state.batch_size, self.lane_tokens
         prompt_lens = self.prompt_lens[:B]
         cols = prompt_lens[:, None] + torch.arange(max_new, device=prompt_lens.device)
-        seq = state.tokens[:B].gather(1, cols.clamp(max=state.tokens.shape[1] - 1))
+        seq = gather_tokens(state.tokens[:B], cols.clamp(max=state.tokens.shape[1] - 1))  # (B, max_new[, *s])
         n = (state.lengths[:B] - prompt_lens).clamp(max=max_new)
         if self.eos is not None:
             is_eos = torch.isin(seq, self.eos)
             first = torch.where(is_eos.any(1), is_eos.float().argmax(1) + 1, max_new)
             n = torch.minimum(n, first)
-        seq = torch.where(torch.arange(max_new, device=seq.device) < n[:, None], seq, pad)
+        seq = torch.where(token_mask(torch.arange(max_new, device=seq.device) < n[:, None], seq), seq, pad)
         return seq, n
 
 

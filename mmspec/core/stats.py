@@ -23,6 +23,11 @@ class Stats:
     device sync at the end). ``seconds`` holds wall time per phase (``PHASES``) only when the
     call was profiled (``generate(..., profile=True)``), which synchronises the device after every
     phase of every pass; otherwise it is ``None`` and ``as_dict()`` has no ``"seconds"`` key.
+
+    Continuous tokens add ``heads`` (``{"target": HeadMeter, "draft": HeadMeter}``: head calls and
+    rows, residual draws, tries and cap fallbacks) and the per-token acceptance ``alpha``
+    (accepted drafts / accept tests; a chain stops testing at its first rejection); ``as_dict()``
+    then has those keys too.
     """
 
     target_forwards: int = 0
@@ -30,6 +35,9 @@ class Stats:
     profile: bool = False
     seconds: dict | None = None
     wall_seconds: float = 0.0
+    heads: dict | None = None
+    accept_tests: int = 0
+    accepted: int = 0
     _emitted: list = field(default_factory=list)  # per decode pass: (B,) tokens emitted, 0 if done
 
     def __post_init__(self):
@@ -50,6 +58,17 @@ class Stats:
 
     def record_step(self, emitted: torch.Tensor) -> None:
         self._emitted.append(emitted)
+
+    def record_tests(self, drafted: int, accepted: torch.Tensor) -> None:
+        """A chain of ``drafted`` tokens verified in each row; ``accepted`` (n,) prefix lengths."""
+        if drafted > 0:
+            self.accept_tests += int((accepted + 1).clamp(max=drafted).sum())
+            self.accepted += int(accepted.sum())
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance: accepted drafts / accept tests (NaN before any test)."""
+        return self.accepted / self.accept_tests if self.accept_tests else float("nan")
 
     @property
     def decode_steps(self) -> int:
@@ -87,4 +106,13 @@ class Stats:
             "tau": self.tau,
             "wall_seconds": self.wall_seconds,
             **({} if self.seconds is None else {"seconds": dict(self.seconds)}),
+            **({} if self.heads is None else self._head_dict()),
         }
+
+    def _head_dict(self) -> dict:
+        t, d = self.heads["target"], self.heads["draft"]
+        return {"alpha": self.alpha, "accept_tests": self.accept_tests,
+                "target_head_calls": t.calls, "target_head_rows": t.rows,
+                "draft_head_calls": d.calls, "draft_head_rows": d.rows,
+                "residual_rows": t.residual_rows, "residual_tries": t.residual_tries,
+                "residual_fallbacks": t.residual_fallbacks}

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .distributions import Draw, TokenDist
 from .sampling import Generators, sample
 
 
@@ -108,11 +109,15 @@ class DraftTree:
     ``q[:, i - 1]`` is the distribution node i was drawn from *given its earlier siblings*
     (so sampling without replacement is described exactly); ``q=None`` marks deterministic drafts,
     whose proposal probability is 1 (EAGLE's form).
+
+    Continuous tokens: ``tokens`` (B, N, *token_shape), ``q`` a (B, N) ``TokenDist`` and ``draws``
+    the (B, N) ``Draw`` (tokens with their aux and log q) the rule scores.
     """
 
-    tokens: torch.Tensor  # (B, N)
+    tokens: torch.Tensor  # (B, N[, *token_shape])
     tree: Tree
-    q: torch.Tensor | None = None  # (B, N, V)
+    q: torch.Tensor | TokenDist | None = None  # (B, N, V)
+    draws: Draw | None = None
 
 
 def _frontier_mask(fed_anc: torch.Tensor | None, parent_slot: torch.Tensor | None, k: int, B: int,

@@ -3,7 +3,8 @@
 Names follow the speculative decoding papers: the *target* p, the *draft* q, a *proposal*
 (chain or tree) verified in one target pass, an *acceptance* per row.
 
-Imports point one way: ``errors``, ``sampling``, ``logits``, ``tree`` -> ``types`` -> the drafters,
+Imports point one way: ``errors``, ``sampling``, ``tokens``, ``distributions``, ``logits``, ``tree`` ->
+``types`` -> the drafters,
 rules, schedules and the decoder. Nothing here imports the decoder.
 
 | protocol | implementations |
@@ -12,6 +13,7 @@ rules, schedules and the decoder. Nothing here imports the decoder.
 | ``Drafter`` (defaults: ``DrafterBase``) | ``mmspec.core.drafters``, ``PromptLookupDrafter`` |
 | ``FeatureHead`` | EAGLE heads (``mmspec.models.eagle``, ``mmspec.models.vlm_draft``) |
 | ``AcceptanceRule`` | ``GreedyMatch``, ``SpeculativeSampling``, the relaxed rules |
+| ``TokenHead`` -> ``TokenDist`` | continuous heads (``mmspec.models.continuous_heads``) |
 | ``DecodingSchedule`` -> ``SchedulePlan`` | ``RasterSchedule``, ``NextSetSchedule`` |
 | ``KVCache`` | ``mmspec.core.cache``, the HF cache adapter |
 """
@@ -23,18 +25,24 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
+from .distributions import DensityPipeline, HeadMeter, TokenDist
 from .logits import LogitsPipeline
 from .sampling import Generators
+from .tokens import gather_tokens
 from .tree import DraftTree
 
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # (B, T, V)
+    logits: torch.Tensor | None  # (B, T, V); None for continuous tokens
     hidden: torch.Tensor | None = None  # (B, T, H): the LM head's input, for feature drafters
     # (B, T, E) the input embeddings a prompt pass actually fed (a VLM's image features scattered
     # into its placeholders): what vision-aware drafters read from ``DecodeState.prefill``
     prompt_embeds: torch.Tensor | None = None
+    # continuous tokens: the features z (B, T, H) the per-token heads read, and those heads by name
+    # (``TokenHead``s; ``DensityPipeline(head=...)`` picks one)
+    cond: torch.Tensor | None = None
+    heads: Mapping[str, Any] | None = None
 
 
 @dataclass
@@ -44,12 +52,17 @@ class Acceptance:
     Attributes:
         path: (B, D+1) node indices from the root (0) along the accepted path, -1 past it.
         num_accepted: (B,) accepted draft tokens (the root and the next token not counted).
-        next_token: (B,) the token the target adds: correction after a rejection, bonus otherwise.
+        next_token: (B, *token_shape) the token the target adds: correction after a rejection,
+            bonus otherwise.
+        tokens: (B, D, *token_shape) the tokens emitted at depths 1..D of the accepted path when
+            they differ from the drafts (a diffusion head's ``path`` rule emits the target's own
+            last denoising step); None emits the drafted tokens.
     """
 
     path: torch.Tensor
     num_accepted: torch.Tensor
     next_token: torch.Tensor
+    tokens: torch.Tensor | None = None
 
 
 @dataclass
@@ -62,12 +75,16 @@ class DecodeState:
     ``generator`` is None, one ``torch.Generator``, or a tuple of ``batch_size`` generators (one
     per row, the lanes of one image sharing theirs); draw through ``mmspec.core.sampling`` so that
     row r uses generator r.
+
+    Continuous tokens (a target with a non-empty ``token_shape``) make ``tokens`` (R, capacity,
+    *token_shape) floats (prompt ids broadcast over the token shape), ``logits`` a
+    ``DensityPipeline`` and ``meters`` the call's head counters (``"target"``, ``"draft"``).
     """
 
-    tokens: torch.Tensor  # (R, capacity) prompt then generated tokens, garbage past lengths
+    tokens: torch.Tensor  # (R, capacity[, *token_shape]) prompt then generated tokens, garbage past lengths
     lengths: torch.Tensor  # (R,)
     batch_size: int
-    logits: LogitsPipeline
+    logits: LogitsPipeline | DensityPipeline
     generator: Generators
     max_len: int  # slots a cache needs for this call (prompt + new tokens + two blocks)
     # the target's prefill output, set only while ``Drafter.start`` runs (feature drafters read
@@ -77,10 +94,33 @@ class DecodeState:
     # the call's conditioning (``generate(conditioning=...)``): fed with the prompt pass of the
     # target, and of any draft model that sees the prompt the same way (``_DraftModelRunner``)
     conditioning: Mapping[str, Any] = field(default_factory=dict)
+    new_tokens: int = 0  # the call's max_new_tokens (MAR's linear guidance schedule counts in it)
+    meters: Mapping[str, HeadMeter] | None = None  # continuous tokens: head work of target and draft
 
     @property
     def rows(self) -> int:
         return self.tokens.shape[0]
+
+    @property
+    def token_shape(self) -> tuple[int, ...]:
+        """``()`` for token ids, the trailing shape of continuous tokens."""
+        return tuple(self.tokens.shape[2:])
+
+    @property
+    def continuous(self) -> bool:
+        return self.tokens.dim() > 2
+
+    def distribution(self, out: ModelOutput, positions: torch.Tensor, meter: HeadMeter | None = None) -> TokenDist:
+        """Continuous tokens: the (B, T) distributions of a model output scored at (R, T)
+        ``positions``, through the call's ``DensityPipeline`` (each output predicts the token
+        after its position)."""
+        B = self.batch_size
+        index = positions[:B] - self.prompt_lengths[:B, None] + 1  # generated index of the predicted token
+        return self.logits(out, index, self.new_tokens, meter)
+
+    def history(self, index: torch.Tensor) -> torch.Tensor:
+        """``tokens[r, index[r, w]]`` for (R, W) ``index``, any token shape."""
+        return gather_tokens(self.tokens, index)
 
     @property
     def roots(self) -> torch.Tensor:
@@ -204,13 +244,31 @@ class FeatureHead(Protocol):
 
 
 @runtime_checkable
+class TokenHead(Protocol):
+    """A continuous model's per-token head (``ModelOutput.heads``): features -> ``TokenDist``.
+
+    ``head.distribution(cond, uncond, scale, pipeline, meter)``: ``cond`` (B, T, H) features,
+    ``uncond`` the unconditional half's (or None without guidance), ``scale`` (B, T) float64 CFG
+    scales (or None), ``pipeline`` the ``DensityPipeline`` (temperature, residual cap), ``meter``
+    where head calls are counted. Tokens have shape ``token_shape``.
+    """
+
+    token_shape: tuple[int, ...]
+
+    def distribution(self, cond: torch.Tensor, uncond: torch.Tensor | None, scale: torch.Tensor | None,
+                     pipeline: DensityPipeline, meter: HeadMeter | None) -> TokenDist: ...
+
+
+@runtime_checkable
 class AcceptanceRule(Protocol):
     """Verifies a draft against the target's processed distributions (``mmspec.core.acceptance``).
 
     ``rule(draft, p_all, generator)``: ``p_all`` (B, N+1, V) is the target's distribution after
     every node (root first); returns each row's accepted path and next token. ``rule.sample(p,
     generator)`` draws (B,) tokens from (B, V) (the prefill's first token). ``generator`` is as in
-    ``DecodeState``: row r draws from generator r of a per-row tuple.
+    ``DecodeState``: row r draws from generator r of a per-row tuple. For continuous tokens
+    ``p_all`` is a (B, N+1) ``TokenDist`` and ``sample`` draws (B, *token_shape) from a (B,) one;
+    rules that handle them set ``continuous = True``.
     """
 
     def __call__(self, draft: DraftTree, p_all: torch.Tensor, generator: Generators = None) -> Acceptance: ...
