@@ -116,3 +116,16 @@ def test_writers_refuse_what_they_cannot_write(tmp_path):
     save_frame_strip([frames, frames], tmp_path / "strip.png", every=2, per_row=1, scale=1)
     with PIL.Image.open(tmp_path / "strip.png") as strip:
         assert strip.size == (32, 4 * 32)  # frames 0 and 2 of each video, one per row
+
+
+def test_showcase_part_writes_a_gif_and_a_strip(model_dir, tmp_path, capsys):
+    """The showcase's video part on the tiny pipeline (chunks of 2: a switch at frame 32 of 64)."""
+    cli._showcase_video(tmp_path, model_dir)
+    printed = capsys.readouterr().out
+    assert "64 frames in 32 chunks of 2" in printed and "sink 2 + window 4 frames" in printed
+    assert "from frame 32" in printed and "/32 after" in printed
+    with PIL.Image.open(tmp_path / "video.gif") as gif:
+        assert gif.n_frames == 64 and gif.size == (128, 128)
+    with PIL.Image.open(tmp_path / "video_strip.png") as strip:
+        assert strip.size == (16 * 64, 2 * 64)  # 32 frames (one per chunk), 16 per row, 2x
+    assert sorted(os.listdir(tmp_path)) == ["video.gif", "video_strip.png"]

@@ -329,3 +329,29 @@ def test_bad_input_fails_before_any_work(pipe, kwargs, match):
     assert calls == []
     with pytest.raises(ValueError, match="return_dict must be True or False"):
         pipe(RED, num_frames=2, return_dict=1)
+
+
+def test_bundled_assets_are_fp16_within_budget_and_stream():
+    """assets/video: fp16 safetensors in the diffusers layout, at most 30 MB, trained by the
+    recipes (train_log.json), components that fit each other; it streams offline, and its RoPE
+    range puts the full-cache limit at 288 frames (the module docstring's figure)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    root = Path(__file__).resolve().parents[1] / "assets" / "video"
+    files = sorted(root.glob("*/diffusion_pytorch_model.safetensors"))
+    assert [f.parent.name for f in files] == ["transformer", "vae"]
+    assert sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) <= 30 * 2**20
+    for f in files:
+        with safe_open(f, "pt") as st:
+            assert {st.get_tensor(k).dtype for k in st.keys()} == {torch.float16}
+        log = json.loads((f.parent / "train_log.json").read_text())
+        assert log["recipe"] in ("video", "video-ae") and log["seed"] == 0
+    bundled = StreamingVideoPipeline.from_pretrained(root)
+    bundled.set_progress_bar_config(disable=True)
+    model, vae = bundled.transformer, bundled.vae
+    assert (model.config.latent_channels, model.config.latent_size) == (vae.config.latent_channels, vae.latent_size)
+    assert model.rope_frames == 291 and bundled.max_frames("full-cache") == 288
+    out = bundled(RED, num_frames=6, generator=gen(), output_type="pt")
+    assert out.frames.shape == (1, 6, 3, 32, 32) and out.stats["cache_frames"] == 6
