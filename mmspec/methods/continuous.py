@@ -1,0 +1,102 @@
+"""Continuous-token AR image generation (``"continuous"``): MAR-style heads on a causal backbone,
+every method on the core's one loop.
+
+Parts: drafter ``sd`` (a small continuous draft model drafting a chain, with an optional warm-up of
+target-only tokens); rules ``path`` (exact speculative sampling on a diffusion head's whole
+denoising path, emitting the target's last step) and ``cspd`` (CSpD's reference rule, lossy).
+Without a rule the decoder verifies the mixture head's exact densities. ``head_for(recipe)`` names
+the head a recipe decodes with (``DensityPipeline(head=...)``): ``"diffusion"`` with a ``path`` or
+``cspd`` rule, ``"mixture"`` otherwise. Continuous tokens take chains only (no trees) and raster
+order. Components: ``target`` (``ContinuousARModel``), ``draft_model`` (a smaller one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..core import ModelChainDrafter, SpeculativeSampling
+from ..models.continuous_heads import CSpDAcceptance
+from .knobs import check_config, knob
+from .registry import Recipe, register_method, register_modality, register_part
+
+MODALITY = "continuous"
+register_modality(MODALITY, components=("target", "draft_model"),
+                  doc="class-conditional image generation over continuous tokens (mixture or diffusion heads)")
+
+HEADS = {"path": "diffusion", "cspd": "diffusion"}
+"""The head each rule part needs; recipes without one of these rules use the mixture head."""
+
+
+def head_for(recipe: Recipe) -> str:
+    """``"diffusion"`` or ``"mixture"``: the ``DensityPipeline(head=...)`` a continuous recipe uses."""
+    return HEADS.get(recipe.part("rule"), "mixture")
+
+
+@dataclass(frozen=True)
+class ContinuousSDConfig:
+    """Chain speculative decoding with a small continuous draft model (Leviathan et al., 2023, on
+    densities).
+
+    Args:
+        gamma: draft tokens per round.
+        warmup: fraction of an image's tokens decoded by the target alone before drafting starts
+            (CSpD's token pre-filling; exact).
+    """
+
+    gamma: int = knob(4, min=1)
+    warmup: float = knob(0.0, min=0.0, max=0.95)
+
+    def __post_init__(self):
+        check_config(self)
+
+
+@dataclass(frozen=True)
+class PathConfig:
+    """Exact speculative sampling on the diffusion head's denoising path (no knobs)."""
+
+    def __post_init__(self):
+        check_config(self)
+
+
+@dataclass(frozen=True)
+class CSpDConfig:
+    """CSpD's reference rule (Wang et al., 2025), lossy; defaults from its code.
+
+    Args:
+        inner_temperature: tau, the tolerance of the distance test in units of the last step's
+            std (42 in the reference; larger accepts more and departs further from the target).
+        max_tries: residual tries before the target's aligned output is emitted (100 in the reference).
+    """
+
+    inner_temperature: float = knob(42.0, min=1e-6)
+    max_tries: int = knob(100, min=1)
+
+    def __post_init__(self):
+        check_config(self)
+
+
+register_part(
+    name="sd", kind="drafter", config=ContinuousSDConfig, requires=("draft_model",),
+    build=lambda cfg, c: ModelChainDrafter(c["draft_model"], gamma=cfg.gamma, warmup=cfg.warmup),
+    doc="a small continuous draft model drafting a chain (Leviathan et al., 2023), optional target-only warm-up",
+    modalities=(MODALITY,))
+register_part(
+    name="path", kind="rule", config=PathConfig, build=lambda cfg, c: SpeculativeSampling(),
+    doc="exact speculative sampling on the diffusion head's whole denoising path, emitting the target's last step",
+    modalities=(MODALITY,))
+register_part(
+    name="cspd", kind="rule", config=CSpDConfig, lossless=False,
+    build=lambda cfg, c: CSpDAcceptance(cfg.inner_temperature, cfg.max_tries),
+    doc="CSpD's reference rule: a distance test on coupled draft/target outputs relaxed by an inner "
+        "temperature (Wang et al., 2025); lossy",
+    modalities=(MODALITY,))
+
+for _name, _parts, _knobs, _doc in (
+    ("none", "", None, "target-only decoding with the mixture head (the baseline)"),
+    ("none-diffusion", "path", None, "target-only decoding with the diffusion head (the path rule's baseline)"),
+    ("sd", "sd", None, "a small draft model drafts a chain; exact speculative sampling on the mixture head"),
+    ("sd-warmup", "sd", {"sd_warmup": 0.15}, "sd after 15% target-only tokens (CSpD's pre-filling); exact"),
+    ("path", "sd+path", None, "sd with the diffusion head, exact on the whole denoising path"),
+    ("cspd", "sd+cspd", None, "sd with the diffusion head and CSpD's reference rule (lossy, inner temperature 42)"),
+):
+    register_method(_name, _parts, knobs=_knobs, doc=_doc, modalities=(MODALITY,))
