@@ -295,3 +295,13 @@ def test_continuous_methods_resolve_build_and_run(pair):
         methods.resolve("continuous", "sd", {"sd_warmup": 1.0})
     with pytest.raises(ValueError, match="at most one rule"):
         methods.resolve("continuous", "path+cspd")
+    other = ContinuousARModel(**{**target.config, "diffusion_timesteps": [60, 400, 800]}).double()
+    with pytest.raises(ValueError, match="draft_model's diffusion timesteps must be the target's"):
+        methods.build(methods.resolve("continuous", "path"), {"target": target, "draft_model": other})
+    shifted = ContinuousARModel(**{**target.config, "diffusion_timesteps": [100, 400, 800]}).double()
+    with pytest.raises(ValueError, match="draft_model.state_kernel must be the target's"):
+        methods.build(methods.resolve("continuous", "sd"), {"target": target, "draft_model": shifted})
+    with pytest.raises(ValueError, match="draw must be a denoising path of this head's 6 steps, got 3"):
+        z = torch.zeros(2, 16, dtype=torch.float64)
+        x = other.heads["diffusion"].distribution(z, None, None, DIFFUSION, None).sample()
+        target.heads["diffusion"].distribution(z, None, None, DIFFUSION, None).score(x)

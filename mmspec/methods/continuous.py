@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core import ModelChainDrafter, SpeculativeSampling
+from ..core.errors import check
 from ..models.continuous_heads import CSpDAcceptance
 from .knobs import check_config, knob
 from .registry import Recipe, register_method, register_modality, register_part
@@ -75,9 +76,20 @@ class CSpDConfig:
         check_config(self)
 
 
+def _sd(cfg: ContinuousSDConfig, components) -> ModelChainDrafter:
+    target, draft = components["target"], components["draft_model"]
+    for name in ("token_shape", "state_kernel"):
+        check(getattr(draft, name) == getattr(target, name), f"draft_model.{name}",
+              f"the target's ({getattr(target, name)}): draft and target tokens must live in one space",
+              getattr(draft, name))
+    steps = [m.heads["diffusion"].schedule.timesteps.tolist() for m in (target, draft)]
+    check(steps[0] == steps[1], "draft_model's diffusion timesteps",
+          f"the target's ({steps[0]}): path densities compare chains on the same steps", steps[1])
+    return ModelChainDrafter(draft, gamma=cfg.gamma, warmup=cfg.warmup)
+
+
 register_part(
-    name="sd", kind="drafter", config=ContinuousSDConfig, requires=("draft_model",),
-    build=lambda cfg, c: ModelChainDrafter(c["draft_model"], gamma=cfg.gamma, warmup=cfg.warmup),
+    name="sd", kind="drafter", config=ContinuousSDConfig, requires=("draft_model",), build=_sd,
     doc="a small continuous draft model drafting a chain (Leviathan et al., 2023), optional target-only warm-up",
     modalities=(MODALITY,))
 register_part(

@@ -504,6 +504,7 @@ class DiffusionTokens(TokenDist):
         head, T = self.head, self.temperature
         path = draw.aux["path"]  # (*batch, K, d)
         batch, (K, d) = path.shape[:-2], path.shape[-2:]
+        check(K == head.schedule.steps, "draw", f"a denoising path of this head's {head.schedule.steps} steps", K)
         n = batch.numel()
         states = path.reshape(n * K, d)
         k = torch.arange(K - 1, -1, -1).repeat(n)  # path[i] sits at respaced index K - 1 - i
