@@ -564,9 +564,10 @@ class CSpDAcceptance:
     each drafted token is conditioned on the drafted prefix (the reference verifies a block on
     stale context), the chain ends at the first rejection (the reference tests every token), and
     after ``max_tries`` failures the target's aligned output is emitted (the reference leaves zero
-    latents); fallbacks are counted in the target meter. Accepted tokens are the draft's own
-    (state and latent); a corrected token takes the target's aligned state. Needs
-    ``DiffusionTokens`` on both sides.
+    latents); fallbacks are counted in the target meter. CFG scale and temperature are the
+    pipeline's, the same for draft and target at every token (the reference verifies a block with
+    the draft's latest scale). Accepted tokens are the draft's own (state and latent); a corrected
+    token takes the target's aligned state. Needs ``DiffusionTokens`` on both sides.
     """
 
     continuous = True
