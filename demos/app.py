@@ -199,10 +199,12 @@ def vlm_answer(image, question, method, max_new_tokens, *knob_values):
     with serve.GAUGE:
         try:
             ours = None
-            for done, result in serve.stream_vlm(MODELS, image, question, 0, method, knobs, max_new):
+            for partial, result in serve.stream_vlm(MODELS, image, question, 0, method, knobs, max_new):
                 ours = result
-                if result is None:
-                    yield [(f"decoding ... {done} tokens so far", None)], "", f"**{method}** decoding: {done} tokens", ""
+                if result is None:  # the answer so far, drafted words marked as they are accepted
+                    done = len(partial.tokens)
+                    yield (serve.vlm_pieces(MODELS, partial.tokens, partial.commit_pass), "",
+                           f"**{method}** decoding ... {done} tokens so far", "")
             base = ours if method == "none" else serve.run_vlm(MODELS, [image], [question], [0], "none", {}, max_new)[0]
         except Exception as err:
             yield None, "", "", _error(err)

@@ -7,13 +7,25 @@ uint8 images or texts, the decode's stats and, per generated token, the decode p
 it (``commit_pass``; 0 is the prefill). Every pipeline call lives here, so a change of the
 pipelines' calling contract is a change to this file only.
 
-Where ``commit_pass`` comes from: the step callback reports how many tokens each row holds after
-every pass. For one row in raster order (every AR method without ZipAR's next-set schedule, and
-every VLM method) the tokens a pass added are the ones after the previous count, so the map is
-exact; a pass that adds ``k`` tokens committed ``k - 1`` accepted drafts and one token of the
-target's own (the correction or bonus token). ZipAR's lanes fill several grid rows per pass and the
-count does not say which positions, so ``commit_pass`` is ``None`` there (the pipeline exposes no
-per-position state to callbacks yet).
+Where ``commit_pass`` comes from: in raster order (every AR method without ZipAR's next-set
+schedule, and every VLM method) the step callback asks for the ``"tokens"`` tensor input, each row's
+generated tokens so far after every pass (``pipelines.base``). The tokens a pass added are the ones
+after the previous pass's, so the map is exact; a pass that adds ``k`` tokens committed ``k - 1``
+accepted drafts and one token of the target's own (the correction or bonus token). The tensor is
+right-padded with 0 (a valid token id), so in a batch a row's length after a pass is read from its
+tokens against its final ones (``_row_lengths``); the rare row whose length that leaves open (its
+next tokens are 0s) gets ``commit_pass = None`` rather than a guess. One row alone is always exact
+(the tensor is as wide as the row). ZipAR's lanes fill several grid rows per pass and the pipelines
+refuse tensor inputs there (nothing says which positions a pass filled), so ``commit_pass`` is
+``None`` for ZipAR methods.
+
+The VLM run streams the same tensor: ``on_pass`` receives the answer's tokens so far after every
+pass, which ``stream_vlm`` hands to the demo as the growing text.
+
+Batches: every row gets its own ``torch.Generator`` from its job's seed (a generator list), so a
+row of a batched call equals that job run alone wherever the pipelines keep their promise (row r
+of a batch equals that prompt alone with g_r); ``ar_batchable`` / ``vlm_batchable`` say where it
+is measured to hold, and ``tests/test_batch.py`` checks batched files against batch-size-1 files.
 """
 
 from __future__ import annotations
@@ -196,17 +208,65 @@ def _commit_passes(counts: list[int], total: int) -> np.ndarray:
     return passes
 
 
-def _generators(seeds: list[int]) -> torch.Generator:
-    check(len(seeds) == 1, "seeds", "one seed per call (the pipelines take one generator)", seeds)
-    return torch.Generator().manual_seed(check_seed(seeds[0]))
+def _row_lengths(snapshot: torch.Tensor, finals: list[list[int]], previous: list[int | None]) -> list[int | None]:
+    """Each row's length after one pass, counted in its final tokens, from the ``"tokens"`` input
+    ``snapshot`` ((B, w): the rows so far, right-padded with 0) and each row's final tokens; ``None``
+    where it is not determined. A row may run past its final tokens (drafts accepted beyond its
+    EOS, or past ``max_new_tokens``, are cut from the output): its length is then all of them. Else
+    a row of length n holds ``final[:n]`` then 0s, so n is at least one past its last non-zero
+    token and at least the previous pass's length (``lo``), and can only extend over final tokens
+    that are 0. One row alone: n is ``w`` exactly (capped at its final length)."""
+    B, w = snapshot.shape
+    if B == 1:
+        return [min(w, len(finals[0]))]
+    out: list[int | None] = []
+    for row, final, prev in zip(snapshot.tolist(), finals, previous):
+        L = len(final)
+        nz = [k for k, t in enumerate(row) if t != 0]
+        lo = max(prev or 0, nz[-1] + 1 if nz else 0)
+        if prev is None or row[:min(lo, L)] != final[:min(lo, L)]:
+            out.append(None)
+        elif lo >= L:
+            out.append(L)
+        else:
+            hi = lo
+            while hi < min(w, L) and final[hi] == 0:
+                hi += 1
+            out.append(lo if hi == lo else None)
+    return out
+
+
+def _passes_from_tokens(snapshots: list[torch.Tensor], finals: list[list[int]]) -> list[np.ndarray | None]:
+    """Per row, the pass that committed each of its final tokens (0: the prefill's one token),
+    from the ``"tokens"`` input after every pass; ``None`` for a row whose lengths are not
+    determined (see ``_row_lengths``)."""
+    counts: list[list[int | None]] = [[1] * len(finals)]  # the prefill emits each row's first token
+    for snap in snapshots:
+        counts.append(_row_lengths(snap, finals, counts[-1]))
+    out = []
+    for r, final in enumerate(finals):
+        row = [c[r] for c in counts]
+        out.append(None if any(n is None for n in row) else _commit_passes(row, len(final)))
+    return out
+
+
+def _generators(seeds: list[int]) -> list[torch.Generator]:
+    """One generator per row, from that row's seed (row r of a batch = that job alone)."""
+    return [torch.Generator().manual_seed(check_seed(s)) for s in seeds]
 
 
 # ---------------------------------------------------------------- AR image
 
+AR_BATCHABLE = ()
+"""AR methods whose batched rows were measured equal to the rows alone (per-row generators)."""
+
+
 def ar_batchable(method: str, temperature: float) -> bool:
-    """Whether several AR jobs may share one pipeline call without changing any job's image: not
-    while the pipeline draws every row from one generator (a row would depend on its batch)."""
-    return False
+    """Whether several AR jobs may share one pipeline call without changing any job's image: each
+    row draws from its own generator (the job's seed), and the image is decoded from its tokens
+    alone (``run_ar``), so a row's image is the job's own wherever the pipeline's rows are
+    independent of their batch, measured for the methods in ``AR_BATCHABLE``."""
+    return method in AR_BATCHABLE
 
 
 def run_ar(models: Models, prompts: list[str], seeds: list[int], method: str = "none", knobs: dict | None = None,
@@ -219,25 +279,28 @@ def run_ar(models: Models, prompts: list[str], seeds: list[int], method: str = "
     check(isinstance(guidance_scale, (int, float)) and not isinstance(guidance_scale, bool) and guidance_scale >= 0,
           "guidance_scale", "a number >= 0", guidance_scale)
     pipe = models.ar_image()
-    raster = recipe.part("schedule") is None
-    counts: list[int] = []
-    N = pipe.transformer.num_image_tokens
+    raster = recipe.part("schedule") is None  # ZipAR's lanes: the pipelines refuse tensor inputs
+    snapshots: list[torch.Tensor] = []
 
     def on_step(p, step, timestep, kwargs):
-        counts.append(int(timestep))  # tokens decoded so far per image
+        if raster:
+            snapshots.append(kwargs["tokens"])  # (B, n) each image's tokens so far (a copy)
         return {}
 
-    counts.append(1)  # the prefill emits the first token
     t0 = time.perf_counter()
     out = pipe(prompt=prompts, method=method, method_knobs=dict(knobs or {}), guidance_scale=guidance_scale,
-               temperature=temperature, top_k=top_k, top_p=top_p, generator=_generators(seeds), output_type="np",
-               callback_on_step_end=on_step)
+               temperature=temperature, top_k=top_k, top_p=top_p, generator=_generators(seeds),
+               output_type="latent", callback_on_step_end=on_step,
+               callback_on_step_end_tensor_inputs=["tokens"] if raster else [])
+    with torch.no_grad():  # each image from its own tokens: a row's pixels do not depend on its batch
+        pixels = [pipe.postprocess_images(pipe.vqvae.decode(grid[None]), "np")[0] for grid in out.tokens]
     wall = time.perf_counter() - t0
-    images = (np.asarray(out.images) * 255).round().astype(np.uint8)  # (B, H, W, 3)
+    images = [(np.asarray(px) * 255).round().astype(np.uint8) for px in pixels]  # (H, W, 3) each
     stats = _plain_stats(out.stats, wall, len(prompts))
-    passes = _commit_passes(counts, N) if raster and len(prompts) == 1 else None
-    return [Result(stats=stats, image=img, tokens=out.tokens[i].flatten().tolist(),
-                   commit_pass=passes, extra={"lossless": recipe.lossless}) for i, img in enumerate(images)]
+    finals = [t.flatten().tolist() for t in out.tokens]
+    passes = _passes_from_tokens(snapshots, finals) if raster else [None] * len(prompts)
+    return [Result(stats=stats, image=img, tokens=finals[i], commit_pass=passes[i],
+                   extra={"lossless": recipe.lossless}) for i, img in enumerate(images)]
 
 
 @torch.no_grad()
@@ -254,15 +317,16 @@ def class_confidence(models: Models, images: list[np.ndarray], prompts: list[str
 
 def vlm_batchable(method: str, temperature: float) -> bool:
     """Greedy answers do not depend on the batch they are decoded in (the pipeline pads rows and
-    masks them), so greedy jobs batch; sampled ones do not (one generator for the batch)."""
+    masks them), so greedy jobs batch. Sampled ones stay alone: per-row generators make a row
+    independent of its batch's randomness, but that is not yet measured on the bundled VLM here."""
     return temperature == 0
 
 
 def run_vlm(models: Models, images: list, questions: list[str], seeds: list[int], method: str = "none",
             knobs: dict | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
-            on_pass: Callable[[int, int], None] | None = None) -> list[Result]:
-    """Answer each question about its image. ``on_pass(step, tokens_done)`` is called after every
-    target pass (for one row: the answer's length so far)."""
+            on_pass: Callable[[int, list[int]], None] | None = None) -> list[Result]:
+    """Answer each question about its image. ``on_pass(step, tokens)`` is called after every
+    target pass with the first answer's tokens so far (its text as it is decoded)."""
     images = [as_rgb(im) for im in images]
     check(len(questions) == len(images) and all(isinstance(q, str) and q.strip() for q in questions), "question",
           "a non-empty question per image", questions)
@@ -271,25 +335,26 @@ def run_vlm(models: Models, images: list, questions: list[str], seeds: list[int]
     check(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and 1 <= max_new_tokens <= 512,
           "max_new_tokens", "an int in [1, 512]", max_new_tokens)
     pipe = models.vlm()
-    counts: list[int] = [1]
+    snapshots: list[torch.Tensor] = []
 
-    def on_step(p, step, done, kwargs):  # done: the longest answer so far
-        counts.append(int(done))
+    def on_step(p, step, done, kwargs):
+        tokens = kwargs["tokens"]  # (B, n) each answer so far, right-padded with 0 (a copy)
+        snapshots.append(tokens)
         if on_pass is not None:
-            on_pass(step + 1, int(done))
+            n = tokens.shape[1] if len(images) == 1 else int(done)
+            on_pass(step + 1, tokens[0, :n].tolist())
         return {}
 
     t0 = time.perf_counter()
     out = pipe(images=images, prompts=questions, method=method, method_knobs=dict(knobs or {}),
-               max_new_tokens=max_new_tokens, temperature=temperature, generator=_generators(seeds[:1]),
-               callback_on_step_end=on_step)
+               max_new_tokens=max_new_tokens, temperature=temperature, generator=_generators(seeds),
+               callback_on_step_end=on_step, callback_on_step_end_tensor_inputs=["tokens"])
     wall = time.perf_counter() - t0
     stats = _plain_stats(out.stats, wall, len(images))
-    results = []
-    for text, toks in zip(out.texts, out.tokens):
-        passes = _commit_passes(counts, len(toks)) if len(images) == 1 else None
-        results.append(Result(stats=stats, text=text, tokens=list(toks), commit_pass=passes))
-    return results
+    finals = [list(t) for t in out.tokens]
+    passes = _passes_from_tokens(snapshots, finals)
+    return [Result(stats=stats, text=text, tokens=toks, commit_pass=cp)
+            for text, toks, cp in zip(out.texts, finals, passes)]
 
 
 def vlm_pieces(models: Models, tokens: list[int], commit_pass: np.ndarray | None) -> list[tuple[str, str | None]]:
@@ -308,17 +373,27 @@ def vlm_pieces(models: Models, tokens: list[int], commit_pass: np.ndarray | None
     return pieces
 
 
+@dataclass
+class Partial:
+    """The answer so far, after one pass: its ``tokens`` and the pass that committed each
+    (``commit_pass``, exact for one row), for ``vlm_pieces``."""
+
+    tokens: list[int]
+    commit_pass: np.ndarray
+
+
 def stream_vlm(models: Models, image, question: str, seed: int, method: str, knobs: dict | None,
-               max_new_tokens: int = 64, temperature: float = 0.0) -> Iterator[tuple[int, Result | None]]:
-    """Run one VLM request on a worker thread and yield ``(tokens_done, None)`` after every pass as
-    it is decoded, then ``(tokens_done, result)`` once. Errors are raised in the caller's thread."""
+               max_new_tokens: int = 64, temperature: float = 0.0) -> Iterator[tuple[Partial, Result | None]]:
+    """Run one VLM request on a worker thread and yield ``(partial, None)`` after every pass as it
+    is decoded (the answer's tokens so far), then ``(partial, result)`` once with the whole
+    answer. Errors are raised in the caller's thread."""
     updates: queue.Queue = queue.Queue()
     box: dict = {}
 
     def work():
         try:
             box["result"] = run_vlm(models, [image], [question], [seed], method, knobs, max_new_tokens, temperature,
-                                    on_pass=lambda step, done: updates.put(done))[0]
+                                    on_pass=lambda step, tokens: updates.put(tokens))[0]
         except BaseException as err:  # handed to the caller's thread below
             box["error"] = err
         finally:
@@ -326,14 +401,17 @@ def stream_vlm(models: Models, image, question: str, seed: int, method: str, kno
 
     worker = threading.Thread(target=work, daemon=True)
     worker.start()
-    done = 0
+    counts = [1]  # the prefill emits the first token; one row: each pass's tokens are exact
+    tokens: list[int] = []
     while (item := updates.get()) is not None:
-        done = item
-        yield done, None
+        tokens = item
+        counts.append(len(tokens))
+        yield Partial(tokens, _commit_passes(counts, len(tokens))), None
     worker.join()
     if "error" in box:
         raise box["error"]
-    yield len(box["result"].tokens), box["result"]
+    result = box["result"]
+    yield Partial(result.tokens, result.commit_pass), result
 
 
 # ---------------------------------------------------------------- the per-token picture

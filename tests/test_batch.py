@@ -257,3 +257,24 @@ def test_batches_only_where_outputs_cannot_change():
     # greedy VLM jobs with the same method and options share calls; sampled and AR jobs run alone
     assert groups == [["j0", "j2", "j4"], ["j1"], ["j3"], ["j5"], ["j6"]]
     assert [[j.id for j in b] for b in batch.make_batches(jobs, 1)] == [[j.id] for j in jobs]
+
+
+# ---------------------------------------------------------------- per-row pass maps in a batched call
+
+def test_commit_passes_of_batched_rows_from_the_tokens_input():
+    """``serve._passes_from_tokens``: each row's pass per token, read from the right-padded
+    ``"tokens"`` snapshots; a row that ran past its final tokens (drafts accepted beyond its EOS)
+    counts all of them; a row whose length the 0 padding leaves open gets None, not a guess."""
+    import torch
+
+    from mmspec import serve
+
+    finals = [[5, 6, 7, 8, 9], [3, 2], [4, 0, 6]]
+    snaps = [torch.tensor([[5, 6, 7], [3, 2, 1], [4, 0, 0]]),  # row 1 ran past its EOS (2)
+             torch.tensor([[5, 6, 7, 8, 9], [3, 2, 1, 0, 0], [4, 0, 0, 0, 0]])]
+    passes = serve._passes_from_tokens(snaps, finals)
+    assert passes[0].tolist() == [0, 1, 1, 2, 2] and passes[1].tolist() == [0, 1]
+    assert passes[2] is None  # after pass 1 row 2 holds [4] or [4, 0]: the padding cannot tell
+    # one row alone: its width is its length, zeros included
+    alone = serve._passes_from_tokens([torch.tensor([[4, 0]]), torch.tensor([[4, 0, 6]])], [finals[2]])
+    assert alone[0].tolist() == [0, 1, 2]
