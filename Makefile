@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mmspec-installed
 
-.PHONY: run test install demo bench bench-ar-image bench-vlm bench-kernels assets clean
+.PHONY: run test install demo bench bench-ar-image bench-vlm bench-kernels bench-video assets clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,10 @@ bench-vlm: $(STAMP)
 bench-kernels: $(STAMP)
 	$(BIN)/mmspec bench kernels --json bench-kernels.json
 
+# 100, 1,000 and 10,000 frames per cache mode, the window sweep and the prompt switches
+bench-video: $(STAMP)
+	$(BIN)/mmspec bench video --json bench-video.json
+
 # rebuild every bundled checkpoint from its seed (about 90 min on 2 cores); model_index.json files and
 # assets/vlm/processor (a copy of the target recipe's processor files) are static
 AR := assets/ar-image
@@ -47,6 +51,7 @@ assets: $(STAMP)
 	$(BIN)/mmspec train ar-draft --kind chain --vq $(AR)/vqvae --out $(AR)/draft_model
 	$(BIN)/mmspec train ar-draft --kind eagle --target $(AR)/transformer --vq $(AR)/vqvae --out $(AR)/eagle_head
 	$(BIN)/mmspec train classifier --out assets/classifier
+	$(BIN)/mmspec train video-judge --out assets/video_judge --threads 1
 	$(BIN)/mmspec train vlm --size target --out $(VLM)/target
 	cp $(VLM)/target/processor_config.json $(VLM)/target/tokenizer.json $(VLM)/target/tokenizer_config.json $(VLM)/processor/
 	$(BIN)/mmspec train vlm --size draft --out $(VLM)/draft_model

@@ -7,6 +7,9 @@
     mmspec bench vlm [--json PATH]   every VLM method and transformers' assisted generation: tau, tokens/s
     mmspec bench kernels [--json PATH]
                                      the kernels against their torch references; H100 roofline projections
+    mmspec bench video [--json PATH] [--frames N ...]
+                                     the streaming video cache modes: fps, chunk latency and memory slopes,
+                                     speed-up over window recompute, judge accuracy, prompt switches
     mmspec generate ar-image --method gsd --prompt "a red circle" --out DIR
                                      write PNGs from the bundled AR image pipeline
     mmspec generate vlm --image PATH --prompt "describe the image in detail ." --method vispec
@@ -30,6 +33,8 @@
     mmspec train video-ae --out DIR  rebuild the streaming video model's frame autoencoder (about 6 min)
     mmspec train video --ae DIR --out DIR
                                      rebuild its chunk-causal video transformer (about 30 min)
+    mmspec train video-judge --out DIR [--ae DIR]
+                                     rebuild the video bench's frame judge (colour, shape; about 2.5 min)
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import os
 import sys
 from pathlib import Path
 
-BENCHES = ("core", "ar-image", "vlm", "kernels")
+BENCHES = ("core", "ar-image", "vlm", "video", "kernels")
 
 
 class UsageError(ValueError):
@@ -97,6 +102,15 @@ def cmd_bench(args) -> int:
             cfg.pipeline_dir = args.pipeline
         result = vlm.run(cfg, progress=None if args.quiet else _progress)
         columns = vlm.VLM_COLUMNS
+    elif args.name == "video":
+        from .bench import video
+
+        cfg = video.VideoBenchConfig.quick() if args.quick else video.VideoBenchConfig()
+        if args.frames is not None:
+            cfg.frames = tuple(args.frames)
+        # rewritten after every group: an interrupted run leaves the groups it finished
+        result = video.public(video.run(cfg, progress=None if args.quiet else _progress, json_path=args.json))
+        columns = video.VIDEO_COLUMNS
     elif args.name == "kernels":
         from .bench import kernels
 
@@ -367,6 +381,11 @@ def cmd_train(args) -> int:
         print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f}, rollout colour accuracy "
               f"{record['rollout']['colour_acc']:.3f}, direction accuracy {record['rollout']['direction_acc']:.3f}, "
               f"{record['wall_time_s']:.0f} s")
+    elif args.recipe == "video-judge":
+        record = recipes.train_video_judge(args.out, ae_dir=args.ae, **common)
+        on_ae = "" if record["ae_recon"] is None else f", {record['ae_recon']['both']:.4f} on reconstructions"
+        print(f"saved {args.out}: held-out accuracy (colour and shape) {record['heldout_accuracy']:.4f}{on_ae}, "
+              f"{record['wall_time_s']:.0f} s")
     elif args.recipe == "vlm":
         record = recipes.train_vlm(args.out, size=args.size, **common)
         print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f} nats/answer token, "
@@ -503,7 +522,8 @@ def _add_train_parser(sub) -> None:
              "vlm": "a tiny LLaVA-architecture VLM on procedural image/question/answer data",
              "vlm-draft": "a draft head for the VLM (eagle, specvlm, vispec) by online-logit distillation",
              "video-ae": "the streaming video model's per-frame autoencoder on procedural moving shapes",
-             "video": "the chunk-causal video transformer on a trained frame autoencoder's latents"}
+             "video": "the chunk-causal video transformer on a trained frame autoencoder's latents",
+             "video-judge": "the video bench's frame judge (colour and shape) on rendered frames"}
     for name, defaults in TRAIN_DEFAULTS.items():
         p = recipes.add_parser(name, help=helps[name])
         if name == "ar-draft":
@@ -529,6 +549,9 @@ def _add_train_parser(sub) -> None:
         if name == "video":
             p.add_argument("--ae", required=True, type=_existing_dir, metavar="DIR",
                            help="folder written by 'mmspec train video-ae'")
+        if name == "video-judge":
+            p.add_argument("--ae", type=_existing_dir, metavar="DIR",
+                           help="also report the accuracy on this autoencoder's reconstructions of held-out frames")
         if name == "classifier":
             p.add_argument("--vq", type=_existing_dir, metavar="DIR",
                            help="also report the accuracy on this VQ's reconstructions of held-out images")
@@ -678,6 +701,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--images", type=_positive_int, metavar="N",
                        help="ar-image only: images per method (default 128, 16 with --quick); FD intervals "
                             "narrow as 1/sqrt(N)")
+    bench.add_argument("--frames", type=_positive_int, nargs="+", metavar="N",
+                       help="video only: stream lengths of the per-method rows (default 100 1000 10000, "
+                            "100 300 with --quick)")
     showcase.add_argument("--out", default="outputs/showcase", type=_output_dir, metavar="DIR",
                           help="where the sample grids go (default outputs/showcase)")
     _add_generate_parser(sub)
@@ -696,6 +722,8 @@ def check_args(args) -> None:
             raise ValueError("--kind eagle needs --target DIR (the AR model it drafts for)")
         elif args.command == "bench" and args.pipeline is not None and args.name != "vlm":
             raise ValueError(f"--pipeline is for 'bench vlm' only, got 'bench {args.name}'")
+        elif args.command == "bench" and args.frames is not None and args.name != "video":
+            raise ValueError(f"--frames is for 'bench video' only, got 'bench {args.name}'")
         elif args.command == "bench" and args.images is not None and args.name != "ar-image":
             raise ValueError(f"--images is for 'bench ar-image' only, got 'bench {args.name}'")
     except UsageError:

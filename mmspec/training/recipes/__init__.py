@@ -11,7 +11,8 @@ from .classifier import train_classifier
 from .vlm import train_vlm
 from .vlm_draft import train_vlm_draft
 from .video import train_video, train_video_ae
+from .video_judge import train_video_judge
 from .vq import train_vq
 
-__all__ = ["train_ar_draft", "train_ar_image", "train_classifier", "train_video", "train_video_ae", "train_vlm", "train_vlm_draft",
+__all__ = ["train_ar_draft", "train_ar_image", "train_classifier", "train_video", "train_video_ae", "train_video_judge", "train_vlm", "train_vlm_draft",
            "train_vq"]
