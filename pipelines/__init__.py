@@ -2,6 +2,7 @@
 
 _LAZY = {"SpeculativePipeline": ".base",
          "SpeculativeARImagePipeline": ".ar_image", "ARImagePipelineOutput": ".ar_image",
+         "SpeculativeContinuousARPipeline": ".continuous", "ContinuousARPipelineOutput": ".continuous",
          "SpeculativeVLMPipeline": ".vlm", "VLMPipelineOutput": ".vlm",
          "StreamingVideoPipeline": ".video", "StreamingVideoPipelineOutput": ".video", "VideoChunk": ".video",
          "CacheLimitError": ".video", "save_video": ".video", "save_frame_strip": ".video"}

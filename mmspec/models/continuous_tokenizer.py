@@ -1,0 +1,108 @@
+"""A continuous image tokenizer for the 64x64 procedural images: PCA of non-overlapping patches.
+
+An image (B, 3, H, W) in [-1, 1] is cut into ``patch_size`` x ``patch_size`` patches (3 p^2 values
+each, raster order); each patch minus the data mean is projected on the first ``latent_dim``
+principal directions and divided by one global scale (MAR's scalar latent scale), giving
+(B, (H / p) (W / p), latent_dim) latents of roughly unit variance. Decoding is the transpose. The
+basis is fitted in closed form (``fit``: SVD of the centred patches), no gradient training; a
+diffusers ``ModelMixin`` so it saves and loads as safetensors in a pipeline folder.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.modeling_utils import ModelMixin
+from torch import nn
+
+from ..core.errors import check
+
+__all__ = ["PatchPCATokenizer"]
+
+
+class PatchPCATokenizer(ModelMixin, ConfigMixin):
+    """PCA of ``patch_size`` x ``patch_size`` patches -> ``latent_dim`` coefficients per patch.
+
+    Args:
+        sample_size: image side in pixels (a multiple of ``patch_size``).
+        patch_size: p, the patch side; the grid is ``sample_size / p`` per side.
+        latent_dim: d, coefficients kept per patch (at most ``3 p^2``).
+        in_channels: image channels.
+
+    Until ``fit`` runs the basis is the identity's first d directions, mean 0 and scale 1.
+    """
+
+    config_name = "config.json"
+
+    @register_to_config
+    def __init__(self, sample_size: int = 64, patch_size: int = 4, latent_dim: int = 12, in_channels: int = 3):
+        super().__init__()
+        for name, value in (("sample_size", sample_size), ("patch_size", patch_size), ("latent_dim", latent_dim),
+                            ("in_channels", in_channels)):
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, "an int >= 1", value)
+        check(sample_size % patch_size == 0, "patch_size", f"a divisor of sample_size ({sample_size})", patch_size)
+        D = in_channels * patch_size ** 2
+        check(latent_dim <= D, "latent_dim", f"an int in [1, {D}] (3 * patch_size**2)", latent_dim)
+        # fitted, not trained: parameters without gradients (so they save, load and cast like weights)
+        self.mean = nn.Parameter(torch.zeros(D), requires_grad=False)
+        self.basis = nn.Parameter(torch.eye(D)[:latent_dim].clone(), requires_grad=False)  # (d, D), orthonormal rows
+        self.scale = nn.Parameter(torch.ones(()), requires_grad=False)
+
+    @property
+    def grid_size(self) -> int:
+        return self.config.sample_size // self.config.patch_size
+
+    @property
+    def num_tokens(self) -> int:
+        return self.grid_size ** 2
+
+    def patches(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) -> (B, N, C p^2) patches in raster order."""
+        cfg = self.config
+        S, p = cfg.sample_size, cfg.patch_size
+        check(images.dim() == 4 and tuple(images.shape[1:]) == (cfg.in_channels, S, S), "images",
+              f"a (batch, {cfg.in_channels}, {S}, {S}) tensor", tuple(images.shape))
+        B, C, g = images.shape[0], cfg.in_channels, self.grid_size
+        x = images.reshape(B, C, g, p, g, p).permute(0, 2, 4, 1, 3, 5)  # (B, g, g, C, p, p)
+        return x.reshape(B, g * g, C * p * p)
+
+    def unpatch(self, patches: torch.Tensor) -> torch.Tensor:
+        """(B, N, C p^2) -> (B, C, H, W)."""
+        cfg = self.config
+        B, g, p, C = patches.shape[0], self.grid_size, cfg.patch_size, cfg.in_channels
+        x = patches.reshape(B, g, g, C, p, p).permute(0, 3, 1, 4, 2, 5)
+        return x.reshape(B, C, g * p, g * p)
+
+    @torch.no_grad()
+    def fit(self, images: torch.Tensor) -> "PatchPCATokenizer":
+        """Fit mean, basis (top right-singular vectors of the centred patches, sign fixed so each
+        direction's largest entry is positive) and the global scale (std of all coefficients)."""
+        x = self.patches(images.to(torch.float64)).flatten(0, 1)  # (B N, D)
+        mean = x.mean(0)
+        _, _, vh = torch.linalg.svd(x - mean, full_matrices=False)
+        basis = vh[: self.config.latent_dim]
+        sign = basis.gather(1, basis.abs().argmax(1, keepdim=True)).sign()
+        basis = basis * sign
+        scale = ((x - mean) @ basis.T).std()
+        self.mean.copy_(mean)
+        self.basis.copy_(basis)
+        self.scale.copy_(scale)
+        return self
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        """(B, C, H, W) in [-1, 1] -> (B, N, d) latents (raster order, unit-scale)."""
+        x = self.patches(images.to(self.basis.dtype))
+        return (x - self.mean) @ self.basis.T / self.scale
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """(B, N, d) latents -> (B, C, H, W) pixels (not clamped)."""
+        N, d = self.num_tokens, self.config.latent_dim
+        check(latents.dim() == 3 and tuple(latents.shape[1:]) == (N, d), "latents", f"a (batch, {N}, {d}) tensor",
+              tuple(latents.shape))
+        x = latents.to(self.basis.dtype) * self.scale @ self.basis + self.mean
+        return self.unpatch(x)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        """The reconstruction ``decode(encode(images))``."""
+        return self.decode(self.encode(images))
+

@@ -1,0 +1,219 @@
+"""``SpeculativeContinuousARPipeline``: class-conditional AR image generation over continuous tokens
+(MAR-style heads on a causal backbone), the acceleration method as an argument (diffusers
+conventions, as ``SpeculativeARImagePipeline``).
+
+::
+
+    pipe = SpeculativeContinuousARPipeline.from_pretrained("assets/continuous")
+    out = pipe(prompt="a red circle", method="sd", guidance_scale=2.0,
+               generator=torch.Generator().manual_seed(0))
+    out.images[0].save("red_circle.png"); print(out.stats["nfe"], out.stats["alpha"])
+
+Methods (``mmspec.methods.names("continuous")``): ``none`` and ``none-diffusion`` (target only,
+mixture or diffusion head), ``sd`` and ``sd-warmup`` (lossless speculative sampling on the
+mixture's exact densities), ``path`` (lossless, on the diffusion head's whole denoising path) and
+``cspd`` (CSpD's reference rule, lossy; knob ``cspd_inner_temperature``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+from diffusers.utils import BaseOutput
+
+from ..core import DensityPipeline
+from ..core.errors import check
+from ..methods.continuous import head_for
+from . import checks
+from .ar_image import _normal
+from .base import SpeculativePipeline
+# diffusers loads components only from modules already imported: name them here
+from ..models import continuous as _continuous, continuous_tokenizer as _continuous_tokenizer  # noqa: F401
+
+OUTPUT_TYPES = ("pil", "np", "pt", "latent")
+
+
+@dataclass
+class ContinuousARPipelineOutput(BaseOutput):
+    """``images``: PIL images, an (N, H, W, 3) float array in [0, 1], an (N, 3, H, W) tensor in
+    [0, 1], or (``output_type="latent"``) the (N, T, d) latents. ``latents``: the (N, T, d) latents
+    in raster order (always). ``stats``: the decode's counters (``Stats.as_dict``: nfe, draft_nfe,
+    tau, alpha, head calls and rows, residual tries and fallbacks, ...)."""
+
+    images: list | np.ndarray | torch.Tensor
+    latents: torch.Tensor
+    stats: dict = field(default_factory=dict)
+
+
+class SpeculativeContinuousARPipeline(SpeculativePipeline):
+    """A continuous-token AR transformer with a mixture and a diffusion head, a patch tokenizer,
+    and optionally a small draft model (for ``sd``, ``sd-warmup``, ``path``, ``cspd``).
+
+    Components: ``tokenizer`` (``PatchPCATokenizer``), ``transformer`` (``ContinuousARModel``),
+    ``draft_model`` (a smaller ``ContinuousARModel``, optional). Class names come from the
+    transformer's config (``id2label``): ``pipe.labels``, ``pipe.get_label_ids``.
+
+    Callbacks: ``callback_on_step_end(pipe, step, timestep, callback_kwargs) -> dict`` after every
+    decode pass (``timestep``: tokens decoded so far per image); the only tensor input is
+    ``"latents"``, (B, n, d) each image's latents so far (a copy; read-only, so the returned dict
+    must be empty). ``pipe._interrupt = True`` stops after the current pass (images then hold
+    zeros where no token was decoded).
+    """
+
+    modality = "continuous"
+    model_cpu_offload_seq = "transformer->draft_model->tokenizer"
+    _optional_components = ["draft_model"]
+    _method_components = {"target": "transformer"}
+    _callback_tensor_inputs = ["latents"]
+    _callback_replaceable = ()
+
+    def __init__(self, tokenizer, transformer, draft_model=None):
+        super().__init__()
+        self.register_modules(tokenizer=tokenizer, transformer=transformer, draft_model=draft_model)
+
+    @property
+    def num_classes(self) -> int:
+        return self.transformer.config.num_classes
+
+    @property
+    def labels(self) -> dict[str, int]:
+        """Every class name (lower case, single spaces) -> its id, from the transformer config's
+        ``id2label`` (each id's names comma-separated); sorted by name."""
+        id2label = getattr(self.transformer.config, "id2label", None) or {}
+        table = {_normal(name): int(i) for i, names in id2label.items() for name in names.split(",") if name.strip()}
+        return dict(sorted(table.items()))
+
+    def get_label_ids(self, label: str | list[str], name: str = "label") -> list[int]:
+        """Class ids of class names or prompts (case and whitespace do not matter); an unknown
+        name raises ``ValueError`` listing the classes."""
+        labels, table = [label] if isinstance(label, str) else list(label), self.labels
+        id2label = getattr(self.transformer.config, "id2label", None)
+        check(bool(id2label), name, "class_labels: this transformer's config has no id2label to map names", label)
+        first = [id2label[str(i)].split(",")[0].strip() for i in range(self.num_classes)]
+        for text in labels:
+            check(_normal(text) in table, name, f"one of the class prompts: {', '.join(first)}", text)
+        return [table[_normal(text)] for text in labels]
+
+    def method_components(self) -> dict:
+        return {"target": self.transformer, "draft_model": self.draft_model}
+
+    def check_inputs(self, prompt, class_labels, *, method, method_knobs, guidance_scale, guidance_schedule,
+                     temperature, num_images_per_prompt, generator, output_type, return_dict, callback_on_step_end,
+                     callback_on_step_end_tensor_inputs):
+        """Every argument of ``__call__``, checked before any model runs: ``ValueError`` naming
+        the argument and the allowed values. Returns the class ids and the resolved recipe."""
+        check((prompt is None) != (class_labels is None), "prompt", "exactly one of prompt and class_labels",
+              {"prompt": prompt, "class_labels": class_labels})
+        if prompt is not None:
+            labels = self.get_label_ids(checks.check_prompts(prompt, "prompt"), name="prompt")
+        else:
+            labels = checks.check_class_labels(class_labels, self.num_classes)
+        checks.check_int(num_images_per_prompt, "num_images_per_prompt", 1)
+        checks.check_number(temperature, "temperature", 0, low_open=True)
+        checks.check_number(guidance_scale, "guidance_scale", 0, optional=True)
+        check(guidance_schedule in DensityPipeline.SCHEDULES, "guidance_schedule",
+              f"one of {', '.join(map(repr, DensityPipeline.SCHEDULES))}", guidance_schedule)
+        checks.check_output_type(output_type, OUTPUT_TYPES)
+        recipe = self.check_shared_inputs(method=method, method_knobs=method_knobs,
+                                          batch_size=len(labels) * num_images_per_prompt, generator=generator,
+                                          return_dict=return_dict, callback_on_step_end=callback_on_step_end,
+                                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+        return labels, recipe
+
+    @torch.no_grad()
+    def __call__(self, prompt: str | list[str] | None = None, class_labels: int | list[int] | None = None, *,
+                 method: str = "none", guidance_scale: float | None = 2.0, guidance_schedule: str = "linear",
+                 temperature: float = 1.0, num_images_per_prompt: int = 1,
+                 generator: torch.Generator | list[torch.Generator] | None = None, output_type: str = "pil",
+                 return_dict: bool = True, callback_on_step_end: Callable | None = None,
+                 callback_on_step_end_tensor_inputs: list[str] = (), method_knobs: dict | None = None,
+                 residual_max_tries: int | None = 1000):
+        """Generate ``num_images_per_prompt`` images per prompt (or class label).
+
+        Args:
+            prompt: class names or prompts such as ``"a red circle"`` (``pipe.labels``; exclusive
+                with ``class_labels``).
+            class_labels: class ids in ``[0, num_classes)``.
+            method: ``"none"``, ``"none-diffusion"``, ``"sd"``, ``"sd-warmup"``, ``"path"`` or
+                ``"cspd"`` (``mmspec.methods.names("continuous")``); the head follows the method
+                (``methods.continuous.head_for``).
+            guidance_scale: MAR's CFG scale s (``eps_u + s (eps_c - eps_u)``, or the guided
+                mixture); ``None`` or 1 disables it.
+            guidance_schedule: ``"linear"`` (MAR's: token j of N uses ``1 + (s - 1)(j + 1) / N``)
+                or ``"constant"``.
+            temperature: MAR's temperature (> 0): the diffusion head's per-step noise, the
+                mixture's standard deviations.
+            num_images_per_prompt: images per prompt; image ``i * n + j`` is prompt i's j-th.
+            generator: one ``torch.Generator``, or a list of one per image: image r then equals
+                that prompt generated alone with generator r (to float rounding: batched matrix
+                products may round differently).
+            output_type: ``"pil"``, ``"np"``, ``"pt"`` or ``"latent"`` (the (N, T, d) latents).
+            callback_on_step_end, callback_on_step_end_tensor_inputs: see the class docstring.
+            method_knobs: the method's prefixed knobs, e.g. ``{"sd_gamma": 6}`` or
+                ``{"cspd_inner_temperature": 10.0}`` (``mmspec.methods.knobs("continuous", method)``).
+            residual_max_tries: the exact residual sampler's try cap (``None``: none); draws that
+                hit it are counted in ``stats["residual_fallbacks"]``.
+        Returns:
+            ``ContinuousARPipelineOutput``, or ``(images,)`` when ``return_dict=False``.
+        """
+        # 1. check every input before any model runs
+        labels, recipe = self.check_inputs(
+            prompt, class_labels, method=method, method_knobs=method_knobs, guidance_scale=guidance_scale,
+            guidance_schedule=guidance_schedule, temperature=temperature, num_images_per_prompt=num_images_per_prompt,
+            generator=generator, output_type=output_type, return_dict=return_dict,
+            callback_on_step_end=callback_on_step_end,
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+        check(residual_max_tries is None or (checks.is_int(residual_max_tries) and residual_max_tries >= 1),
+              "residual_max_tries", "None (no cap) or an int >= 1", residual_max_tries)
+
+        # 2. the conditioning: one class-token prompt per image (and the null class for CFG)
+        labels = [c for c in labels for _ in range(num_images_per_prompt)]
+        B = len(labels)
+        guided = guidance_scale is not None and guidance_scale != 1.0
+        density = DensityPipeline(temperature=float(temperature),
+                                  guidance_scale=float(guidance_scale) if guided else None,
+                                  guidance_schedule=guidance_schedule, head=head_for(recipe),
+                                  residual_max_tries=residual_max_tries)
+        N = self.transformer.num_image_tokens
+
+        def tokens_done(state) -> int:
+            return int((state.lengths[:B] - state.prompt_lengths[:B]).clamp(min=0).sum()) // B
+
+        step = 0
+
+        def on_step(state) -> None:
+            nonlocal step
+            if callback_on_step_end is not None:
+                kwargs = {"latents": _latents_so_far(state)} if callback_on_step_end_tensor_inputs else {}
+                returned = callback_on_step_end(self, step, tokens_done(state), kwargs)
+                check(isinstance(returned, dict) and not returned, "callback_on_step_end",
+                      "a callable returning {} (the latents are read-only)", returned)
+            step += 1
+
+        # 3. decode the latents: one SpeculativeDecoder.generate
+        out = self.decode(recipe, density, self.transformer.class_prompts(labels), N, tokens_done=tokens_done,
+                          on_step=on_step, generator=generator,
+                          uncond_input_ids=self.transformer.uncond_prompts(B) if guided else None)
+
+        # 4. latents -> pixels -> output_type
+        latents = out.sequences[..., 1, :].float()  # (B, N, d): row 1 of each token is the latent
+        images = latents if output_type == "latent" else self.postprocess_images(
+            self.tokenizer.decode(latents).clamp(-1, 1), output_type)
+        self.maybe_free_model_hooks()
+        if not return_dict:
+            return (images,)
+        return ContinuousARPipelineOutput(images=images, latents=latents, stats=out.stats.as_dict())
+
+
+def _latents_so_far(state) -> torch.Tensor:
+    """(B, n, d) each image's generated latents so far, zero-padded on the right (a copy)."""
+    B = state.batch_size
+    start, n = state.prompt_lengths[:B], state.lengths[:B] - state.prompt_lengths[:B]
+    span = torch.arange(int(n.max()), device=n.device)
+    cols = (start[:, None] + span).clamp(max=state.tokens.shape[1] - 1)  # (B, n)
+    rows = torch.arange(B, device=n.device)[:, None]
+    latents = state.tokens[rows, cols][..., 1, :].float().clone()  # (B, n, d)
+    return latents.masked_fill((span >= n[:, None])[..., None], 0.0)
