@@ -12,13 +12,14 @@
 default, doc, allowed values); ``register_part`` / ``register_method`` add a drafter, rule or
 schedule and a named recipe of them (see ``registry``). Modalities: ``"ar-image"``
 (``methods.ar_image``), ``"vlm"`` (``methods.vlm``), ``"text"`` (``methods.text``),
-``"continuous"`` (``methods.continuous``).
+``"continuous"`` (``methods.continuous``), ``"video"`` (``methods.video``: the streaming
+pipeline's cache modes).
 """
 
 from .knobs import KnobSpec, check_config, knob
 from .registry import (KINDS, Composition, Method, Modality, Part, Recipe, build, knobs, modality, names, parts,
                        register_method, register_modality, register_part, resolve)
-from . import ar_image, continuous, text, vlm  # noqa: E402,F401  (the built-in registrations)
+from . import ar_image, continuous, text, video, vlm  # noqa: E402,F401  (the built-in registrations)
 
 __all__ = [
     "KINDS", "Composition", "KnobSpec", "Method", "Modality", "Part", "Recipe", "build", "check_config", "knob",

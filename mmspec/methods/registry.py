@@ -51,6 +51,8 @@ class Part:
             be one of these names or carry one of these traits (``gsd``: ``{"drafter": ("sjd",)}``).
         implies: ``{kind: part}`` added when the recipe has no part of that kind (``gsd`` -> ``sjd``).
         knob_info: per field ``{"min", "max", "choices"}`` for configs without ``knob`` metadata.
+        prefixed: False keeps the knobs' field names unprefixed, for parts whose knobs are their
+            pipeline's own arguments (video's ``sink_frames``); names still must not collide.
     """
 
     name: str
@@ -65,6 +67,7 @@ class Part:
     partners: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     implies: Mapping[str, str] = field(default_factory=dict)
     knob_info: Mapping[str, Mapping] = field(default_factory=dict)
+    prefixed: bool = True
     specs: Mapping[str, KnobSpec] = field(init=False, repr=False, compare=False, default=None)
     """``{field: KnobSpec}`` of the config, named with the prefix (derived)."""
 
@@ -87,7 +90,8 @@ class Part:
             object.__setattr__(self, "prefix", self.name.replace("-", "_"))
         check(re.fullmatch(r"[a-z][a-z0-9_]*", self.prefix) is not None, "prefix", "a lower-case identifier",
               self.prefix)
-        object.__setattr__(self, "specs", config_specs(self.config, self.prefix, self.knob_info, self.name))
+        object.__setattr__(self, "specs", config_specs(self.config, self.prefix if self.prefixed else "",
+                                                           self.knob_info, self.name))
 
     def traits_of(self, config) -> frozenset[str]:
         return frozenset(self.traits(config) if callable(self.traits) else self.traits)
