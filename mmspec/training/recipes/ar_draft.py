@@ -17,7 +17,7 @@ from ...models.llamagen import LlamaGenModel
 from ...models.vq import TinyVQModel
 from ..data import NUM_CLASSES
 from ..loop import new_accelerator, train_loop
-from .ar_image import token_data, train_ar_image
+from .ar_image import AR_DATA_STYLE, token_data, train_ar_image
 from .common import (batch_indices, check_checkpoint_dir, check_run_args, json_config, save_atomically,
                      warmup_cosine, write_log)
 
@@ -130,8 +130,8 @@ def train_ar_draft(out_dir: str | Path, *, kind: str, vq_dir: str | Path, target
         f"loss {held_loss:.4f} ({heldout_size} images)")
     record = {
         "recipe": "ar-draft", "kind": "eagle", "seed": seed, "steps": steps, "config": json_config(head),
-        "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "optimizer": "AdamW",
-                  "schedule": f"linear warmup {warmup} steps, cosine to 10%", "betas": list(BETAS),
+        "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "data_style": AR_DATA_STYLE,
+                  "optimizer": "AdamW", "schedule": f"linear warmup {warmup} steps, cosine to 10%", "betas": list(BETAS),
                   "weight_decay": optimizer.defaults["weight_decay"], "grad_clip": GRAD_CLIP,
                   "loss": f"smooth_l1(features) + {CLS_WEIGHT} x soft cross-entropy(target's head)",
                   "label_dropout": target.config.class_dropout_prob},
