@@ -1,4 +1,5 @@
-"""mmspec's Gradio demo: one tab per modality, baseline and a chosen method side by side.
+"""mmspec's Gradio demo: one tab per modality, baseline and a chosen method side by side (and a
+streaming video tab whose chunks appear as they are decoded).
 
     make demo            # or: mmspec demo [--host 127.0.0.1] [--port 7860]
     python demos/app.py
@@ -18,6 +19,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
+import time
+import uuid
 from pathlib import Path
 
 import gradio as gr
@@ -35,6 +39,9 @@ CONCURRENCY = int(os.environ.get("MMSPEC_DEMO_CONCURRENCY", "2"))
 QUEUE_SIZE = 64  # waiting requests beyond this are refused with a message, not queued forever
 MODELS = serve.Models()
 SCENES = 8  # bundled procedural scenes offered in the VLM tab
+VIDEO_MAX_FRAMES = 960  # per demo request (320 chunks of the bundled model); batch takes longer ones
+VIDEO_UPDATE_SECONDS = 0.25  # streamed video updates at most this often (the last chunk always shows)
+CLIP_DIR = Path(tempfile.gettempdir()) / "mmspec-demo"  # a finished clip, until gradio has copied it to its cache
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -248,15 +255,106 @@ def vlm_tab():
               concurrency_limit=CONCURRENCY, concurrency_id="models")
 
 
+# ---------------------------------------------------------------- streaming video
+
+VIDEO_EMPTY = (None, None, "", None, "")
+
+
+def _video_progress(pieces: list, total: int) -> str:
+    last = pieces[-1]
+    end = last.start + len(last.frames)
+    return (f"frame {end} of {total} ({len(pieces)} chunks) | prompt: *{last.prompt}* | "
+            f"last chunk {1000 * last.stats['latency_s']:.0f} ms | cache {last.stats['cache_frames']} frames")
+
+
+def _video_view(pieces: list, total: int):
+    """(latest frame 8x, a strip of each chunk's first frame, the progress line)."""
+    latest = pieces[-1].frames[-1]
+    return (latest.repeat(8, 0).repeat(8, 1), serve.frame_strip([p.frames[0] for p in pieces], per_row=16),
+            _video_progress(pieces, total))
+
+
+def video_generate(prompt, switch_prompt, switch_frame, num_frames, method, seed, *knob_values):
+    """Streams (latest frame, frame strip, progress, clip, stats, error): the view updates as
+    chunks are decoded, then the MP4 clip and the stream's stats."""
+    names = list(serve.knob_specs("video"))
+    try:
+        knobs = _collect_knobs("video", method, names, knob_values)
+        frames = _int(num_frames, "frames")
+        if not 1 <= frames <= VIDEO_MAX_FRAMES:
+            raise ValueError(f"frames must be an int in [1, {VIDEO_MAX_FRAMES}] in the demo, got {frames}")
+        switches = []
+        if isinstance(switch_prompt, str) and switch_prompt.strip():
+            switches = [(_int(switch_frame, "switch frame"), switch_prompt)]
+        stream = serve.stream_video(MODELS, prompt, _int(seed, "seed"), frames, method, knobs, switches)
+    except Exception as err:
+        yield (*VIDEO_EMPTY, _error(err))
+        return
+    pieces, shown = [], 0.0
+    with serve.GAUGE:
+        try:
+            for piece, result in stream:
+                if piece is None:
+                    break
+                pieces.append(piece)
+                if time.monotonic() - shown >= VIDEO_UPDATE_SECONDS:
+                    shown = time.monotonic()
+                    yield (*_video_view(pieces, frames), None, "", "")
+            clip = serve.write_video(result.frames, CLIP_DIR / f"video-{uuid.uuid4().hex}.mp4", fps=16, scale=8)
+        except Exception as err:
+            yield (*VIDEO_EMPTY, _error(err))
+            return
+    try:
+        yield (*_video_view(pieces, frames), str(clip), f"**{method}** - {serve.video_stats_line(result.stats)}", "")
+    finally:  # gradio copied the clip to its cache when it took this update (or the request is gone)
+        clip.unlink(missing_ok=True)
+
+
+def video_tab():
+    names = methods.names("video")
+    with gr.Row():
+        with gr.Column(scale=1):
+            prompt = gr.Textbox("a red circle moving right", label="prompt (a colour, a shape and a direction)",
+                                info="red green blue yellow | circle square triangle star | right left up down",
+                                elem_id="video-prompt")
+            with gr.Row():
+                switch_prompt = gr.Textbox("a blue circle moving right", label="switch to (optional: empty for none)",
+                                           elem_id="video-switch-prompt")
+                switch_frame = gr.Number(value=48, precision=0, label="at frame (a chunk boundary)",
+                                         elem_id="video-switch-frame")
+            with gr.Row():
+                frames = gr.Number(value=96, precision=0, label="frames", elem_id="video-frames")
+                seed = gr.Number(value=0, precision=0, label="seed", elem_id="video-seed")
+            method = gr.Dropdown(list(names), value=names[0], label="cache mode", elem_id="video-method")
+            with gr.Accordion("cache knobs (empty: the model's own)", open=False):
+                knobs = _knob_inputs("video", "video", names[0])
+            run = gr.Button("Stream", variant="primary", elem_id="video-run")
+        with gr.Column(scale=2):
+            error = gr.Markdown("", elem_id="video-error")
+            progress = gr.Markdown("", elem_id="video-progress")
+            with gr.Row():
+                latest = gr.Image(label="latest frame", format="png", height=256, interactive=False,
+                                  elem_id="video-latest")
+                clip = gr.Video(label="clip (MP4)", height=256, interactive=False, elem_id="video-clip")
+            strip = gr.Image(label="one frame per chunk", format="png", interactive=False, elem_id="video-strip")
+            stats = gr.Markdown("", elem_id="video-stats")
+    knob_list = list(knobs.values())
+    method.change(_show_knobs("video", list(knobs)), inputs=method, outputs=knob_list, queue=False)
+    run.click(video_generate, inputs=[prompt, switch_prompt, switch_frame, frames, method, seed, *knob_list],
+              outputs=[latest, strip, progress, clip, stats, error], api_name="video_generate",
+              concurrency_limit=CONCURRENCY, concurrency_id="models")
+
+
 # ---------------------------------------------------------------- the app
 
-TABS = (("AR image", ar_tab), ("VLM", vlm_tab))
+TABS = (("AR image", ar_tab), ("VLM", vlm_tab), ("Streaming video", video_tab))
 
 
 def build() -> gr.Blocks:
     with gr.Blocks(title="mmspec: speculative decoding for multimodal generation") as blocks:
         gr.Markdown("# mmspec\nSpeculative decoding for multimodal generation, on the bundled tiny models "
-                    "(CPU). Each request runs the baseline and the chosen method on the same seed.")
+                    "(CPU). The AR image and VLM tabs run the baseline and the chosen method on the same seed; the "
+                    "streaming video tab shows chunks as they are decoded.")
         with gr.Tabs():
             for label, tab in TABS:
                 with gr.Tab(label, elem_id=f"tab-{label.lower().replace(' ', '-')}"):

@@ -149,3 +149,38 @@ def test_vlm_tab(page, tmp_path):
     _wait_text(page, "#vlm-error", "question must be a non-empty question")
     assert "Traceback" not in page.content()
     page.screenshot(path=str(tmp_path / "vlm-error.png"), full_page=True)
+
+
+def test_video_tab(page, tmp_path):
+    page.get_by_role("tab", name="Streaming video").click()
+    page.wait_for_selector("#video-run", state="visible", timeout=TIMEOUT)
+    # record every progress line the page shows while the stream runs
+    page.evaluate("""() => { window.progress = []; const el = document.querySelector('#video-progress');
+        new MutationObserver(() => window.progress.push(el.innerText)).observe(el, {subtree: true, childList: true,
+        characterData: true}); }""")
+    page.fill("#video-frames input", "60")
+    page.fill("#video-switch-frame input", "30")
+    page.click("#video-run")
+    _wait_text(page, "#video-stats", "re-cache at frames [30]")
+    stats = _text(page, "#video-stats")
+    assert "rolling" in stats and "60 frames, 20 chunks" in stats and "fps" in stats and "cache 12 frames" in stats
+    assert _image_width(page, "#video-latest") == 256  # the last frame, 8x
+    assert _image_width(page, "#video-strip") == 16 * 64  # one frame per chunk, 2x, 16 per row
+    # the MP4 plays in Chromium: its metadata loads and it has the clip's size
+    video = page.wait_for_selector("#video-clip video", state="attached", timeout=TIMEOUT)
+    page.wait_for_function("el => el.readyState >= 1 && el.videoWidth > 0", arg=video, timeout=TIMEOUT)
+    assert video.evaluate("el => [el.videoWidth, el.videoHeight]") == [256, 256]
+    assert abs(video.evaluate("el => el.duration") - 60 / 16) < 0.2
+    # chunks showed up as they were decoded: the frame count grew before the stream ended
+    counts = [int(m.group(1)) for s in page.evaluate("window.progress")
+              if (m := re.search(r"frame (\d+) of 60", s))]
+    assert len(set(counts)) >= 2 and counts == sorted(counts) and counts[-1] == 60, counts
+    assert "blue" in _text(page, "#video-progress")  # the prompt in force after the switch
+    assert _text(page, "#video-error").strip() == ""
+    page.screenshot(path=str(tmp_path / "video.png"), full_page=True)
+
+    page.fill("#video-switch-frame input", "31")
+    page.click("#video-run")
+    _wait_text(page, "#video-error", "switch frame must be a multiple of the model's chunk (3 frames)")
+    assert "Traceback" not in page.content()
+    page.screenshot(path=str(tmp_path / "video-error.png"), full_page=True)

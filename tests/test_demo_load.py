@@ -2,7 +2,9 @@
 on the VLM tab against the in-process server. Every request completes with a correct result
 (identical requests give identical images; a request equals the same call made directly; greedy
 answers equal the baseline's), the queue runs at most ``CONCURRENCY`` model events at once, the
-models load once, and the process's memory stays bounded."""
+models load once, and the process's memory stays bounded. The streaming video tab, end to end on
+``assets/video``: concurrent streams arrive chunk by chunk, end in an MP4 of the frames
+``serve.run_video`` gives for the same request, with the stats line; bad input is a message."""
 
 from __future__ import annotations
 
@@ -119,3 +121,57 @@ def test_concurrent_clients(app, tmp_path):
     growth = max(peak_rss) - rss0
     print(f"RSS {rss0 / 2**20:.0f} MB after warm-up, peak growth {growth / 2**20:.0f} MB under load")
     assert growth < RSS_GROWTH_LIMIT
+
+
+VIDEO_CLIENTS, VIDEO_FRAMES, SWITCH = 3, 48, 24
+
+
+def _video(url: str, seed: int, switch_frame: int = SWITCH, frames: int = VIDEO_FRAMES, method: str = "rolling"):
+    """Every update the stream sent, in order (each: latest, strip, progress, clip, stats, error)."""
+    from gradio_client import Client
+
+    job = Client(url, verbose=False).submit("a red circle moving right", "a blue circle moving right", switch_frame,
+                                            frames, method, seed, *_knobs("video", method), api_name="/video_generate")
+    job.result(timeout=900)
+    return job.outputs()
+
+
+def _clip(value) -> str:
+    return value["video"] if isinstance(value, dict) else value  # gradio_client gives a path (or a dict)
+
+
+def test_video_tab_streams_chunks_then_the_clip(app):
+    import imageio.v3 as iio
+
+    from mmspec import serve
+
+    url = app.demo.local_url
+    with ThreadPoolExecutor(VIDEO_CLIENTS) as pool:
+        runs = list(pool.map(lambda seed: _video(url, seed), [0, 1, 0]))
+    for seed, updates in zip([0, 1, 0], runs):
+        *streamed, (latest, strip, progress, clip, stats, error) = updates
+        assert error == "", error
+        # chunks arrived before the clip: growing progress, the latest frame, no clip yet
+        assert streamed and all(u[3] is None and u[0] is not None for u in streamed)
+        assert progress.startswith(f"frame {VIDEO_FRAMES} of {VIDEO_FRAMES} (16 chunks)")
+        assert np.asarray(PIL.Image.open(latest)).shape == (256, 256, 3)  # 32 px frames, 8x
+        assert np.asarray(PIL.Image.open(strip)).shape == (64, 16 * 64, 3)  # one frame per chunk, 2x
+        assert f"re-cache at frames [{SWITCH}]" in stats and "fps" in stats and "chunk latency median" in stats
+        assert "cache 12 frames" in stats  # sink 3 + window 9: flat after the window fills
+        # the clip is the MP4 of the frames serve gives for the same request (within H.264's loss)
+        video = iio.imread(_clip(clip))  # (F, 256, 256, 3) uint8
+        direct = serve.run_video(app.MODELS, "a red circle moving right", seed, VIDEO_FRAMES, "rolling", {},
+                                 [(SWITCH, "a blue circle moving right")])
+        assert video.shape == (VIDEO_FRAMES, 256, 256, 3)
+        want = direct.frames.repeat(8, axis=1).repeat(8, axis=2)
+        assert np.abs(video.astype(float) - want).mean() < 4
+    assert np.array_equal(iio.imread(_clip(runs[0][-1][3])), iio.imread(_clip(runs[2][-1][3])))  # same seed
+    assert not list(app.CLIP_DIR.glob("*.mp4"))  # each clip removed once gradio had copied it
+
+    # bad input: a readable message, nothing else
+    for switch_frame, message in ((25, "switch frame must be a multiple of the model's chunk (3 frames)"),
+                                  (60, "switch frame must be below the number of frames (48)")):
+        *_, (latest, strip, progress, clip, stats, error) = _video(url, 0, switch_frame)
+        assert message in error and latest is None and clip is None
+    *_, last = _video(url, 0, method="full-cache", frames=291)
+    assert "num_frames must be None or at most 288 with cache_mode='full-cache'" in last[-1]
