@@ -7,24 +7,36 @@
         --dynamo_backend no --main_process_port 0 -m mmspec batch jobs.jsonl --out out/
 
 A job is one JSON object per line (or one CSV row): ``id`` (a file name stem), ``kind``
-(``"ar-image"`` or ``"vlm"``), ``method`` (default ``"none"``), ``seed`` (default 0), the kind's
-inputs (``prompt`` for ``ar-image``; ``image`` (a path, relative to the jobs file) and ``question``
-for ``vlm``) and options (``guidance_scale``, ``temperature``, ``max_new_tokens``, ...), and the
+(``"ar-image"``, ``"vlm"`` or ``"video"``), ``method`` (default ``"none"``; ``"rolling"`` for
+video), ``seed`` (default 0), the kind's inputs (``prompt`` for ``ar-image``; ``image`` (a path,
+relative to the jobs file) and ``question`` for ``vlm``; ``prompt``, ``frames`` and ``switches``
+for ``video``) and options (``guidance_scale``, ``temperature``, ``max_new_tokens``, ...), and the
 method's knobs, flat (``"sjd_window": 16``) or under ``"knobs"``. Every line is checked first,
 methods and knobs through the method registry: bad lines are reported by line number and nothing
 runs or is written.
 
-Output: ``OUT/<id>.png`` per image, ``OUT/<id>.txt`` per answer, and ``OUT/manifest.jsonl`` with one
-record per job: status (``ok`` / ``error``), output file, stats, error message. Files are written
-to a temporary name and renamed; manifest records are appended whole under a file lock; a rerun
-skips jobs the manifest records as ``ok`` whose file exists, and retries the others. A failing job
-is recorded with its error and the rest go on. At the end the main process rewrites the manifest
-(atomically) with one record per job, in the jobs file's order.
+Video jobs: ``prompt`` (``"a red circle moving right"``), ``frames`` (default 48), ``switches``
+(prompt switches: ``[[24, "a blue circle moving right"], ...]``, or ``"24:a blue circle moving
+right; 48:..."`` as text, as ``generate video --switch`` takes them; frames at chunk boundaries),
+``format`` (``"mp4"``, default, or ``"gif"``), ``fps`` (16) and ``scale`` (8: the 32 px frames
+nearest-neighbour upscaled); the method is a cache mode of the ``"video"`` registry modality
+(``rolling``, ``window-recompute``, ``full-cache``, ``no-sink``) with its knobs (``sink_frames``,
+``window_frames``, ``recache_sink``, ``num_inference_steps``, ``guidance_scale``).
+
+Output: ``OUT/<id>.png`` per image, ``OUT/<id>.txt`` per answer, ``OUT/<id>.mp4`` (or ``.gif``)
+per video, and ``OUT/manifest.jsonl`` with one record per job: status (``ok`` / ``error``), output
+file, stats (for a video: fps, per-chunk latency median and p95, cache frames, switch frames, the
+resolved cache settings), error message. Files are written to a temporary name and renamed;
+manifest records are appended whole under a file lock; a rerun skips jobs the manifest records as
+``ok`` whose file exists, and retries the others. A failing job is recorded with its error and the
+rest go on. At the end the main process rewrites the manifest (atomically) with one record per job,
+in the jobs file's order.
 
 Jobs are grouped into batches before they are split between processes (``PartialState.
 split_between_processes``), and every job draws from its own seed, so the files are the same for
 any number of processes. Same-kind jobs share one pipeline call (up to ``batch_size``) only where
-that cannot change a job's output (``mmspec.serve.vlm_batchable`` / ``ar_batchable``).
+that cannot change a job's output (``mmspec.serve.vlm_batchable`` / ``ar_batchable``; video jobs run
+one per call, ``video_batchable``).
 """
 
 from __future__ import annotations
@@ -45,6 +57,7 @@ from .core.errors import check
 
 MANIFEST = "manifest.jsonl"
 TMP_TAG = ".tmp-"
+ATOMIC_TMP = re.compile(r"\..+\.[0-9a-f]{8}\.tmp(\.[A-Za-z0-9]+)?")
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
@@ -66,6 +79,7 @@ class KindSpec:
     fields: dict[str, Field]
     per_job: tuple[str, ...]  # fields that may differ within one pipeline call
     batchable: Callable[[str, float], bool]
+    method: str = "none"  # when the job names none
 
 
 KIND_SPECS: dict[str, KindSpec] = {
@@ -82,7 +96,15 @@ KIND_SPECS: dict[str, KindSpec] = {
                 "max_new_tokens": Field(int, 64), "temperature": Field(float, 0.0)},
         per_job=("image", "question"),
         batchable=serve.vlm_batchable),
+    "video": KindSpec(
+        ext=".mp4",  # or .gif: the job's "format"
+        fields={"prompt": Field(str, required=True), "frames": Field(int, 48), "switches": Field(list, ()),
+                "format": Field(str, "mp4"), "fps": Field(int, 16), "scale": Field(int, 8)},
+        per_job=("prompt", "switches"),
+        batchable=serve.video_batchable,
+        method="rolling"),
 }
+VIDEO_FORMATS = ("mp4", "gif")
 COMMON = {"id", "kind", "method", "seed", "knobs"}
 
 
@@ -98,7 +120,8 @@ class Job:
 
     @property
     def output(self) -> str:
-        return self.id + KIND_SPECS[self.kind].ext
+        fmt = self.params.get("format")  # video: mp4 or gif
+        return self.id + (f".{fmt}" if fmt else KIND_SPECS[self.kind].ext)
 
     def group(self) -> str:
         """Jobs with the same group may share one pipeline call."""
@@ -112,8 +135,26 @@ class Job:
 _WORDS = {int: "an int", float: "a float", str: "a str", bool: "a bool"}
 
 
+def _switches(name: str, value) -> list[tuple[int, str]]:
+    """Prompt switches: ``[[frame, text], ...]`` or ``"FRAME:TEXT; FRAME:TEXT"`` (a CSV cell, like
+    ``generate video --switch``) -> ``[(frame, text), ...]``; the schedule is checked later."""
+    allowed = "a list of [frame, prompt] pairs, or 'FRAME:PROMPT; FRAME:PROMPT' text"
+    if isinstance(value, str):
+        pairs = []
+        for item in filter(str.strip, value.split(";")):
+            frame, sep, text = item.partition(":")
+            check(sep == ":" and frame.strip().isdigit(), name, allowed, value)
+            pairs.append((int(frame), text.strip()))
+        return pairs
+    check(isinstance(value, (list, tuple)) and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in value), name,
+          allowed, value)
+    return [tuple(p) for p in value]
+
+
 def _coerce(name: str, value, typ: type, optional: bool, from_csv: bool):
     """A field's value as ``typ``; CSV cells arrive as text and are parsed here."""
+    if typ is list:
+        return _switches(name, value)
     if value is None or (from_csv and value == ""):
         check(optional, name, _WORDS[typ], value)
         return None
@@ -140,7 +181,7 @@ def parse_job(raw: dict, line: int, base: Path, from_csv: bool = False) -> Job:
     kind = raw.get("kind")
     check(kind in KIND_SPECS, "kind", "one of " + ", ".join(repr(k) for k in KIND_SPECS), kind)
     spec = KIND_SPECS[kind]
-    method = raw.get("method", "none")
+    method = raw.get("method", spec.method)
     serve.resolve(kind, method, {})  # an unknown method: named, with the allowed ones
     seed = serve.check_seed(_coerce("seed", raw.get("seed", 0), int, False, from_csv))
     params = {}
@@ -164,6 +205,15 @@ def parse_job(raw: dict, line: int, base: Path, from_csv: bool = False) -> Job:
     if kind == "ar-image":
         params["prompt"] = serve.check_ar_prompt(params["prompt"])
         check(params["guidance_scale"] >= 0, "guidance_scale", "a number >= 0", params["guidance_scale"])
+    elif kind == "video":
+        check(1 <= params["frames"] <= serve.VIDEO_MAX_FRAMES, "frames", f"an int in [1, {serve.VIDEO_MAX_FRAMES}]",
+              params["frames"])
+        params["switches"] = serve.video_schedule(params["prompt"], params["switches"], params["frames"])[1:]
+        serve.check_video_knobs(method, knobs)
+        check(params["format"] in VIDEO_FORMATS, "format", "one of " + ", ".join(map(repr, VIDEO_FORMATS)),
+              params["format"])
+        check(1 <= params["fps"] <= 120, "fps", "an int in [1, 120]", params["fps"])
+        check(1 <= params["scale"] <= 32, "scale", "an int in [1, 32]", params["scale"])
     else:
         path = (base / params["image"]).resolve()
         check(path.is_file(), "image", "an existing image file (relative to the jobs file)", params["image"])
@@ -171,7 +221,8 @@ def parse_job(raw: dict, line: int, base: Path, from_csv: bool = False) -> Job:
         params["image"] = str(path)
         check(params["question"].strip() != "", "question", "a non-empty question", params["question"])
         check(1 <= params["max_new_tokens"] <= 512, "max_new_tokens", "an int in [1, 512]", params["max_new_tokens"])
-    check(params["temperature"] >= 0, "temperature", "a number >= 0", params["temperature"])
+    if "temperature" in params:
+        check(params["temperature"] >= 0, "temperature", "a number >= 0", params["temperature"])
     return Job(line, job_id, kind, method, seed, params, knobs)
 
 
@@ -285,6 +336,9 @@ def _repair(out: Path) -> None:
                 fh.truncate(data.rfind(b"\n") + 1)
     for tmp in out.glob(f".*{TMP_TAG}*"):
         tmp.unlink(missing_ok=True)
+    for tmp in out.glob(".*.tmp*"):  # mmspec.utils.atomic's (video files): .<name>.<8 hex>.tmp<suffix>
+        if ATOMIC_TMP.fullmatch(tmp.name):
+            tmp.unlink(missing_ok=True)
 
 
 def finished(out: Path, jobs: list[Job]) -> set[str]:
@@ -302,7 +356,7 @@ def make_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
     batches: list[list[Job]] = []
     for job in jobs:
         spec = KIND_SPECS[job.kind]
-        if batch_size > 1 and spec.batchable(job.method, job.params["temperature"]):
+        if batch_size > 1 and spec.batchable(job.method, job.params.get("temperature", 0.0)):
             group = groups.setdefault(job.group(), [])
             if not group:
                 batches.append(group)
@@ -312,6 +366,16 @@ def make_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
         else:
             batches.append([job])
     return batches
+
+
+def _write(out: Path, job: Job, result: serve.Result) -> None:
+    """The job's file, whole or not at all: bytes through ``write_atomic``; videos through the
+    pipeline's writer, which writes a temporary file and renames it (``mmspec.utils.atomic``)."""
+    if job.kind == "video":
+        p = job.params
+        serve.write_video(result.frames, out / job.output, fps=p["fps"], scale=p["scale"])
+    else:
+        write_atomic(out / job.output, _encode(job, result))
 
 
 def _encode(job: Job, result: serve.Result) -> bytes:
@@ -332,6 +396,9 @@ def _run(models: serve.Models, batch: list[Job]) -> list[serve.Result]:
         return serve.run_ar(models, [j.params["prompt"] for j in batch], seeds, first.method, first.knobs,
                             guidance_scale=p["guidance_scale"], temperature=p["temperature"], top_k=p["top_k"],
                             top_p=p["top_p"])
+    if first.kind == "video":  # one job per call (video_batchable)
+        return [serve.run_video(models, p["prompt"], first.seed, p["frames"], first.method, first.knobs,
+                                p["switches"])]
     images = [_load_image(Path(j.params["image"])) for j in batch]
     return serve.run_vlm(models, images, [j.params["question"] for j in batch], seeds, first.method, first.knobs,
                          max_new_tokens=p["max_new_tokens"], temperature=p["temperature"])
@@ -358,7 +425,7 @@ def run_batch(models: serve.Models, batch: list[Job], out: Path) -> list[dict]:
         return [rec]
     records = []
     for job, result in zip(batch, results):
-        write_atomic(out / job.output, _encode(job, result))
+        _write(out, job, result)
         rec = _record(job, "ok", stats=result.stats)
         append_record(out / MANIFEST, rec)
         records.append(rec)

@@ -1,6 +1,8 @@
 """``mmspec batch``: bad job files are refused by line number before any work; a run killed with
 SIGKILL and restarted ends with exactly the files of an uninterrupted run; two accelerate
-processes write the same files as one; a failing job is recorded while the others go on.
+processes write the same files as one; a failing job is recorded while the others go on. Every
+kind is in the runs: AR images, VLM answers and streaming videos (an MP4 with a prompt switch, a
+GIF in another cache mode).
 
 The end-to-end runs are subprocesses on the bundled tiny models (a few seconds of decoding each,
 plus model loading); the job list is kept small so the file stays within about two minutes.
@@ -36,8 +38,12 @@ JOBS = [
      "method": "vispec", "max_new_tokens": 24},
     {"id": "ans-1", "kind": "vlm", "image": "scene.png", "question": "what colour is the main shape ?",
      "method": "vispec", "max_new_tokens": 24},
+    {"id": "clip-0", "kind": "video", "prompt": "a red circle moving right", "frames": 24, "seed": 0,
+     "switches": [[12, "a blue circle moving right"]]},
+    {"id": "clip-1", "kind": "video", "prompt": "a green square moving up", "frames": 18, "seed": 1,
+     "method": "no-sink", "window_frames": 6, "format": "gif", "scale": 2, "switches": "9: a yellow square moving up"},
 ]
-OUTPUTS = {"img-0.png", "img-1.png", "img-2.png", "ans-0.txt", "ans-1.txt"}
+OUTPUTS = {"img-0.png", "img-1.png", "img-2.png", "ans-0.txt", "ans-1.txt", "clip-0.mp4", "clip-1.gif"}
 
 
 def _env():
@@ -84,7 +90,7 @@ def reference(tmp_path_factory):
     proc = subprocess.run(_cmd(jobs, out, "--batch-size", "4"), env=_env(), capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 1, proc.stderr[-2000:]  # one job fails on purpose
-    assert "1 of 6 jobs failed" in proc.stderr
+    assert "1 of 8 jobs failed" in proc.stderr
     return jobs, out
 
 
@@ -95,7 +101,7 @@ def test_reference_run_writes_every_file_and_records_the_failure(reference):
     for name in OUTPUTS:
         if name.endswith(".png"):
             assert PIL.Image.open(out / name).size == (64, 64)
-        else:
+        elif name.endswith(".txt"):
             assert files[name].decode().strip()
     records = _manifest(out)
     assert [r["id"] for r in records] == [j["id"] for j in JOBS]  # one record per job, in the file's order
@@ -106,6 +112,24 @@ def test_reference_run_writes_every_file_and_records_the_failure(reference):
     assert {r["stats"]["batch"] for r in ok if r["kind"] == "vlm"} == {2}  # same-kind greedy jobs batched
     # the VLM answers are the pipeline's own greedy answers for those questions
     assert (out / "ans-1.txt").read_text().startswith("the main shape is")
+    # the videos: the stream's stats, and the frames serve gives for the same job (MP4: within H.264's loss)
+    import imageio.v3 as iio
+
+    from mmspec import serve
+
+    clip = {r["id"]: r["stats"] for r in ok if r["kind"] == "video"}
+    assert clip["clip-0"]["frames"] == 24 and clip["clip-0"]["switch_frames"] == [12]
+    assert clip["clip-0"]["cache_mode"] == "rolling" and clip["clip-0"]["cache_frames"] == 12  # sink 3 + window 9
+    assert clip["clip-1"]["cache_mode"] == "no-sink" and clip["clip-1"]["cache_frames"] == 6
+    assert clip["clip-1"]["switch_frames"] == [9]
+    assert all(s["fps"] > 0 and s["latency_ms_p95"] >= s["latency_ms_median"] > 0 for s in clip.values())
+    video = iio.imread(out / "clip-0.mp4")  # (F, H, W, 3) uint8
+    assert video.shape == (24, 256, 256, 3)
+    direct = serve.run_video(serve.Models(), "a red circle moving right", 0, 24, "rolling", {},
+                             [(12, "a blue circle moving right")])
+    assert np.abs(video.astype(float) - direct.frames.repeat(8, 1).repeat(8, 2)).mean() < 4
+    with PIL.Image.open(out / "clip-1.gif") as gif:
+        assert gif.n_frames == 18 and gif.size == (64, 64)
 
 
 def test_two_processes_write_the_same_files(reference, tmp_path):
@@ -151,7 +175,7 @@ def test_sigkill_then_rerun_gives_the_uninterrupted_files(reference, tmp_path):
     assert [r["id"] for r in records] == [j["id"] for j in JOBS]  # no duplicates
     assert _outcome(records) == _outcome(_manifest(ref_out))
     for job in JOBS:  # jobs the killed run finished and recorded were skipped, not redone
-        name = batch.Job(0, job["id"], job["kind"], "", 0, {}).output
+        name = batch.Job(0, job["id"], job["kind"], "", 0, {k: job[k] for k in ("format",) if k in job}).output
         if job["id"] in recorded:
             assert (out / name).stat().st_mtime_ns == mtimes[name]
 
@@ -167,6 +191,8 @@ def test_a_rerun_of_a_finished_folder_does_no_work(reference, tmp_path):
     for name, data in _files(ref_out).items():
         (out / name).write_bytes(data)
     (out / batch.MANIFEST).write_text("".join(json.dumps(records[j["id"]]) + "\n" for j in ok))
+    stray = out / ".clip-0.mp4.0a1b2c3d.tmp.mp4"  # what a video writer killed mid-write leaves
+    stray.write_bytes(b"partial")
     path = _write_jobs(folder, ok)
     from accelerate.state import PartialState
 
@@ -175,6 +201,7 @@ def test_a_rerun_of_a_finished_folder_does_no_work(reference, tmp_path):
     finally:
         PartialState._reset_state()  # leave no process state behind for other tests
     assert (summary.skipped, summary.ok, summary.failed) == (len(ok), 0, 0)
+    assert not stray.exists() and set(_files(out)) == OUTPUTS
 
 
 class _NoModels:
@@ -203,7 +230,7 @@ GOOD = '{"id": "a", "kind": "ar-image", "prompt": "a red circle", "seed": 0}'
 
 @pytest.mark.parametrize("line, expected", [
     ('{"id": "b", "kind": "ar-image", "prompt": "a red circle"', "line 2: not valid JSON"),
-    ('{"id": "b", "kind": "video", "prompt": "x"}', "line 2: kind must be one of 'ar-image', 'vlm'"),
+    ('{"id": "b", "kind": "audio", "prompt": "x"}', "line 2: kind must be one of 'ar-image', 'vlm', 'video'"),
     ('{"id": "b", "kind": "ar-image", "prompt": "a red circle", "method": "fast"}', "line 2: method"),
     ('{"id": "b", "kind": "ar-image", "prompt": "a red circle", "method": "sjd", "sjd_window": 1}',
      "line 2: sjd_window must be an int >= 2"),
@@ -219,6 +246,28 @@ GOOD = '{"id": "a", "kind": "ar-image", "prompt": "a red circle", "seed": 0}'
     ('{"id": "b", "kind": "vlm", "image": "ok.png", "question": "  "}', "line 2: question"),
     ('{"id": "b", "kind": "vlm", "image": "ok.png"}', "line 2: question must be given for a 'vlm' job"),
     ('[1, 2]', "line 2: job must be a JSON object"),
+    ('{"id": "b", "kind": "video", "prompt": "a red moon"}', "line 2: prompt must be text naming exactly one"),
+    ('{"id": "b", "kind": "video", "prompt": "a red circle moving up", "switches": [[13, "a blue circle moving up"]]}',
+     "line 2: switch frame must be a multiple of the model's chunk (3 frames): prompts switch at chunk boundaries, "
+     "e.g. 12 or 15, got 13"),
+    ('{"id": "b", "kind": "video", "prompt": "a red circle moving up", "frames": 24, "switches": "30:a blue star up"}',
+     "line 2: switch frame must be below the number of frames (24)"),
+    ('{"id": "b", "kind": "video", "prompt": "a red circle moving up", "switches": "soon: a blue circle moving up"}',
+     "line 2: switches must be a list of [frame, prompt] pairs"),
+    ('{"id": "b", "kind": "video", "prompt": "a red circle moving up", "sink_frames": 4}',
+     "line 2: sink_frames must be None or a multiple of the model's chunk (3 frames), got 4"),
+    ('{"id": "b", "kind": "video", "prompt": "a red circle moving up", "method": "full-cache", "window_frames": 6}',
+     "line 2: method_knobs must be knobs of 'full-cache'"),
+    ('{"id": "b", "kind": "video", "prompt": "a red circle moving up", "method": "none"}',
+     "line 2: method must be one of the cache modes 'rolling', 'window-recompute', 'full-cache', 'no-sink'"),
+    ('{"id": "b", "kind": "video", "prompt": "a red circle moving up", "method": "rolling+no-sink"}',
+     "line 2: method must be a composition with at most one schedule (rolling or no-sink)"),
+    ('{"id": "b", "kind": "video", "prompt": "a red circle moving up", "switches": "12:a red star up; 12:a star"}',
+     "line 2: switch frame must be distinct frames (one prompt per switch), got 12"),
+    ('{"id": "b", "kind": "video", "prompt": "a red circle moving up", "format": "avi"}',
+     "line 2: format must be one of 'mp4', 'gif', got 'avi'"),
+    ('{"id": "b", "kind": "video", "prompt": "a red circle moving up", "frames": 0}',
+     "line 2: frames must be an int in [1, 10000]"),
 ])
 def test_bad_line_is_reported_by_number(tmp_path, line, expected):
     assert expected in _bad(tmp_path, [GOOD, line])
@@ -241,6 +290,13 @@ def test_csv_jobs_and_their_errors(tmp_path):
     msg = _bad(tmp_path, ["id,kind,prompt,method,seed,sjd_window", "a,ar-image,a red circle,sjd,x,8",
                           "b,ar-image,a red circle,sjd,1,eight"], suffix=".csv")
     assert "line 2: seed must be an int, got 'x'" in msg and "line 3: sjd_window" in msg
+    # video rows: switches as FRAME:TEXT text (any order), knobs parsed from their cells, the cache mode by default
+    path.write_text("id,kind,prompt,frames,switches,recache_sink,format\n"
+                    "v,video,a red circle moving right,30,24:a blue star moving up; 12:a blue circle moving right,"
+                    "false,gif\n")
+    (job,) = batch.load_jobs(path)
+    assert (job.method, job.output, job.knobs) == ("rolling", "v.gif", {"recache_sink": False})
+    assert job.params["switches"] == [(12, "a blue circle moving right"), (24, "a blue star moving up")]
 
 
 def test_batches_only_where_outputs_cannot_change():
@@ -251,11 +307,14 @@ def test_batches_only_where_outputs_cannot_change():
                       "top_p": None}
         return batch.Job(i, f"j{i}", kind, method, i, params)
 
+    video = [batch.Job(7 + i, f"v{i}", "video", "rolling", 0, {"prompt": "a red circle moving right", "frames": 24,
+                                                                "switches": [], "format": "mp4", "fps": 16, "scale": 8})
+             for i in range(2)]
     jobs = [job(0), job(1, kind="ar-image", method="gsd"), job(2), job(3, temperature=1.0), job(4), job(5),
-            job(6, method="eagle")]
+            job(6, method="eagle"), *video]
     groups = [[j.id for j in b] for b in batch.make_batches(jobs, 3)]
-    # greedy VLM jobs with the same method and options share calls; sampled and AR jobs run alone
-    assert groups == [["j0", "j2", "j4"], ["j1"], ["j3"], ["j5"], ["j6"]]
+    # greedy VLM jobs with the same method and options share calls; sampled, AR and video jobs run alone
+    assert groups == [["j0", "j2", "j4"], ["j1"], ["j3"], ["j5"], ["j6"], ["v0"], ["v1"]]
     assert [[j.id for j in b] for b in batch.make_batches(jobs, 1)] == [[j.id] for j in jobs]
 
 
