@@ -1,0 +1,281 @@
+"""``mmspec bench continuous``: every continuous-token method on the bundled pipeline, in one run.
+
+As the AR image bench: image i asks for class ``i % 16`` with generator seed ``seed + i``, one
+image per call (batch 1), CFG 2.0 with MAR's linear schedule, temperature 1; images outer and rows
+inner after one untimed warm-up call per row. Rows (``DEFAULT_ROWS``): ``none`` (mixture head,
+target only), ``sd`` (mixture), ``sd+distill`` (``sd`` with the draft distilled to the target,
+the acceptance booster; needs ``booster_dir``), ``none-diffusion`` (the diffusion head's target-only
+baseline), ``path`` (diffusion, lossless), ``cspd`` at inner temperature 1, 10 and 42 (lossy),
+``sd`` after 5% and 15% target-only warm-up tokens.
+
+Columns per row: backbone passes per image (``nfe``, prefill included) and ``nfe_speedup`` over
+``none``, draft backbone passes (``draft_nfe``), head calls and rows of target and draft
+(``head_calls`` is their sum), residual tries and cap fallbacks, acceptance ``alpha``, ``tau``
+(tokens per target pass, bonus counted), wall seconds per image and ``wall_speedup`` over ``none``,
+FD of the classifier's features against real images (``fd``, ``fd_ratio`` to ``none``; the
+real-vs-real floor in the setup), class accuracy, and ``exact`` / ``exact_p`` for every row but
+the baselines: the first ``exact_tokens`` tokens of ``exact_samples`` rows of one class, tested
+against the exact guided target by the Rosenblatt (PIT) transform for the mixture head, and by a
+two-sample test against ``none-diffusion``'s samples for the diffusion head (``exact`` = p >= 1e-3;
+the lossy ``cspd`` rows are tested too, to show what they lose). The joint (dependence) part of
+both tests bins the first latent coordinate of every token (``pit_exact_p``,
+``two_sample_exact_p``); every coordinate gets a KS test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import methods
+from ..core import DensityPipeline, ModelOutput, SpeculativeDecoder
+from ..core.exactness import P_THRESHOLD, grid_chisquare_pvalue, ks_uniform_pvalue, two_sample_pvalue
+from ..methods.continuous import head_for
+from ..training.recipes.ar_image import AR_DATA_STYLE
+from .quality import FrechetToReference, extract_features, reference_stats
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+MODALITY = "continuous"
+
+# (row label, method, knobs, draft): draft "booster" swaps in the distilled draft
+DEFAULT_ROWS = (
+    ("none", "none", {}, None),
+    ("sd", "sd", {}, None),
+    ("sd+distill", "sd", {}, "booster"),
+    ("none-diffusion", "none-diffusion", {}, None),
+    ("path", "path", {}, None),
+    ("cspd-t1", "cspd", {"cspd_inner_temperature": 1.0}, None),
+    ("cspd-t10", "cspd", {"cspd_inner_temperature": 10.0}, None),
+    ("cspd-t42", "cspd", {"cspd_inner_temperature": 42.0}, None),
+    ("sd-warmup5", "sd", {"sd_warmup": 0.05}, None),
+    ("sd-warmup15", "sd", {"sd_warmup": 0.15}, None),
+)
+BASELINES = ("none", "none-diffusion")
+
+
+@dataclass
+class ContinuousBenchConfig:
+    pipeline_dir: str = str(ASSETS / "continuous")
+    booster_dir: str | None = str(ASSETS / "continuous" / "draft_distilled")  # None: skip the booster row
+    classifier_dir: str = str(ASSETS / "classifier")
+    rows: tuple = DEFAULT_ROWS
+    images: int = 128  # image i: class i % 16, seed + i
+    guidance_scale: float = 2.0
+    guidance_schedule: str = "linear"
+    temperature: float = 1.0
+    seed: int = 0
+    reference_images: int = 1024
+    reference_seed: int = 777
+    reference_style: str = AR_DATA_STYLE
+    exact_samples: int = 4000
+    exact_tokens: int = 3
+    exact_class: int = 5
+
+    @classmethod
+    def quick(cls, **kw) -> "ContinuousBenchConfig":
+        return cls(**{"images": 16, "reference_images": 256, "exact_samples": 1000, **kw})
+
+
+def _short(knobs: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in knobs.items()) or "defaults"
+
+
+def load(cfg: ContinuousBenchConfig):
+    from ..models import load_checkpoint
+    from ..models.classifier import ShapesClassifier
+    from ..models.continuous import ContinuousARModel
+    from ..pipelines import SpeculativeContinuousARPipeline
+
+    pipe = SpeculativeContinuousARPipeline.from_pretrained(cfg.pipeline_dir)
+    pipe.set_progress_bar_config(disable=True)
+    booster = None if cfg.booster_dir is None else load_checkpoint(ContinuousARModel, cfg.booster_dir)
+    return pipe, booster, load_checkpoint(ShapesClassifier, cfg.classifier_dir)
+
+
+@contextlib.contextmanager
+def _draft(pipe, draft):
+    """The pipeline with ``draft`` as its draft model for the block (the booster row)."""
+    if draft is None:
+        yield pipe
+        return
+    original = pipe.draft_model
+    pipe.register_modules(draft_model=draft)
+    try:
+        yield pipe
+    finally:
+        pipe.register_modules(draft_model=original)
+
+
+def _density(cfg: ContinuousBenchConfig, recipe) -> DensityPipeline:
+    return DensityPipeline(cfg.temperature, cfg.guidance_scale, cfg.guidance_schedule, head=head_for(recipe))
+
+
+@torch.no_grad()
+def first_tokens(pipe, draft, method: str, knobs: dict, cfg: ContinuousBenchConfig, seed: int) -> torch.Tensor:
+    """(exact_samples, exact_tokens, 2, d) tokens of class ``exact_class`` (the first
+    ``exact_tokens`` of an image generated with that many tokens; the CFG schedule over them)."""
+    model = pipe.transformer
+    recipe = methods.resolve(MODALITY, method, knobs)
+    parts = methods.build(recipe, {"target": model, "draft_model": draft if draft is not None else pipe.draft_model})
+    dec = SpeculativeDecoder(model, parts.drafter, rule=parts.rule, logits=_density(cfg, recipe))
+    n = cfg.exact_samples
+    out = dec.generate(model.class_prompts([cfg.exact_class] * n), cfg.exact_tokens,
+                       uncond_input_ids=model.uncond_prompts(n), generator=torch.Generator().manual_seed(seed))
+    return out.sequences
+
+
+@torch.no_grad()
+def mixture_pit(model, tokens: torch.Tensor, cfg: ContinuousBenchConfig) -> torch.Tensor:
+    """(n, k d) Rosenblatt uniforms of the tokens' latents under the exact processed (guided,
+    tempered) mixture of the target, from a cache-free forward on each prefix."""
+    n, k, _, d = tokens.shape
+    pipe = DensityPipeline(cfg.temperature, cfg.guidance_scale, cfg.guidance_schedule, head="mixture")
+
+    def feats(cls: int):
+        ids = torch.cat([torch.full((n, 1, 2, d), float(cls), dtype=tokens.dtype), tokens[:, :-1]], 1)
+        return model(ids)
+
+    out = feats(cfg.exact_class)
+    out = ModelOutput(logits=None, cond=torch.cat([out.cond, feats(model.null_class).cond]), heads=out.heads)
+    dist = pipe(out, torch.arange(k).expand(n, k), k)
+    return dist.rosenblatt(tokens[..., 1, :].double()).reshape(n, -1)
+
+
+def pit_exact_p(u: torch.Tensor) -> float:
+    """Exactness p-value of Rosenblatt uniforms u (n, k tokens, d): the smaller of KS per coordinate
+    (Bonferroni over k d) and a grid chi-square on the first coordinate of every token (3^k cells:
+    dependence between tokens, e.g. a missing truncation; a grid over all k d coordinates would need
+    more samples than its 3^(k d) cells)."""
+    return min(ks_uniform_pvalue(u.flatten(1)), grid_chisquare_pvalue(u[..., 0]))
+
+
+def two_sample_exact_p(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Two-sample p-value of latents a (n, k, d) and b (m, k, d): the smaller of ``two_sample_pvalue``
+    on the first coordinate of every token (its joint grid over 3^k cells) and two-sample KS per
+    coordinate, Bonferroni over k d."""
+    from scipy import stats
+
+    a2, b2 = a.double().flatten(1).numpy(), b.double().flatten(1).numpy()
+    ks = min(1.0, a2.shape[1] * min(stats.ks_2samp(a2[:, j], b2[:, j]).pvalue for j in range(a2.shape[1])))
+    return min(ks, two_sample_pvalue(a[..., 0], b[..., 0]))
+
+
+def _call(pipe, cfg: ContinuousBenchConfig, method: str, knobs: dict, label: int, seed: int):
+    return pipe(class_labels=[label], method=method, method_knobs=knobs, guidance_scale=cfg.guidance_scale,
+                guidance_schedule=cfg.guidance_schedule, temperature=cfg.temperature,
+                generator=torch.Generator().manual_seed(seed), output_type="latent")
+
+
+STAT_KEYS = ("nfe", "draft_nfe", "tau", "alpha", "target_head_calls", "target_head_rows", "draft_head_calls",
+             "draft_head_rows", "residual_rows", "residual_tries", "residual_fallbacks")
+
+
+@torch.no_grad()
+def run(cfg: ContinuousBenchConfig, progress=None) -> dict:
+    """One run over every row (images outer, rows inner, one untimed warm-up call per row)."""
+    say = progress or (lambda msg: None)
+    rows_cfg = tuple(r for r in cfg.rows if r[3] != "booster" or cfg.booster_dir is not None)
+    recipes = [methods.resolve(MODALITY, method, knobs) for _, method, knobs, _ in rows_cfg]  # fail before loading
+    pipe, booster, classifier = load(cfg)
+    drafts = {None: None, "booster": booster}
+    labels = [i % pipe.num_classes for i in range(cfg.images)]
+    say(f"reference features of {cfg.reference_images} real images")
+    fd_ref = FrechetToReference(reference_stats(classifier, cfg.reference_images, cfg.reference_seed,
+                                                style=cfg.reference_style))
+    floor = _real_floor(classifier, cfg, fd_ref)
+    for label, method, knobs, draft in rows_cfg:
+        say(f"{label}: warm-up call")
+        with _draft(pipe, drafts[draft]):
+            _call(pipe, cfg, method, knobs, labels[0], cfg.seed)
+    M = len(rows_cfg)
+    latents, stats, walls = ([[] for _ in range(M)] for _ in range(3))
+    for i, c in enumerate(labels):
+        if i % 8 == 0:
+            say(f"images {i}..{min(i + 8, cfg.images) - 1} of {cfg.images}, {M} rows each")
+        for m, (label, method, knobs, draft) in enumerate(rows_cfg):
+            with _draft(pipe, drafts[draft]):
+                start = time.perf_counter()
+                out = _call(pipe, cfg, method, knobs, c, cfg.seed + i)
+                walls[m].append(time.perf_counter() - start)
+            latents[m].append(out.latents)
+            stats[m].append(out.stats)
+
+    reference_diffusion = None
+    if cfg.exact_samples:
+        say(f"none-diffusion: {cfg.exact_samples} reference samples for the two-sample tests")
+        reference_diffusion = first_tokens(pipe, None, "none-diffusion", {}, cfg, cfg.seed + 1)[..., 1, :]
+    target = torch.tensor(labels)
+    rows, grids = [], {}
+    for m, ((label, method, knobs, draft), recipe) in enumerate(zip(rows_cfg, recipes)):
+        images = pipe.tokenizer.decode(torch.cat(latents[m])).clamp(-1, 1)
+        feats = extract_features(classifier, images)
+        row = {"method": label, "composition": method, "knobs": _short(knobs), "draft": draft or "draft_model",
+               "head": head_for(recipe), "lossless": recipe.lossless,
+               **{k: statistics.fmean(float(s.get(k) or 0.0) for s in stats[m]) for k in STAT_KEYS},
+               "wall_s": statistics.fmean(walls[m]), "fd": fd_ref(feats),
+               "class_acc": float((classifier.head(feats).argmax(-1) == target).double().mean())}
+        row["head_calls"] = row["target_head_calls"] + row["draft_head_calls"]
+        row["head_rows"] = row["target_head_rows"] + row["draft_head_rows"]
+        if cfg.exact_samples and label not in BASELINES:
+            say(f"{label}: distribution test, {cfg.exact_samples} samples of {cfg.exact_tokens} tokens")
+            toks = first_tokens(pipe, drafts[draft], method, knobs, cfg, cfg.seed + 2)
+            if row["head"] == "mixture":
+                p = pit_exact_p(mixture_pit(pipe.transformer, toks, cfg).view(toks.shape[0], cfg.exact_tokens, -1))
+            else:
+                p = two_sample_exact_p(reference_diffusion, toks[..., 1, :])
+            row["exact_p"], row["exact"] = float(p), bool(p >= P_THRESHOLD)
+        else:
+            row["exact_p"], row["exact"] = None, None
+        rows.append(row)
+        grids[label] = images
+    base = rows[0]
+    for row in rows:
+        row["nfe_speedup"] = base["nfe"] / row["nfe"]
+        row["wall_speedup"] = base["wall_s"] / row["wall_s"]
+        row["fd_ratio"] = row["fd"] / base["fd"]
+    setup = {"pipeline": cfg.pipeline_dir, "booster": cfg.booster_dir, "classifier": cfg.classifier_dir,
+             "images": cfg.images, "guidance_scale": cfg.guidance_scale, "guidance_schedule": cfg.guidance_schedule,
+             "temperature": cfg.temperature, "seed": cfg.seed, "reference_images": cfg.reference_images,
+             "reference_style": cfg.reference_style, "fd_real_floor": floor, "exact_samples": cfg.exact_samples,
+             "exact_tokens": cfg.exact_tokens, "exact_class": cfg.exact_class, "exact_threshold": P_THRESHOLD,
+             "wall_order": "images outer, rows inner; one untimed warm-up call per row",
+             "torch_threads": torch.get_num_threads()}
+    return {"bench": "continuous", "setup": setup, "rows": rows, "_grids": grids, "_labels": labels}
+
+
+def _real_floor(classifier, cfg: ContinuousBenchConfig, fd_ref: FrechetToReference) -> float:
+    """FD of as many real images as the run generates: the metric's floor at that size."""
+    from ..training.data import ShapesDataset
+
+    data = ShapesDataset(cfg.images, cfg.reference_seed + 1, classifier.config.sample_size, style=cfg.reference_style)
+    return fd_ref(extract_features(classifier, torch.stack([data[i][0] for i in range(cfg.images)])))
+
+
+CONTINUOUS_COLUMNS = [
+    ("method", "method"), ("knobs", "knobs"), ("head", "head"), ("nfe", "NFE/img"), ("nfe_speedup", "NFE x"),
+    ("draft_nfe", "draft NFE/img"), ("target_head_calls", "t head calls"), ("target_head_rows", "t head rows"),
+    ("draft_head_calls", "d head calls"), ("draft_head_rows", "d head rows"), ("residual_tries", "res tries"),
+    ("residual_fallbacks", "res fallbacks"), ("alpha", "alpha"), ("tau", "tau"), ("wall_s", "wall s/img"),
+    ("wall_speedup", "wall x"), ("fd", "FD"), ("fd_ratio", "FD x"), ("class_acc", "class acc"), ("exact", "exact"),
+    ("exact_p", "exact p"),
+]
+
+
+def save_grid(result: dict, path: str | Path, per_row: int = 16) -> None:
+    """A PNG with one row of samples per bench row (the first ``per_row`` images), written atomically."""
+    from .ar_image import save_grid as _save
+
+    _save(result, path, per_row)
+
+
+def public(result: dict) -> dict:
+    return {k: v for k, v in result.items() if not k.startswith("_")}
+
+
+__all__ = ["CONTINUOUS_COLUMNS", "ContinuousBenchConfig", "DEFAULT_ROWS", "first_tokens", "mixture_pit", "pit_exact_p", "public",
+           "run", "save_grid", "two_sample_exact_p"]

@@ -1,0 +1,68 @@
+"""``mmspec bench continuous`` on a tiny random-init pipeline saved in a temp folder: every row and
+every column of the JSON, the booster row on a swapped draft, ratios to ``none``, exactness
+fields for the non-baseline rows; the bundled classifier measures FD (64x64 images)."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmspec.bench import continuous
+from mmspec.bench.report import format_table
+from mmspec.models.continuous_tokenizer import PatchPCATokenizer
+from mmspec.pipelines import SpeculativeContinuousARPipeline
+
+from test_continuous_pipeline import tiny_model
+
+CLASSIFIER = Path(__file__).resolve().parents[1] / "assets" / "classifier"
+JSON_KEYS = ("method", "nfe", "nfe_speedup", "wall_speedup", "tau", "exact", "fd", "fd_ratio", "class_acc", "alpha",
+             "head_calls", "residual_tries", "draft_nfe", "target_head_calls", "target_head_rows", "draft_head_calls",
+             "draft_head_rows", "residual_fallbacks", "wall_s", "exact_p", "head_rows")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    torch.manual_seed(0)
+    tokenizer = PatchPCATokenizer(sample_size=64, patch_size=16, latent_dim=3).fit(torch.rand(4, 3, 64, 64) * 2 - 1)
+    SpeculativeContinuousARPipeline(tokenizer=tokenizer, transformer=tiny_model(1, 24, 2),
+                                    draft_model=tiny_model(2)).save_pretrained(root / "pipe")
+    tiny_model(3).save_pretrained(root / "booster")
+    return root
+
+
+@pytest.mark.skipif(not (CLASSIFIER / "config.json").is_file(), reason="the bundled classifier is missing")
+def test_bench_rows_and_columns(folders, tmp_path):
+    cfg = continuous.ContinuousBenchConfig.quick(
+        pipeline_dir=str(folders / "pipe"), booster_dir=str(folders / "booster"), classifier_dir=str(CLASSIFIER),
+        images=3, reference_images=32, exact_samples=300, exact_tokens=2, exact_class=1)
+    result = continuous.run(cfg)
+    rows = result["rows"]
+    assert [r["method"] for r in rows] == [r[0] for r in continuous.DEFAULT_ROWS]
+    for row in rows:
+        for key in JSON_KEYS:
+            assert key in row, (row["method"], key)
+        assert math.isfinite(row["fd"]) and 0 <= row["class_acc"] <= 1
+        assert row["residual_fallbacks"] == 0
+    by = {r["method"]: r for r in rows}
+    assert by["none"]["nfe_speedup"] == 1.0 and by["none"]["fd_ratio"] == 1.0
+    assert by["none"]["nfe"] == 16 and by["none"]["draft_nfe"] == 0  # one pass per token (the prefill's first)
+    assert by["sd"]["draft_nfe"] > 0 and by["sd+distill"]["draft"] == "booster"
+    assert by["none"]["exact"] is None and isinstance(by["sd"]["exact"], bool) and isinstance(by["path"]["exact"], bool)
+    assert by["cspd-t42"]["lossless"] is False and by["path"]["head"] == "diffusion" and by["sd"]["head"] == "mixture"
+    assert 0 < result["setup"]["fd_real_floor"]
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps(continuous.public(result)))
+    assert json.loads(path.read_text())["rows"][1]["method"] == "sd"
+    assert "wall x" in format_table(rows, continuous.CONTINUOUS_COLUMNS)
+    continuous.save_grid(result, tmp_path / "grid.png")
+    assert (tmp_path / "grid.png").stat().st_size > 0
+
+
+def test_booster_row_skipped_without_booster_and_bad_knobs_fail_before_loading(tmp_path):
+    cfg = continuous.ContinuousBenchConfig(pipeline_dir=str(tmp_path / "missing"), booster_dir=None,
+                                           rows=(("bad", "sd", {"sd_gamma": 0}, None),))
+    with pytest.raises(ValueError, match="sd_gamma must be"):
+        continuous.run(cfg)
