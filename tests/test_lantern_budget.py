@@ -142,3 +142,15 @@ def test_budget_knob():
         LatentProximityConfig(budget="per-node")
     with pytest.raises(ValueError, match="budget"):
         LatentProximityConfig(budget="per-token", rejection="reference")
+
+
+def test_empty_batch_of_drafted_rows():
+    """A block with no rows (ZipAR+SJD can hand the rule zero lanes: seen as a crash of
+    ``zipar+sjd+lantern`` on the retrained target) gives empty relaxed targets and an empty
+    decision, as the exact rule does."""
+    rule = lantern(0.1)
+    d = DraftTree(torch.zeros(0, 3, dtype=torch.long), Tree.chain(0, 3), torch.full((0, 3, V), 1.0 / V))
+    p_all = torch.full((0, 4, V), 1.0 / V)
+    assert rule.relaxed_targets(d, p_all).shape == (0, 4, V)
+    out, ref = rule(d, p_all, torch.Generator().manual_seed(0)), SpeculativeSampling()(d, p_all, torch.Generator().manual_seed(0))
+    assert out.next_token.shape == ref.next_token.shape == (0,)

@@ -340,6 +340,8 @@ class LatentProximityAcceptance(SpeculativeSampling):
     def _relax_drafted(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """(M, V) node targets, (M, V) the draft's q there -> (M, V) p*, independent of the draw."""
         M, V = p.shape
+        if M == 0:  # no drafted node in this block (e.g. every ZipAR lane is at a row's start)
+            return p.clone()
         C = min(DRAFTED_CANDIDATES, V)
         gap, y = (q - p).topk(C, dim=-1)  # (M, C) the most under-covered tokens
         gap = gap.clamp(min=0)
