@@ -10,8 +10,12 @@
     mmspec bench video [--json PATH] [--frames N ...]
                                      the streaming video cache modes: fps, chunk latency and memory slopes,
                                      speed-up over window recompute, judge accuracy, prompt switches
+    mmspec bench continuous [--json PATH]
+                                     continuous-token methods (sd, path, cspd, warm-up): NFE, alpha, wall, FD, exactness
     mmspec generate ar-image --method gsd --prompt "a red circle" --out DIR
                                      write PNGs from the bundled AR image pipeline
+    mmspec generate continuous --method sd --prompt "a red circle" --out DIR
+                                     write PNGs from the continuous-token pipeline (MAR-style heads)
     mmspec generate vlm --image PATH --prompt "describe the image in detail ." --method vispec
                                      answer a question about an image with the bundled VLM
     mmspec generate video --prompt "a red circle moving right" [--switch FRAME:TEXT ...] --frames 96 --out clip.mp4
@@ -35,6 +39,12 @@
                                      rebuild its chunk-causal video transformer (about 30 min)
     mmspec train video-judge --out DIR [--ae DIR]
                                      rebuild the video bench's frame judge (colour, shape; about 2.5 min)
+    mmspec train continuous-tokenizer --out DIR [--classifier DIR]
+                                     fit the continuous PCA patch tokenizer (seconds)
+    mmspec train continuous-ar --tokenizer DIR --out DIR
+    mmspec train continuous-draft --tokenizer DIR --target DIR [--distill W] --out DIR
+                                     the continuous AR target and its draft (estimated from step times:
+                                     target about 25 min, drafts 6 and 16 min; not yet run end to end)
 """
 
 from __future__ import annotations
@@ -45,7 +55,7 @@ import os
 import sys
 from pathlib import Path
 
-BENCHES = ("core", "ar-image", "vlm", "video", "kernels")
+BENCHES = ("core", "ar-image", "vlm", "video", "kernels", "continuous")
 
 
 class UsageError(ValueError):
@@ -111,6 +121,12 @@ def cmd_bench(args) -> int:
         # rewritten after every group: an interrupted run leaves the groups it finished
         result = video.public(video.run(cfg, progress=None if args.quiet else _progress, json_path=args.json))
         columns = video.VIDEO_COLUMNS
+    elif args.name == "continuous":
+        from .bench import continuous
+
+        cfg = continuous.ContinuousBenchConfig.quick() if args.quick else continuous.ContinuousBenchConfig()
+        result = continuous.public(continuous.run(cfg, progress=None if args.quiet else _progress))
+        columns = continuous.CONTINUOUS_COLUMNS
     elif args.name == "kernels":
         from .bench import kernels
 
@@ -159,9 +175,10 @@ def cmd_generate(args) -> int:
     knobs = args.method_knobs
     if args.kind == "vlm":
         return _generate_vlm(args, knobs)
-    from .pipelines import SpeculativeARImagePipeline
+    from .pipelines import SpeculativeARImagePipeline, SpeculativeContinuousARPipeline
 
-    pipe = SpeculativeARImagePipeline.from_pretrained(args.model)
+    cls = SpeculativeContinuousARPipeline if args.kind == "continuous" else SpeculativeARImagePipeline
+    pipe = cls.from_pretrained(args.model)
     pipe.set_progress_bar_config(disable=args.quiet)
     out = pipe(prompt=args.prompt, method=args.method, method_knobs=knobs, guidance_scale=args.guidance_scale,
                temperature=args.temperature, num_images_per_prompt=args.num_images,
@@ -350,6 +367,13 @@ def cmd_train(args) -> int:
     from .training import recipes
 
     _set_threads(args.threads)
+    if args.recipe == "continuous-tokenizer":
+        record = recipes.train_continuous_tokenizer(args.out, dataset_size=args.dataset_size, seed=args.seed,
+                                                    classifier_dir=args.classifier, log=print)
+        acc = "" if record["recon_accuracy"] is None else f", classifier accuracy {record['recon_accuracy']:.3f}"
+        print(f"saved {args.out}: held-out reconstruction MSE {record['heldout_recon_mse']:.5f}{acc}, "
+              f"{record['wall_time_s']:.0f} s")
+        return 0
     common = dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                   dataset_size=args.dataset_size, log_every=args.log_every, log=print)
     if args.recipe == "vq":
@@ -385,6 +409,15 @@ def cmd_train(args) -> int:
         record = recipes.train_video_judge(args.out, ae_dir=args.ae, **common)
         on_ae = "" if record["ae_recon"] is None else f", {record['ae_recon']['both']:.4f} on reconstructions"
         print(f"saved {args.out}: held-out accuracy (colour and shape) {record['heldout_accuracy']:.4f}{on_ae}, "
+              f"{record['wall_time_s']:.0f} s")
+    elif args.recipe in ("continuous-ar", "continuous-draft"):
+        if args.recipe == "continuous-ar":
+            record = recipes.train_continuous_ar(args.out, tokenizer_dir=args.tokenizer, **common)
+        else:
+            record = recipes.train_continuous_draft(args.out, tokenizer_dir=args.tokenizer, target_dir=args.target,
+                                                    distill=args.distill, **common)
+        print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f} (mixture "
+              f"{record['heldout_losses']['mixture']:.4f}), {record['s_per_step']:.2f} s/step, "
               f"{record['wall_time_s']:.0f} s")
     elif args.recipe == "vlm":
         record = recipes.train_vlm(args.out, size=args.size, **common)
@@ -509,6 +542,12 @@ TRAIN_DEFAULTS = {
     "video": dict(steps=1500, batch_size=8, lr=1e-3, dataset_size=2048),
     # one thread, batch 64: ~0.12 s per step, about 2.5 minutes with rendering (dataset_size in frames)
     "video-judge": dict(steps=1000, batch_size=64, lr=3e-3, dataset_size=16384),
+    # closed form (no steps): an SVD of 2,000 images' 4x4 patches, seconds
+    "continuous-tokenizer": dict(dataset_size=2000),
+    # one thread, batch 32, quiet machine: ~1.2 s per target step (~24 min), ~0.37 s per plain draft step,
+    # ~0.93 s per distilled draft step (the two drafts fit beside each other after the target, ~16 min)
+    "continuous-ar": dict(steps=1200, batch_size=32, lr=1e-3, dataset_size=16384),
+    "continuous-draft": dict(steps=1000, batch_size=32, lr=2e-3, dataset_size=16384),
 }
 
 
@@ -523,7 +562,10 @@ def _add_train_parser(sub) -> None:
              "vlm-draft": "a draft head for the VLM (eagle, specvlm, vispec) by online-logit distillation",
              "video-ae": "the streaming video model's per-frame autoencoder on procedural moving shapes",
              "video": "the chunk-causal video transformer on a trained frame autoencoder's latents",
-             "video-judge": "the video bench's frame judge (colour and shape) on rendered frames"}
+             "video-judge": "the video bench's frame judge (colour and shape) on rendered frames",
+             "continuous-tokenizer": "the continuous PCA patch tokenizer (closed form, seconds)",
+             "continuous-ar": "the continuous-token AR target (backbone, mixture head, diffusion head)",
+             "continuous-draft": "a small continuous draft, optionally distilled to the target (--distill)"}
     for name, defaults in TRAIN_DEFAULTS.items():
         p = recipes.add_parser(name, help=helps[name])
         if name == "ar-draft":
@@ -555,13 +597,26 @@ def _add_train_parser(sub) -> None:
         if name == "classifier":
             p.add_argument("--vq", type=_existing_dir, metavar="DIR",
                            help="also report the accuracy on this VQ's reconstructions of held-out images")
+        if name == "continuous-tokenizer":
+            p.add_argument("--classifier", type=_existing_dir, metavar="DIR",
+                           help="also report this classifier's accuracy on reconstructions (e.g. assets/classifier)")
+        if name in ("continuous-ar", "continuous-draft"):
+            p.add_argument("--tokenizer", required=True, type=_existing_dir, metavar="DIR",
+                           help="folder written by 'mmspec train continuous-tokenizer'")
+        if name == "continuous-draft":
+            p.add_argument("--target", type=_existing_dir, metavar="DIR",
+                           help="folder written by 'mmspec train continuous-ar' (its diffusion schedule is copied; "
+                                "required with --distill)")
+            p.add_argument("--distill", type=_number(float, 0, strict=False, high=1), default=0.0,
+                           help="weight of distillation to the target's heads, in [0, 1] (default 0: data only)")
         p.add_argument("--out", required=True, type=_output_dir, metavar="DIR",
                        help="checkpoint folder (replaced atomically)")
-        p.add_argument("--steps", type=_positive_int, default=defaults["steps"],
-                       help=f"optimizer steps (default {defaults['steps']})")
-        p.add_argument("--batch-size", type=_positive_int, default=defaults["batch_size"],
-                       help=f"(default {defaults['batch_size']})")
-        p.add_argument("--lr", type=_positive_float, default=defaults["lr"], help=f"(default {defaults['lr']})")
+        if "steps" in defaults:  # not for closed-form fits
+            p.add_argument("--steps", type=_positive_int, default=defaults["steps"],
+                           help=f"optimizer steps (default {defaults['steps']})")
+            p.add_argument("--batch-size", type=_positive_int, default=defaults["batch_size"],
+                           help=f"(default {defaults['batch_size']})")
+            p.add_argument("--lr", type=_positive_float, default=defaults["lr"], help=f"(default {defaults['lr']})")
         p.add_argument("--seed", type=_non_negative_int, default=0, help="init, data and batch order (default 0)")
         p.add_argument("--dataset-size", type=_positive_int, default=defaults["dataset_size"],
                        help=f"training images (default {defaults['dataset_size']})")
@@ -644,6 +699,20 @@ def _add_generate_parser(sub) -> None:
     p.add_argument("--seed", type=_non_negative_int, default=0, help="(default 0)")
     p.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    c = kinds.add_parser("continuous", help="AR image generation over continuous tokens (mixture / diffusion heads)")
+    c.add_argument("--prompt", required=True, nargs="+", type=_text, help='class prompts, e.g. "a red circle"')
+    c.add_argument("--method", default="none", help=f"one of {', '.join(methods.names('continuous'))} (default none)")
+    c.add_argument("--knob", action="append", metavar="KEY=VALUE", help="a method knob, e.g. cspd_inner_temperature=10")
+    c.add_argument("--out", required=True, type=_output_dir, metavar="DIR", help="folder for the PNGs")
+    c.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "assets" / "continuous"),
+                   type=_existing_dir, metavar="DIR", help="pipeline folder (default assets/continuous)")
+    c.add_argument("--num-images", type=_positive_int, default=1, help="images per prompt (default 1)")
+    c.add_argument("--guidance-scale", type=_non_negative_float, default=2.0,
+                   help="CFG scale, MAR's linear schedule (default 2.0)")
+    c.add_argument("--temperature", type=_positive_float, default=1.0, help="MAR's temperature, > 0 (default 1.0)")
+    c.add_argument("--seed", type=_non_negative_int, default=0, help="(default 0)")
+    c.add_argument("--threads", type=_positive_int, default=1, help="torch intra-op threads (default 1)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def cmd_demo(args) -> int:
@@ -720,6 +789,8 @@ def check_args(args) -> None:
             args.method_knobs = _knobs(args.knob, args.kind, args.method)
         elif args.command == "train" and args.recipe == "ar-draft" and args.kind == "eagle" and args.target is None:
             raise ValueError("--kind eagle needs --target DIR (the AR model it drafts for)")
+        elif args.command == "train" and args.recipe == "continuous-draft" and args.distill > 0 and args.target is None:
+            raise ValueError("--distill needs --target DIR (the continuous AR model it distills from)")
         elif args.command == "bench" and args.pipeline is not None and args.name != "vlm":
             raise ValueError(f"--pipeline is for 'bench vlm' only, got 'bench {args.name}'")
         elif args.command == "bench" and args.frames is not None and args.name != "video":

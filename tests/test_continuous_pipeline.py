@@ -143,3 +143,19 @@ def test_method_needing_a_draft_refused_without_one():
     with pytest.raises(ValueError, match="method must be a method whose parts this pipeline holds"):
         pipe(class_labels=0, method="sd")
     assert pipe(class_labels=0, method="none", generator=gen(0), output_type="latent").latents.shape == (1, 16, 3)
+
+
+def test_cli_generate_continuous(tmp_path, capsys):
+    from mmspec import cli
+
+    tiny_pipeline().save_pretrained(tmp_path / "pipe")
+    code = cli.main(["generate", "continuous", "--method", "sd", "--prompt", "a red circle", "--out",
+                     str(tmp_path / "out"), "--model", str(tmp_path / "pipe"), "--quiet"])
+    assert code == 0
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["a_red_circle-sd-0.png"]
+    assert PIL.Image.open(tmp_path / "out" / "a_red_circle-sd-0.png").size == (16, 16)
+    assert "method sd" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as err:  # refused before any model loads
+        cli.main(["generate", "continuous", "--method", "gsd", "--prompt", "a red circle", "--out",
+                  str(tmp_path / "out"), "--model", str(tmp_path / "pipe")])
+    assert err.value.code == 2 and "method must be one of the continuous methods" in capsys.readouterr().err
