@@ -240,7 +240,7 @@ AR_METHODS = ", ".join(repr(m) for m in methods.names("ar-image"))
 
 
 @pytest.mark.parametrize("modality, method, knobs, message", [
-    ("video", "none", None, "modality must be one of 'ar-image', 'text', 'vlm', got 'video'"),
+    ("audio", "none", None, "modality must be one of 'ar-image', 'continuous', 'text', 'video', 'vlm', got 'audio'"),
     ("ar-image", "medusa", None, f"method must be one of the ar-image methods ({AR_METHODS}) or a '+' composition "
                                  "of its parts (zipar | sd, eagle, sjd"),
     ("ar-image", "medusa", None, "| gsd, lantern), got 'medusa'"),
