@@ -70,6 +70,32 @@ def test_block_bootstrap_widens_the_interval_for_correlated_noise():
     assert (fit["ci_high"] - fit["ci_low"]) / 2 > 2 * 1.96 * fit["se"]
 
 
+def test_speed_index_removes_the_machines_drift_not_a_rows_growth():
+    """Four streams in lockstep while the machine slows down by half over the run (another
+    process starting): three flat rows look like they grow, the raw slope says so; divided by the
+    round's speed index they are nearly flat again (a tenth of the raw slope at most: a row that
+    grows within the others' spread moves the median a little), and the fourth, whose own
+    latency grows 10 ms per 1,000 frames, still grows."""
+    n = 600
+    rng = np.random.default_rng(5)
+    x = 3.0 * np.arange(n)
+    drift = 1 + x / x[-1]  # the machine: 1x to 2x slower
+    own = [np.full(n, base) for base in (20.0, 60.0, 25.0)] + [20.0 + 0.01 * x]  # the last grows 10 ms / 1k
+    lat = [list(o * drift * np.exp(0.05 * rng.standard_normal(n))) for o in own]
+    index = vb.speed_index(lat, [list(range(n))] * 4)
+    assert len(index) == n
+    flat_raw = vb.fit_slope(x, np.asarray(lat[0]), resamples=300)
+    assert flat_raw["ci_low"] > 5  # the drift alone: ~ +20 ms per 600 chunks
+    for i in range(3):
+        raw = vb.fit_slope(x, np.asarray(lat[i]), resamples=0)["slope"]
+        adj = vb.fit_slope(x, np.asarray(lat[i]) / [index[k] for k in range(n)], resamples=0)["slope"]
+        assert abs(adj) < 0.1 * raw
+    grow = vb.fit_slope(x, np.asarray(lat[3]) / [index[k] for k in range(n)], resamples=300)
+    assert grow["ci_low"] > 5
+    # rounds where fewer than three streams ran have no index
+    assert vb.speed_index(lat[:2], [list(range(n))] * 2) == {}
+
+
 def test_fit_slope_degenerate_inputs():
     assert vb.fit_slope([0, 3], [1.0, 2.0])["slope"] is None
     assert vb.fit_slope([3, 3, 3], [1.0, 2.0, 3.0])["slope"] is None
@@ -176,6 +202,16 @@ def test_switch_row_on_a_synthetic_stream_with_a_known_answer():
     assert quality["colour_acc_first"] == pytest.approx((27 / 30 + 1) / 2)
 
 
+def test_class_accuracy_needs_the_object_in_the_pixels():
+    """A frame without the object (pixel colour -1) does not count as the prompt's colour even
+    when the judge's colour head, forced to choose, names it."""
+    want = torch.tensor([[0, 1, 0]] * 4)
+    seen = {"colour": torch.tensor([0, -1, 0, 0]), "judge_colour": torch.tensor([0, 0, 1, 0]),
+            "judge_shape": torch.tensor([1, 1, 1, 2]), "direction": torch.tensor([0, 0, 0])}
+    acc = vb.accuracy(seen, want, slice(None))
+    assert acc["class_acc"] == 0.25 and acc["shape_acc"] == 0.75 and acc["colour_acc"] == 0.75
+
+
 def test_switch_jump_checks_and_degenerate_median():
     with pytest.raises(ValueError):
         vb.switch_jump(torch.ones(10), 0)
@@ -257,6 +293,8 @@ def test_bench_writes_every_column(folders, tmp_path):
         assert r["switch_at"] == 8 and len(r["switch_frames_to_new_each"]) == 2
         assert r["switch_median_change"] > 0 and r["switch_real_jump_ratio"] > 0
         assert r["switch_latency_ms"] > 0
+    assert all(r["latency_slope_adj"] is None for r in switch)  # two streams: no speed index
+    assert all(r["latency_slope_adj"] is not None for r in rows if r["group"] == "frames")
     setup = saved["setup"]
     assert setup["batch"] == 2 and setup["full_cache_limit_frames"] == 32 and setup["trained_window"] == 4
     assert set(setup["ceiling"]) >= {"real_class_acc", "recon_class_acc", "real_direction_acc"}

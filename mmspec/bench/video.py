@@ -34,6 +34,11 @@ one ``next()`` on its stream (re-cache, denoising, commit, decode). ``fps`` coun
 first frame index, in ms per 1,000 frames, over the chunks after the cache has filled
 (``fit_from_frame``), with the slope's standard error and a moving-block bootstrap 95% interval
 (blocks of about ``n ** (1/3)`` chunks, so the chunks' autocorrelation is kept).
+``latency_slope_adj`` is the same fit after dividing each chunk's latency by its lockstep round's
+``speed_index`` (the median of the group's streams' relative latencies in that round; groups of
+three or more streams): a drift of the machine's speed during the run, which the raw slope takes
+for growth, cancels; a row's own growth does not (a row that grows within the other rows' spread
+moves the median a little: the others then show a small negative slope).
 
 Memory: the process's resident set from ``/proc/self/statm``, read before and after every chunk
 call. The change across a call is attributed to the stream that made it (in lockstep several rows
@@ -249,14 +254,18 @@ def judge_frames(frames: torch.Tensor, want: torch.Tensor, judge=None) -> dict:
 
 def accuracy(seen: dict, want: torch.Tensor, frames: slice) -> dict:
     """Accuracies over ``frames`` (a slice of frame indices) of ``judge_frames`` output against
-    ``want`` (F, 3): ``class_acc`` (judge colour and shape), ``shape_acc``, ``colour_acc`` (pixels),
+    ``want`` (F, 3): ``class_acc`` (the prompt's colour, the judge's colour head and the pixels
+    agreeing on it, and the prompt's shape from the judge; a head forced to pick a colour does not
+    count on a frame without the object), ``shape_acc`` (the judge), ``colour_acc`` (pixels),
     ``direction_acc`` (steps whose later frame is in ``frames``)."""
     idx = torch.arange(len(want))[frames]
     mean = lambda t: float(t.float().mean()) if t.numel() else None  # noqa: E731
-    out = {"colour_acc": mean(seen["colour"][idx] == want[idx, 0])}
+    colour_ok = seen["colour"][idx] == want[idx, 0]
+    out = {"colour_acc": mean(colour_ok)}
     if seen["judge_shape"] is not None:
         shape_ok = seen["judge_shape"][idx] == want[idx, 1]
-        out.update(shape_acc=mean(shape_ok), class_acc=mean(shape_ok & (seen["judge_colour"][idx] == want[idx, 0])))
+        both_colour = colour_ok & (seen["judge_colour"][idx] == want[idx, 0])
+        out.update(shape_acc=mean(shape_ok), class_acc=mean(shape_ok & both_colour))
     else:
         out.update(shape_acc=None, class_acc=None)
     steps = idx[idx >= 1]
@@ -309,6 +318,8 @@ class _Run:
     latency: list = field(default_factory=list)  # s per chunk
     starts: list = field(default_factory=list)  # first frame index per chunk
     rss: list = field(default_factory=list)  # attributed cumulative MB after each chunk
+    rounds: list = field(default_factory=list)  # lockstep round of each chunk
+    adjusted: list | None = None  # s per chunk over the round's speed index (None: not computed)
     cache: list = field(default_factory=list)  # cache bytes after each chunk
     switched: list = field(default_factory=list)
     grown: float = 0.0
@@ -344,6 +355,7 @@ def _lockstep(pipe, runs: list[_Run], cfg: VideoBenchConfig, say) -> None:
             after = rss_mb()
             r.grown += after - before
             r.latency.append(seconds)
+            r.rounds.append(k)
             r.starts.append(chunk.frame_indices.start)
             r.rss.append(r.grown)
             r.cache.append(chunk.stats["cache_bytes"])
@@ -362,6 +374,26 @@ def _lockstep(pipe, runs: list[_Run], cfg: VideoBenchConfig, say) -> None:
     for r in runs:
         r.gen.close()
         r.gen = None
+    index = speed_index([r.latency for r in runs], [r.rounds for r in runs])
+    for r in runs:
+        r.adjusted = [t / index[k] if k in index else float("nan") for t, k in zip(r.latency, r.rounds)]
+
+
+def speed_index(latencies: list[list[float]], rounds: list[list[int]], min_streams: int = 3) -> dict[int, float]:
+    """The machine's speed in each lockstep round: the median, over the streams that ran a chunk in
+    it, of that chunk's latency over the stream's own median latency (1: a typical round; 2: the
+    machine ran at half speed). Rounds with fewer than ``min_streams`` streams get none. Dividing
+    a stream's latencies by it removes what all streams of the group share (another process
+    loading the machine) and keeps what is the stream's own (a cache that grows): a median of
+    three or more is not moved by one stream."""
+    ratios: dict[int, list[float]] = {}
+    for lat, rnd in zip(latencies, rounds):
+        if not lat:
+            continue
+        med = float(np.median(lat))
+        for t, k in zip(lat, rnd):
+            ratios.setdefault(k, []).append(t / med)
+    return {k: float(np.median(v)) for k, v in ratios.items() if len(v) >= min_streams}
 
 
 def _name(r: _Run) -> str:
@@ -450,6 +482,9 @@ def _row(run: _Run, cfg: VideoBenchConfig, fit_from: int, steps: int, chunk: int
     lat = fit_slope(starts[steady], lat_ms[steady], resamples=cfg.bootstrap_resamples, seed=cfg.bootstrap_seed)
     mem = fit_slope(starts[steady], np.asarray(run.rss)[steady], resamples=cfg.bootstrap_resamples,
                     seed=cfg.bootstrap_seed)
+    adj_ms = np.asarray(run.adjusted if run.adjusted is not None else [np.nan] * len(lat_ms)) * 1000
+    ok = steady & np.isfinite(adj_ms)
+    adj = fit_slope(starts[ok], adj_ms[ok], resamples=cfg.bootstrap_resamples, seed=cfg.bootstrap_seed)
     med = float(np.median(lat_ms)) if len(lat_ms) else None
     row = dict(switch=None, speedup_vs_recompute=None, compute_ratio=None, switch_frames_to_new=None,
                switch_jump_ratio=None)  # every column in every row, None where it does not apply
@@ -458,7 +493,8 @@ def _row(run: _Run, cfg: VideoBenchConfig, fit_from: int, steps: int, chunk: int
                fps=batch * run.done / seconds if seconds else None, latency_ms_median=med,
                latency_ms_p95=float(np.percentile(lat_ms, 95)) if len(lat_ms) else None,
                latency_slope=lat["slope"], latency_slope_se=lat["se"], latency_slope_ci_low=lat["ci_low"],
-               latency_slope_ci_high=lat["ci_high"],
+               latency_slope_ci_high=lat["ci_high"], latency_slope_adj=adj["slope"], latency_slope_adj_se=adj["se"],
+               latency_slope_adj_ci_low=adj["ci_low"], latency_slope_adj_ci_high=adj["ci_high"],
                latency_drift_pct=(100 * lat["slope"] * run.done / 1000 / med) if lat["slope"] is not None and med
                else None,
                peak_rss_mb=max(0.0, max(run.rss)) if run.rss else None,
@@ -750,11 +786,12 @@ VIDEO_COLUMNS = [
     ("method", "method"), ("group", "group"), ("switch", "switch"), ("frames_done", "frames"), ("sink", "sink"),
     ("window", "window"), ("chunk", "chunk"), ("steps", "steps"), ("fps", "fps"),
     ("latency_ms_median", "ms/chunk"), ("latency_ms_p95", "p95 ms"), ("latency_slope", "ms/1k fr"),
-    ("latency_slope_se", "+-se"), ("peak_rss_mb", "RSS MB"), ("rss_slope", "MB/1k fr"), ("cache_mb", "cache MB"),
+    ("latency_slope_se", "+-se"), ("latency_slope_adj", "adj ms/1k"), ("peak_rss_mb", "RSS MB"), ("rss_slope", "MB/1k fr"), ("cache_mb", "cache MB"),
     ("speedup_vs_recompute", "x recompute"), ("compute_ratio", "compute x"), ("class_acc_first", "class first"),
     ("class_acc_last", "class last"), ("direction_acc_first", "dir first"), ("direction_acc_last", "dir last"),
     ("switch_frames_to_new", "switch frames"), ("switch_jump_ratio", "jump/median"), ("stopped", "stopped"),
 ]
 
 __all__ = ["VideoBenchConfig", "VIDEO_COLUMNS", "accuracy", "compute_ratio", "fit_slope", "frames_until",
-           "judge_frames", "pixel_changes", "public", "rss_mb", "run", "switch_jump", "FrameBuffer"]
+           "judge_frames", "pixel_changes", "public", "rss_mb", "run", "speed_index", "switch_jump",
+           "FrameBuffer"]
