@@ -19,9 +19,13 @@ TIMESTEPS = [50, 300, 600]  # a short chain (the spec's toy starts low, so the p
 
 def tiny_model(seed: int, dim: int = 16, layers: int = 1) -> ContinuousARModel:
     torch.manual_seed(seed)
-    return ContinuousARModel(token_dim=3, grid_size=4, num_classes=3, dim=dim, n_layers=layers, n_heads=2,
-                             mlp_hidden=32, mixture_components=2, mixture_hidden=16, diffusion_width=16,
-                             diffusion_blocks=1, diffusion_timesteps=TIMESTEPS, id2label=NAMES).eval()
+    model = ContinuousARModel(token_dim=3, grid_size=4, num_classes=3, dim=dim, n_layers=layers, n_heads=2,
+                              mlp_hidden=32, mixture_components=2, mixture_hidden=16, diffusion_width=16,
+                              diffusion_blocks=1, diffusion_timesteps=TIMESTEPS, id2label=NAMES).eval()
+    with torch.no_grad():  # the diffusion head's zero-initialised output layers would make every head agree
+        for p in model.heads["diffusion"].parameters():
+            p.add_(0.05 * torch.randn(p.shape))
+    return model
 
 
 def tiny_pipeline() -> SpeculativeContinuousARPipeline:
@@ -52,6 +56,8 @@ def test_output_types_and_stats(pipe):
         assert key in out.stats
     assert out.stats["residual_fallbacks"] == 0
     assert out.stats["nfe"] < 16 + 1  # target passes: at most one per token plus the prefill
+    path = pipe(class_labels=[0, 1, 2, 0], method="path", generator=gen(0), output_type="latent").stats
+    assert 0 < path["alpha"] < 1 and path["residual_rows"] > 0  # the tiny heads differ: accepts and rejections
     arr = pipe(class_labels=0, method="sd", generator=gen(0), output_type="np").images
     assert isinstance(arr, np.ndarray) and arr.shape == (1, 16, 16, 3) and 0 <= arr.min() and arr.max() <= 1
     pt = pipe(class_labels=0, method="sd", generator=gen(0), output_type="pt").images
@@ -72,11 +78,12 @@ def test_reproducible_with_a_fixed_generator(pipe, method):
     assert not torch.equal(a.latents, c.latents)
 
 
-def test_batch_rows_equal_single_rows(pipe):
+@pytest.mark.parametrize("method", ["none", "sd", "path"])
+def test_batch_rows_equal_single_rows(pipe, method):
     classes = [0, 1, 2, 0]
-    batch = pipe(class_labels=classes, method="sd", generator=[gen(10 + i) for i in range(4)], output_type="latent")
+    batch = pipe(class_labels=classes, method=method, generator=[gen(10 + i) for i in range(4)], output_type="latent")
     for i, c in enumerate(classes):
-        one = pipe(class_labels=c, method="sd", generator=gen(10 + i), output_type="latent")
+        one = pipe(class_labels=c, method=method, generator=gen(10 + i), output_type="latent")
         torch.testing.assert_close(batch.latents[i], one.latents[0], atol=1e-4, rtol=0)
 
 
