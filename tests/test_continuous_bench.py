@@ -19,7 +19,7 @@ from test_continuous_pipeline import tiny_model
 CLASSIFIER = Path(__file__).resolve().parents[1] / "assets" / "classifier"
 JSON_KEYS = ("method", "nfe", "nfe_speedup", "wall_speedup", "tau", "exact", "fd", "fd_ratio", "class_acc", "alpha",
              "head_calls", "residual_tries", "draft_nfe", "target_head_calls", "target_head_rows", "draft_head_calls",
-             "draft_head_rows", "residual_fallbacks", "wall_s", "exact_p", "head_rows")
+             "draft_head_rows", "residual_fallbacks", "wall_s", "exact_p", "head_rows", "images", "fd_real_floor")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def folders(tmp_path_factory):
 def test_bench_rows_and_columns(folders, tmp_path):
     cfg = continuous.ContinuousBenchConfig.quick(
         pipeline_dir=str(folders / "pipe"), booster_dir=str(folders / "booster"), classifier_dir=str(CLASSIFIER),
-        images=3, reference_images=32, exact_samples=300, exact_tokens=2, exact_class=1)
+        images=3, diffusion_images=2, reference_images=32, exact_samples=300, exact_tokens=2, exact_class=1)
     result = continuous.run(cfg)
     rows = result["rows"]
     assert [r["method"] for r in rows] == [r[0] for r in continuous.DEFAULT_ROWS]
@@ -48,6 +48,9 @@ def test_bench_rows_and_columns(folders, tmp_path):
         assert row["residual_fallbacks"] == 0
     by = {r["method"]: r for r in rows}
     assert by["none"]["nfe_speedup"] == 1.0 and by["none"]["fd_ratio"] == 1.0
+    assert by["sd"]["images"] == 3 and by["path"]["images"] == by["none-diffusion"]["images"] == 2
+    assert by["none-diffusion"]["fd_ratio"] == 1.0 and math.isfinite(by["path"]["fd_ratio"])  # same-head baseline
+    assert result["setup"]["diffusion_images"] == 2 and by["path"]["fd_real_floor"] != by["sd"]["fd_real_floor"]
     assert by["none"]["nfe"] == 16 and by["none"]["draft_nfe"] == 0  # one pass per token (the prefill's first)
     assert by["sd"]["draft_nfe"] > 0 and by["sd+distill"]["draft"] == "booster"
     assert by["none"]["exact"] is None and isinstance(by["sd"]["exact"], bool) and isinstance(by["path"]["exact"], bool)

@@ -2,8 +2,9 @@
 
 As the AR image bench: image i asks for class ``i % 16`` with generator seed ``seed + i``, one
 image per call (batch 1), CFG 2.0 with MAR's linear schedule, temperature 1; images outer and rows
-inner after one untimed warm-up call per row. Rows (``DEFAULT_ROWS``): ``none`` (mixture head,
-target only), ``sd`` (mixture), ``sd+distill`` (``sd`` with the draft distilled to the target,
+inner after one untimed warm-up call per row; diffusion-head rows run the first
+``diffusion_images`` images only (each of their tokens costs K sequential head calls). Rows
+(``DEFAULT_ROWS``): ``none`` (mixture head, target only), ``sd`` (mixture), ``sd+distill`` (``sd`` with the draft distilled to the target,
 the acceptance booster; needs ``booster_dir``), ``none-diffusion`` (the diffusion head's target-only
 baseline), ``path`` (diffusion, lossless), ``cspd`` at inner temperature 1, 10 and 42 (lossy),
 ``sd`` after 5% and 15% target-only warm-up tokens.
@@ -12,8 +13,9 @@ Columns per row: backbone passes per image (``nfe``, prefill included) and ``nfe
 ``none``, draft backbone passes (``draft_nfe``), head calls and rows of target and draft
 (``head_calls`` is their sum), residual tries and cap fallbacks, acceptance ``alpha``, ``tau``
 (tokens per target pass, bonus counted), wall seconds per image and ``wall_speedup`` over ``none``,
-FD of the classifier's features against real images (``fd``, ``fd_ratio`` to ``none``; the
-real-vs-real floor in the setup), class accuracy, and ``exact`` / ``exact_p`` for every row but
+FD of the classifier's features against real images (``fd``; ``fd_ratio`` to the baseline of the
+same head, ``none`` or ``none-diffusion``, over the same images; ``fd_real_floor``, the FD of as
+many real images), class accuracy, and ``exact`` / ``exact_p`` for every row but
 the baselines: the first ``exact_tokens`` tokens of ``exact_samples`` rows of one class, tested
 against the exact guided target by the Rosenblatt (PIT) transform for the mixture head, and by a
 two-sample test against ``none-diffusion``'s samples for the diffusion head (``exact`` = p >= 1e-3;
@@ -65,6 +67,10 @@ class ContinuousBenchConfig:
     classifier_dir: str = str(ASSETS / "classifier")
     rows: tuple = DEFAULT_ROWS
     images: int = 128  # image i: class i % 16, seed + i
+    # diffusion-head rows run the first this many images only (None: all): a diffusion token costs K
+    # sequential head calls (measured at one thread on a barely trained full-size pair: none 1.2 s,
+    # none-diffusion 5.9 s, path 25 s, cspd 29 s per image), so 128 images of every row would take ~4.5 h
+    diffusion_images: int | None = 32
     guidance_scale: float = 2.0
     guidance_schedule: str = "linear"
     temperature: float = 1.0
@@ -78,7 +84,7 @@ class ContinuousBenchConfig:
 
     @classmethod
     def quick(cls, **kw) -> "ContinuousBenchConfig":
-        return cls(**{"images": 16, "reference_images": 256, "exact_samples": 1000, **kw})
+        return cls(**{"images": 16, "diffusion_images": 8, "reference_images": 256, "exact_samples": 1000, **kw})
 
 
 def _short(knobs: dict) -> str:
@@ -184,10 +190,12 @@ def run(cfg: ContinuousBenchConfig, progress=None) -> dict:
     pipe, booster, classifier = load(cfg)
     drafts = {None: None, "booster": booster}
     labels = [i % pipe.num_classes for i in range(cfg.images)]
+    n_diff = cfg.images if cfg.diffusion_images is None else min(cfg.images, cfg.diffusion_images)
+    counts = [n_diff if head_for(r) == "diffusion" else cfg.images for r in recipes]
     say(f"reference features of {cfg.reference_images} real images")
     fd_ref = FrechetToReference(reference_stats(classifier, cfg.reference_images, cfg.reference_seed,
                                                 style=cfg.reference_style))
-    floor = _real_floor(classifier, cfg, fd_ref)
+    floors = {n: _real_floor(classifier, cfg, fd_ref, n) for n in sorted(set(counts))}
     for label, method, knobs, draft in rows_cfg:
         say(f"{label}: warm-up call")
         with _draft(pipe, drafts[draft]):
@@ -198,6 +206,8 @@ def run(cfg: ContinuousBenchConfig, progress=None) -> dict:
         if i % 8 == 0:
             say(f"images {i}..{min(i + 8, cfg.images) - 1} of {cfg.images}, {M} rows each")
         for m, (label, method, knobs, draft) in enumerate(rows_cfg):
+            if i >= counts[m]:
+                continue
             with _draft(pipe, drafts[draft]):
                 start = time.perf_counter()
                 out = _call(pipe, cfg, method, knobs, c, cfg.seed + i)
@@ -215,10 +225,11 @@ def run(cfg: ContinuousBenchConfig, progress=None) -> dict:
         images = pipe.tokenizer.decode(torch.cat(latents[m])).clamp(-1, 1)
         feats = extract_features(classifier, images)
         row = {"method": label, "composition": method, "knobs": _short(knobs), "draft": draft or "draft_model",
-               "head": head_for(recipe), "lossless": recipe.lossless,
+               "head": head_for(recipe), "lossless": recipe.lossless, "images": counts[m],
+               "fd_real_floor": floors[counts[m]],
                **{k: statistics.fmean(float(s.get(k) or 0.0) for s in stats[m]) for k in STAT_KEYS},
                "wall_s": statistics.fmean(walls[m]), "fd": fd_ref(feats),
-               "class_acc": float((classifier.head(feats).argmax(-1) == target).double().mean())}
+               "class_acc": float((classifier.head(feats).argmax(-1) == target[: counts[m]]).double().mean())}
         row["head_calls"] = row["target_head_calls"] + row["draft_head_calls"]
         row["head_rows"] = row["target_head_rows"] + row["draft_head_rows"]
         if cfg.exact_samples and label not in BASELINES:
@@ -234,26 +245,30 @@ def run(cfg: ContinuousBenchConfig, progress=None) -> dict:
         rows.append(row)
         grids[label] = images
     base = rows[0]
+    head_base = {r["head"]: r for r in reversed(rows) if r["method"] in BASELINES}
     for row in rows:
         row["nfe_speedup"] = base["nfe"] / row["nfe"]
         row["wall_speedup"] = base["wall_s"] / row["wall_s"]
-        row["fd_ratio"] = row["fd"] / base["fd"]
+        # FD depends on the image count: compare with the baseline of the same head (same images)
+        same = head_base.get(row["head"], base)
+        row["fd_ratio"] = row["fd"] / same["fd"] if same["images"] == row["images"] else float("nan")
     setup = {"pipeline": cfg.pipeline_dir, "booster": cfg.booster_dir, "classifier": cfg.classifier_dir,
              "images": cfg.images, "guidance_scale": cfg.guidance_scale, "guidance_schedule": cfg.guidance_schedule,
              "temperature": cfg.temperature, "seed": cfg.seed, "reference_images": cfg.reference_images,
-             "reference_style": cfg.reference_style, "fd_real_floor": floor, "exact_samples": cfg.exact_samples,
+             "reference_style": cfg.reference_style, "diffusion_images": n_diff,
+             "fd_real_floor": floors[cfg.images], "exact_samples": cfg.exact_samples,
              "exact_tokens": cfg.exact_tokens, "exact_class": cfg.exact_class, "exact_threshold": P_THRESHOLD,
              "wall_order": "images outer, rows inner; one untimed warm-up call per row",
              "torch_threads": torch.get_num_threads()}
     return {"bench": "continuous", "setup": setup, "rows": rows, "_grids": grids, "_labels": labels}
 
 
-def _real_floor(classifier, cfg: ContinuousBenchConfig, fd_ref: FrechetToReference) -> float:
-    """FD of as many real images as the run generates: the metric's floor at that size."""
+def _real_floor(classifier, cfg: ContinuousBenchConfig, fd_ref: FrechetToReference, n: int) -> float:
+    """FD of ``n`` real images (as many as a row generates): the metric's floor at that size."""
     from ..training.data import ShapesDataset
 
-    data = ShapesDataset(cfg.images, cfg.reference_seed + 1, classifier.config.sample_size, style=cfg.reference_style)
-    return fd_ref(extract_features(classifier, torch.stack([data[i][0] for i in range(cfg.images)])))
+    data = ShapesDataset(n, cfg.reference_seed + 1, classifier.config.sample_size, style=cfg.reference_style)
+    return fd_ref(extract_features(classifier, torch.stack([data[i][0] for i in range(n)])))
 
 
 CONTINUOUS_COLUMNS = [
@@ -270,7 +285,7 @@ def save_grid(result: dict, path: str | Path, per_row: int = 16) -> None:
     """A PNG with one row of samples per bench row (the first ``per_row`` images), written atomically."""
     from .ar_image import save_grid as _save
 
-    _save(result, path, per_row)
+    _save(result, path, min(per_row, *(len(v) for v in result["_grids"].values())))
 
 
 def public(result: dict) -> dict:
