@@ -65,6 +65,7 @@ def test_target_and_drafts(tokenizer_dir, tmp_path):
     assert any("continuous-ar step 2/2" in line for line in logs)
     target = load_checkpoint(ContinuousARModel, tmp_path / "ar")
     assert target.config.token_dim == 12 and target.config.grid_size == 16 and target.config.id2label["0"]
+    assert int(target.heads["diffusion"].schedule.timesteps.max()) == 946  # MAR's chain without its t = 999 step
 
     rec = train_continuous_draft(tmp_path / "draft", tokenizer_dir=tok, target_dir=tmp_path / "ar", distill=0.5,
                                  model_config={**TINY, "dim": 8, "mlp_hidden": 16}, log=lambda s: None, **RUN)

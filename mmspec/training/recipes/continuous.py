@@ -34,11 +34,20 @@ from .common import (batch_indices, check_checkpoint_dir, check_out_dir, check_r
 __all__ = ["DEFAULT_DRAFT_CONFIG", "DEFAULT_TARGET_CONFIG", "encode_dataset", "train_continuous_ar",
            "train_continuous_draft", "train_continuous_tokenizer"]
 
+# The sampling chain: MAR's 20-step respacing of the 1,000-step cosine schedule without its first
+# step, t = 999, where alphas_cumprod is 2.4e-9 (beta clipped at 0.999). That step scales epsilon
+# differences by ~1/sqrt(alphas_cumprod): measured on a 15-step-trained target/draft pair, its mean
+# log P/Q was -1.4e6 (every other step between -0.2 and -8), so the lossless path rule could accept
+# nothing. The chain starts at t = 946 from N(0, I) instead (q(x_946 | x_0) = N(0.08 x_0, 0.993 I)).
+# Training is unaffected (all 1,000 steps); only sampling reads this.
+SAMPLING_TIMESTEPS = [0, 53, 105, 158, 210, 263, 315, 368, 421, 473, 526, 578, 631, 684, 736, 789, 841, 894, 946]
 # the spec's sizes (specs/continuous_tokens.md section 4)
 DEFAULT_TARGET_CONFIG = dict(dim=128, n_layers=4, n_heads=4, mlp_hidden=344, class_dropout_prob=0.1,
-                             mixture_components=8, mixture_hidden=128, diffusion_width=128, diffusion_blocks=3)
+                             mixture_components=8, mixture_hidden=128, diffusion_width=128, diffusion_blocks=3,
+                             diffusion_timesteps=SAMPLING_TIMESTEPS)
 DEFAULT_DRAFT_CONFIG = dict(dim=64, n_layers=2, n_heads=4, mlp_hidden=172, class_dropout_prob=0.1,
-                            mixture_components=8, mixture_hidden=64, diffusion_width=96, diffusion_blocks=2)
+                            mixture_components=8, mixture_hidden=64, diffusion_width=96, diffusion_blocks=2,
+                            diffusion_timesteps=SAMPLING_TIMESTEPS)
 # fixed by the tokenizer and the dataset (and, for a draft, by its target), not by model_config
 _DERIVED = ("token_dim", "grid_size", "num_classes", "id2label")
 _SHARED_WITH_TARGET = ("diffusion_train_steps", "diffusion_sampling_steps", "diffusion_timesteps")
