@@ -360,6 +360,10 @@ def test_judge_model_shapes_labels_and_bad_input(tmp_path):
                                              "shape": ["circle", "square", "triangle", "star"]}
     x = torch.rand(3, 3, 32, 32) * 2 - 1
     assert torch.allclose(loaded(x)["shape"], judge(x)["shape"], atol=1e-5)
+    # the palette maps' colours are saved in the config and are the data's palette
+    from mmspec.training.data.shapes import PALETTE
+
+    assert torch.allclose(torch.tensor(loaded.config.palette), PALETTE)
     with pytest.raises(ValueError, match="frames must be"):
         judge(torch.zeros(2, 3, 16, 16))
     with pytest.raises(ValueError, match="labels must be"):
@@ -376,6 +380,7 @@ def test_judge_recipe_saves_a_loadable_folder(tmp_path):
     assert json.loads((out / "train_log.json").read_text()) == json.loads(json.dumps(record))
     assert record["recipe"] == "video-judge" and 0 <= record["heldout_accuracy"] <= 1
     assert record["ae_recon"] is None and record["heldout"]["seed"] != record["seed"]
+    assert record["config"]["palette"] == [[0.9, 0.12, 0.12], [0.12, 0.75, 0.2], [0.15, 0.3, 0.95], [0.95, 0.85, 0.1]]
     from safetensors import safe_open
 
     with safe_open(str(out / "diffusion_pytorch_model.safetensors"), "pt") as f:
@@ -390,5 +395,7 @@ def test_shipped_judge_reads_real_frames():
     from mmspec.training.recipes.video_judge import judge_accuracy, judge_frames
 
     frames, ids = judge_frames(512, 4242, 8, 32)
-    acc = judge_accuracy(load_checkpoint(FrameJudge, SHIPPED_JUDGE), frames, ids)
+    judge = load_checkpoint(FrameJudge, SHIPPED_JUDGE)
+    assert torch.allclose(judge.palette_rgb, torch.tensor(judge.config.palette))
+    acc = judge_accuracy(judge, frames, ids)
     assert acc["both"] >= 0.85 and acc["colour"] >= 0.98

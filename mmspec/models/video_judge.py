@@ -71,6 +71,8 @@ class FrameJudge(ModelMixin, ConfigMixin):
         check(len(palette) == len(self.labels["colour"]) and all(len(c) == in_channels for c in palette), "palette",
               f"one RGB triple per colour word ({len(self.labels['colour'])})", palette)
         check(palette_radius > 0, "palette_radius", "> 0", palette_radius)
+        palette = [[float(v) for v in c] for c in palette]
+        self.register_to_config(palette=palette)  # saved with the weights, as the labels
         self.register_buffer("palette_rgb", torch.tensor(palette, dtype=torch.float32), persistent=False)
         layers, prev = [nn.Conv2d(in_channels + len(palette), block_out_channels[0], 3, padding=1, bias=False),
                         nn.BatchNorm2d(block_out_channels[0]), nn.ReLU(inplace=True)], block_out_channels[0]

@@ -15,6 +15,7 @@ from ...core.errors import check
 from ...models import load_checkpoint
 from ...models.video_ae import FrameAutoencoder
 from ...models.video_judge import FIELDS, FrameJudge
+from ..data.shapes import PALETTE
 from ..data.video import PROMPT_VOCAB, VideoClipDataset, frame_colour
 from ..loop import new_accelerator, train_loop
 from .common import (_is_int, batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, json_config,
@@ -92,7 +93,8 @@ def train_video_judge(out_dir: str | Path, *, steps: int, batch_size: int, lr: f
     accelerator = new_accelerator("train_video_judge")
     start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(seed)
-    judge = FrameJudge(labels={f: list(PROMPT_VOCAB[f]) for f in FIELDS})
+    palette = [[round(v, 6) for v in rgb] for rgb in PALETTE.tolist()]  # the data's colours, saved in the config
+    judge = FrameJudge(labels={f: list(PROMPT_VOCAB[f]) for f in FIELDS}, palette=palette)
     size = judge.config.sample_size
     frames, ids = judge_frames(dataset_size, seed, clip_frames, size)
     log(f"video-judge rendered {len(frames)} frames in {time.perf_counter() - start:.0f}s")
