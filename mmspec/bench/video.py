@@ -35,21 +35,24 @@ first frame index, in ms per 1,000 frames, over the chunks after the cache has f
 (``fit_from_frame``), with the slope's standard error and a moving-block bootstrap 95% interval
 (blocks of about ``n ** (1/3)`` chunks, so the chunks' autocorrelation is kept).
 ``latency_slope_adj`` is the same fit after dividing each chunk's latency by its lockstep round's
-``speed_index`` (the median of the group's streams' relative latencies in that round; groups of
-three or more streams): a drift of the machine's speed during the run, which the raw slope takes
-for growth, cancels; a row's own growth does not (a row that grows within the other rows' spread
-moves the median a little: the others then show a small negative slope).
+``speed_index`` (the median of the relative latencies, in that round, of the group's streams
+whose cost per chunk is constant by design, i.e. all but full-cache; three or more of them): a
+drift of the machine's speed during the run, which the raw slope takes for growth, cancels; a
+row's own growth does not (a row that grows within the other rows' spread moves the median a
+little: the others then show a small negative slope).
 
 Memory: the process's resident set from ``/proc/self/statm``, read before and after every chunk
-call. The change across a call is attributed to the stream that made it (in lockstep several rows
-share one process): ``peak_rss_mb`` is the largest cumulative growth attributed to the row since
-its group started (peaks inside one call are not seen), ``rss_slope`` its fitted slope in MB per
-1,000 frames. ``cache_mb`` is what the stream's cache object holds (the pipeline's
-``cache_bytes``), exactly.
+call, the C heap's free memory returned to the OS before each group (``trim_heap``: otherwise
+memory an earlier group freed is reused unseen). The change across a call is attributed to the
+stream that made it (in lockstep several rows share one process): ``peak_rss_mb`` is the largest
+cumulative growth attributed to the row since its group started (peaks inside one call are not
+seen; memory another stream of the group freed can still be reused unseen), ``rss_slope`` its
+fitted slope in MB per 1,000 frames. ``cache_mb`` is what the stream's cache object holds (the
+pipeline's ``cache_bytes``), exactly.
 
 Quality, over the first and the last ``quality_frames`` frames of each stream: ``class_acc``
-(the judge, a ``FrameJudge`` trained on rendered frames, reports the prompt's colour *and*
-shape), ``shape_acc``, ``colour_acc`` (``frame_colour`` from pixels), ``direction_acc`` (the
+(the judge, a ``FrameJudge`` trained on rendered frames, reports the prompt's shape and colour,
+and the pixels show that colour), ``shape_acc``, ``colour_acc`` (``frame_colour`` from pixels), ``direction_acc`` (the
 motion of the prompt colour's pixel centroid between consecutive frames, ``motion_direction``);
 ``*_drift`` is last minus first in points. The setup gives the same figures on real rendered
 clips of the bench's prompts and on their autoencoder reconstructions: the ceiling a perfect
@@ -131,6 +134,19 @@ class VideoBenchConfig:
 
 
 # -- measurements --------------------------------------------------------------------------------
+def trim_heap() -> bool:
+    """Hand the C heap's free memory back to the OS (glibc's ``malloc_trim(0)``), so the RSS
+    reads live memory rather than what earlier work freed; False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
 def rss_mb() -> float:
     """This process's resident set size in MB (``/proc/self/statm``; the peak from
     ``resource.getrusage`` where there is no /proc, which only grows)."""
@@ -332,6 +348,7 @@ class _Run:
 def _lockstep(pipe, runs: list[_Run], cfg: VideoBenchConfig, say) -> None:
     from ..pipelines.video import CacheLimitError
 
+    trim_heap()  # memory earlier groups freed would hide this group's growth from the RSS
     for r in runs:
         r.buffer = FrameBuffer(*r.keep)
         r.gen = iter(pipe.stream(**r.kwargs))
@@ -374,7 +391,14 @@ def _lockstep(pipe, runs: list[_Run], cfg: VideoBenchConfig, say) -> None:
     for r in runs:
         r.gen.close()
         r.gen = None
-    index = speed_index([r.latency for r in runs], [r.rounds for r in runs])
+    _adjust(runs)
+
+
+def _adjust(runs: list[_Run]) -> None:
+    """Every run's latencies over its rounds' ``speed_index`` (NaN where a round has none), the
+    index taken from the streams whose cost per chunk is constant by design (not full-cache)."""
+    steady = [r for r in runs if r.label.get("method") != "full-cache"]
+    index = speed_index([r.latency for r in steady], [r.rounds for r in steady])
     for r in runs:
         r.adjusted = [t / index[k] if k in index else float("nan") for t, k in zip(r.latency, r.rounds)]
 
@@ -617,7 +641,8 @@ def run(cfg: VideoBenchConfig, progress=None, json_path: str | os.PathLike | Non
                  quality_frames=cfg.quality_frames, hold_frames=cfg.hold_frames,
                  ceiling=ceiling, torch_threads=torch.get_num_threads(), loadavg_start=load_start,
                  rss_method="/proc/self/statm resident pages before and after every chunk call; the change "
-                            "attributed to the stream called",
+                            "attributed to the stream called; glibc malloc_trim(0) before each group "
+                            + ("(done)" if trim_heap() else "(not available here)"),
                  timing="groups of streams in lockstep, one chunk each in turn, order rotated per chunk; one untimed "
                         "warm-up stream per setting first" if cfg.warmup else "lockstep, no warm-up",
                  slope="least squares over chunks from fit_from_frame, x 1000 frames; se classical, 95% interval "
@@ -786,7 +811,8 @@ VIDEO_COLUMNS = [
     ("method", "method"), ("group", "group"), ("switch", "switch"), ("frames_done", "frames"), ("sink", "sink"),
     ("window", "window"), ("chunk", "chunk"), ("steps", "steps"), ("fps", "fps"),
     ("latency_ms_median", "ms/chunk"), ("latency_ms_p95", "p95 ms"), ("latency_slope", "ms/1k fr"),
-    ("latency_slope_se", "+-se"), ("latency_slope_adj", "adj ms/1k"), ("peak_rss_mb", "RSS MB"), ("rss_slope", "MB/1k fr"), ("cache_mb", "cache MB"),
+    ("latency_slope_se", "+-se"), ("latency_slope_adj", "adj ms/1k"), ("peak_rss_mb", "RSS MB"),
+    ("rss_slope", "MB/1k fr"), ("cache_mb", "cache MB"),
     ("speedup_vs_recompute", "x recompute"), ("compute_ratio", "compute x"), ("class_acc_first", "class first"),
     ("class_acc_last", "class last"), ("direction_acc_first", "dir first"), ("direction_acc_last", "dir last"),
     ("switch_frames_to_new", "switch frames"), ("switch_jump_ratio", "jump/median"), ("stopped", "stopped"),
