@@ -246,11 +246,14 @@ def test_the_hooks_see_a_real_call(ar_pipe, vlm_pipe):
 @pytest.fixture
 def no_loading(monkeypatch):
     """Loading a pipeline, running a bench or a recipe fails the test when reached."""
-    from mmspec.bench import core
+    from mmspec.bench import continuous, core, kernels, video
+    from mmspec.pipelines import SpeculativeContinuousARPipeline, StreamingVideoPipeline
 
-    for cls in (SpeculativeARImagePipeline, SpeculativeVLMPipeline):
+    for cls in (SpeculativeARImagePipeline, SpeculativeVLMPipeline, StreamingVideoPipeline,
+                SpeculativeContinuousARPipeline):
         monkeypatch.setattr(cls, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("a pipeline loaded")))
-    forbid(monkeypatch, core, ["run"])
+    for bench in (core, video, kernels, continuous):
+        forbid(monkeypatch, bench, ["run"])
     forbid(monkeypatch, recipes, recipes.__all__)
 
 
@@ -287,8 +290,8 @@ CLI_CASES = [
      "mmspec generate vlm", "argument --prompt: must be a non-empty text"),
     ("--model not a folder", AR_ARGS + ["--model", "missing_dir"],
      "mmspec generate ar-image", "argument --model: no such folder: 'missing_dir'"),
-    ("unknown bench", ["bench", "video"],
-     "mmspec bench", "argument name: invalid choice: 'video' (choose from 'core', 'ar-image', 'vlm')"),
+    ("unknown bench", ["bench", "audio"],
+     "mmspec bench", "argument name: invalid choice: 'audio' (choose from 'core', 'ar-image', 'vlm', 'video', 'kernels', 'continuous')"),
     ("bench --json names a folder", ["bench", "core", "--json", "empty_dir"],
      "mmspec bench", "argument --json: must be a file path, got the existing folder 'empty_dir'"),
     ("bench --json under a file", ["bench", "core", "--json", "a_file/core.json"],
