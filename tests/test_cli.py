@@ -50,10 +50,10 @@ def test_json_not_half_written_on_failure(tmp_path):
 
 def test_unknown_bench_is_rejected(capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["bench", "video"])
+        cli.main(["bench", "audio"])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err == ("mmspec bench: error: argument name: invalid choice: 'video' "
-                                       "(choose from 'core', 'ar-image', 'vlm', 'kernels')\n")
+    assert capsys.readouterr().err == ("mmspec bench: error: argument name: invalid choice: 'audio' "
+                                       "(choose from 'core', 'ar-image', 'vlm', 'video', 'kernels', 'continuous')\n")
 
 
 BAD_METHOD = ["generate", "ar-image", "--prompt", "a red circle", "--out", "pngs", "--method", "medusa"]
@@ -78,8 +78,8 @@ def test_without_debug_the_same_error_is_one_line(tmp_path, monkeypatch, capsys)
 
 
 def test_debug_reraises_usage_errors():
-    with pytest.raises(cli.UsageError, match="invalid choice: 'video'"):
-        cli.main(["--debug", "bench", "video"])
+    with pytest.raises(cli.UsageError, match="invalid choice: 'audio'"):
+        cli.main(["--debug", "bench", "audio"])
 
 
 def test_help_lists_debug_and_exits_zero(capsys):
