@@ -10,6 +10,7 @@ and their results pickled back. Used by the kernel tests and ``mmspec bench kern
 from __future__ import annotations
 
 import os
+import pickle
 import subprocess
 import sys
 import tempfile
@@ -27,15 +28,17 @@ def run_interpreted(calls: dict, timeout: float = 600) -> dict:
     ``mmspec.kernels`` run in the interpreter. A call that raises gives an ``InterpretedError``
     as its result; a child that dies raises one."""
     with tempfile.TemporaryDirectory(prefix="mmspec-interpret-") as tmp:
-        src, dst = Path(tmp) / "calls.pt", Path(tmp) / "results.pt"
-        torch.save(calls, src)
+        src, dst = Path(tmp) / "calls.pkl", Path(tmp) / "results.pkl"
+        # calls and results are our own Python objects (tensors, ropes, errors) passed to and from
+        # a child process we start: pickled IPC, not weights (weights load through safetensors)
+        src.write_bytes(pickle.dumps(calls))
         env = {**os.environ, "TRITON_INTERPRET": "1", "MMSPEC_KERNELS": "triton"}
         env.pop("MMSPEC_DISABLE_KERNELS", None)
         proc = subprocess.run([sys.executable, "-m", "mmspec.kernels.interpret", str(src), str(dst)], env=env,
                               capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0:
             raise InterpretedError(f"the interpreter process failed:\n{proc.stderr[-4000:]}")
-        return torch.load(dst, weights_only=False)
+        return pickle.loads(dst.read_bytes())
 
 
 def _main(src: str, dst: str) -> None:
@@ -45,7 +48,7 @@ def _main(src: str, dst: str) -> None:
 
     torch.set_num_threads(1)  # the interpreter runs numpy per program: threads only add contention
     results = {}
-    for name, (function, args, kwargs) in torch.load(src, weights_only=False).items():
+    for name, (function, args, kwargs) in pickle.loads(Path(src).read_bytes()).items():
         if function not in kernels.__all__:
             results[name] = InterpretedError(f"{function!r} is not a public name of mmspec.kernels")
             continue
@@ -53,7 +56,7 @@ def _main(src: str, dst: str) -> None:
             results[name] = getattr(kernels, function)(*args, **kwargs)
         except Exception:  # reported per call, so that one failure does not hide the others
             results[name] = InterpretedError(traceback.format_exc()[-4000:])
-    torch.save(results, dst)
+    Path(dst).write_bytes(pickle.dumps(results))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ def folders(tmp_path_factory):
     return root
 
 
-@pytest.mark.skipif(not (CLASSIFIER / "config.json").is_file(), reason="the bundled classifier is missing")
 def test_bench_rows_and_columns(folders, tmp_path):
     cfg = continuous.ContinuousBenchConfig.quick(
         pipeline_dir=str(folders / "pipe"), booster_dir=str(folders / "booster"), classifier_dir=str(CLASSIFIER),

@@ -13,7 +13,7 @@ import torch
 from mmspec.kernels import residual
 from mmspec.kernels.residual import residual_distribution, residual_distribution_reference
 
-needs_triton = pytest.mark.skipif(not residual._TRITON_AVAILABLE, reason="triton is not installed")
+needs_triton = pytest.mark.skipif(not residual._TRITON_AVAILABLE, reason="triton is not installed (torch's CPU-only wheels, e.g. on aarch64, come without it)")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # V = 4099 is one full BLOCK of 4096 plus a ragged tail; V = 1 always falls back to p

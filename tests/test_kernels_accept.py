@@ -20,7 +20,7 @@ from mmspec.kernels.guided_accept import Grouping, guided_accept, guided_accept_
 from mmspec.kernels.interpret import run_interpreted
 
 accept_mod = importlib.import_module("mmspec.kernels.guided_accept")
-needs_triton = pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed")
+needs_triton = pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed (torch's CPU-only wheels, e.g. on aarch64, come without it)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels need a CUDA GPU")
 SEED = 11
 
@@ -104,7 +104,7 @@ PROBS = {
 def kernel_outputs() -> dict:
     """Every case through the kernels, once, in Triton's interpreter in a child process."""
     if not dispatch.TRITON_AVAILABLE:
-        pytest.skip("triton is not installed")
+        pytest.skip("triton is not installed (torch's CPU-only wheels, e.g. on aarch64, come without it)")
     calls = {f"accept/{n}": ("guided_accept_triton", (), _kwargs(c)) for n, c in CASES.items()}
     calls.update({f"probs/{n}": ("guided_probs_triton", (logits,), knobs) for n, (logits, knobs) in PROBS.items()})
     return run_interpreted(calls)

@@ -25,7 +25,7 @@ from mmspec.kernels.tree_attention import tree_attention, tree_attention_referen
 # the modules (``mmspec.kernels.tree_attention`` the attribute is the dispatcher function)
 tree_mod = importlib.import_module("mmspec.kernels.tree_attention")
 rolling_mod = importlib.import_module("mmspec.kernels.rolling_attention")
-needs_triton = pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed")
+needs_triton = pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed (torch's CPU-only wheels, e.g. on aarch64, come without it)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels need a CUDA GPU")
 FLOOR = {torch.float16: 2.5e-4, torch.bfloat16: 2e-3}
 
@@ -188,7 +188,7 @@ CALLS = _calls()
 def kernel_outputs() -> dict:
     """Every kernel call, run once in Triton's interpreter in a child process."""
     if not dispatch.TRITON_AVAILABLE:
-        pytest.skip("triton is not installed")
+        pytest.skip("triton is not installed (torch's CPU-only wheels, e.g. on aarch64, come without it)")
     return run_interpreted(CALLS)
 
 

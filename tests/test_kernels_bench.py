@@ -41,7 +41,7 @@ def test_projections_say_where_fusion_pays():
     assert accept["torch_bytes"] > 5 * accept["bytes"]
 
 
-@pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed")
+@pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed (torch's CPU-only wheels, e.g. on aarch64, come without it)")
 def test_cli_writes_measured_and_projected_rows(tmp_path, monkeypatch, capsys):
     """Two small cases (to keep the interpreter run short) through ``mmspec bench kernels --json``."""
     full = bench.measured_cases

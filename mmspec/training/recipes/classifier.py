@@ -18,17 +18,7 @@ from ...models.classifier import ShapesClassifier
 from ...models.vq import TinyVQModel
 from ..data import NUM_CLASSES, ShapesDataset
 from ..loop import new_accelerator, train_loop
-from .common import batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, json_config, save_atomically, stack, warmup_cosine
-
-
-def _gaussian_blur(images: torch.Tensor, sigma: float) -> torch.Tensor:
-    """Separable Gaussian blur of (B, C, H, W) images, 7 taps, reflect padding."""
-    taps = torch.exp(-0.5 * (torch.arange(-3, 4, dtype=images.dtype) / sigma) ** 2)
-    taps = taps / taps.sum()
-    C = images.shape[1]
-    x = F.pad(images, (3, 3, 3, 3), mode="reflect")
-    x = F.conv2d(x, taps.view(1, 1, 1, 7).expand(C, 1, 1, 7), groups=C)
-    return F.conv2d(x, taps.view(1, 1, 7, 1).expand(C, 1, 7, 1), groups=C)
+from .common import batch_indices, gaussian_blur, check_checkpoint_dir, check_run_args, heldout_seed, json_config, save_atomically, stack, warmup_cosine
 
 
 def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -40,7 +30,7 @@ def augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     sigma = 0.5 + 1.5 * torch.rand(1, generator=generator).item()
     images = torch.where(hflip, images.flip(3), images)
     images = torch.where(vflip, images.flip(2), images)
-    return torch.where(blur, _gaussian_blur(images, sigma), images)
+    return torch.where(blur, gaussian_blur(images, sigma, radius=3), images)
 
 
 def train_classifier(out_dir: str | Path, *, steps: int, batch_size: int, lr: float, seed: int = 0,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+from torch.nn import functional as F
 
 from ...core.errors import check
 from ...models.checkpoint import check_model_folder
@@ -132,3 +133,15 @@ def write_log(folder: Path, record: dict) -> None:
     """``train_log.json`` in ``folder``, written atomically."""
     with atomic_path(Path(folder) / TRAIN_LOG) as tmp:
         tmp.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def gaussian_blur(images: torch.Tensor, sigma: float, radius: int) -> torch.Tensor:
+    """Separable Gaussian blur of (B, C, H, W) images, ``2 radius + 1`` taps, reflect padding (the
+    classifier's and the video judge's augmentation)."""
+    n = 2 * radius + 1
+    taps = torch.exp(-0.5 * (torch.arange(-radius, radius + 1, dtype=images.dtype) / sigma) ** 2)
+    taps = taps / taps.sum()
+    C = images.shape[1]
+    x = F.pad(images, (radius,) * 4, mode="reflect")
+    x = F.conv2d(x, taps.view(1, 1, 1, n).expand(C, 1, 1, n), groups=C)
+    return F.conv2d(x, taps.view(1, 1, n, 1).expand(C, 1, n, 1), groups=C)

@@ -18,7 +18,7 @@ from ...models.video_judge import FIELDS, FrameJudge
 from ..data.shapes import PALETTE
 from ..data.video import PROMPT_VOCAB, VideoClipDataset, frame_colour
 from ..loop import new_accelerator, train_loop
-from .common import (_is_int, batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, json_config,
+from .common import (_is_int, batch_indices, gaussian_blur, check_checkpoint_dir, check_run_args, heldout_seed, json_config,
                      save_atomically, warmup_cosine)
 from .video import render_clips
 
@@ -32,16 +32,6 @@ def judge_frames(size: int, seed: int, clip_frames: int, resolution: int) -> tup
     return frames.flatten(0, 1)[:size], prompt_ids.flatten(0, 1)[:size, :2]
 
 
-def _blur(frames: torch.Tensor, sigma: float) -> torch.Tensor:
-    """Separable 5-tap Gaussian blur of (B, C, H, W), reflect padding."""
-    taps = torch.exp(-0.5 * (torch.arange(-2, 3, dtype=frames.dtype) / sigma) ** 2)
-    taps = taps / taps.sum()
-    C = frames.shape[1]
-    x = F.pad(frames, (2, 2, 2, 2), mode="reflect")
-    x = F.conv2d(x, taps.view(1, 1, 1, 5).expand(C, 1, 1, 5), groups=C)
-    return F.conv2d(x, taps.view(1, 1, 5, 1).expand(C, 1, 5, 1), groups=C)
-
-
 def augment(frames: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Per frame: random flips (shapes are drawn at random rotations: a mirror image is another
     sample of the same labels); on half of them a blur (one sigma in [0.4, 1.2] px per batch) and
@@ -53,7 +43,7 @@ def augment(frames: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     m = lambda mask: mask[:, None, None, None]  # noqa: E731
     frames = torch.where(m(hflip), frames.flip(3), frames)
     frames = torch.where(m(vflip), frames.flip(2), frames)
-    frames = torch.where(m(blur), _blur(frames, sigma), frames)
+    frames = torch.where(m(blur), gaussian_blur(frames, sigma, radius=2), frames)
     noise = 0.05 * torch.randn(frames.shape, generator=generator)
     return torch.where(m(noisy), frames + noise, frames).clamp(-1, 1)
 
