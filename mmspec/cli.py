@@ -97,9 +97,26 @@ def _set_threads(n: int) -> None:
 
 
 def cmd_bench(args) -> int:
-    from .bench import core, report
+    from .bench import report
+    from .bench.machine import LoadMonitor
 
     _set_threads(args.threads)
+    with LoadMonitor() as monitor:
+        result, columns = _run_bench(args)
+    result.setdefault("setup", {})["machine"] = monitor.record()
+    if args.json:
+        report.write_json(args.json, result)
+    print(report.format_table(result["rows"], columns))
+    footer = monitor.footer()
+    print("\n" + "\n".join(footer))
+    if monitor.quiet is False:
+        print(footer[-1], file=sys.stderr)
+    return 0
+
+
+def _run_bench(args) -> tuple[dict, list]:
+    from .bench import core, report
+
     if args.name == "core":
         cfg = core.CoreBenchConfig.quick() if args.quick else core.CoreBenchConfig()
         result = core.run(cfg, progress=None if args.quiet else _progress)
@@ -141,10 +158,7 @@ def cmd_bench(args) -> int:
             cfg.images = args.images
         result = ar_image.public(ar_image.run(cfg, progress=None if args.quiet else _progress))
         columns = ar_image.AR_IMAGE_COLUMNS
-    if args.json:
-        report.write_json(args.json, result)
-    print(report.format_table(result["rows"], columns))
-    return 0
+    return result, columns
 
 
 def _knobs(items, modality: str, method: str) -> dict:
