@@ -35,10 +35,14 @@ CLASS_PROMPTS = [f"a {name}" for name in CLASS_NAMES]
 NUM_CLASSES = len(CLASS_NAMES)
 TEXTURES = ("stripes", "checker", "noise", "gradient")
 # "scene": the VLM's and the classifier's data (main object radius 0.28-0.58, 0-3 distractors);
-# "bold": the AR image target's data (radius 0.45-0.62, at most one distractor), where the shape
-# covers enough tokens to carry a real share of the loss (issue 10: on "scene" data the target
-# learned colour but not shape)
-STYLES = ("scene", "bold")
+# "bold": radius 0.45-0.62, at most one distractor, where the shape covers enough tokens to carry a
+# real share of the loss (issue 10: on "scene" data the first AR target learned colour but not shape);
+# "upright": the AR image target's data: bold's sizes with the shapes upright (angle 0), no
+# distractors, only the smooth textures (noise, gradient) and no sensor noise. A tiny AR model
+# trained on "bold" still drew blobs: every rotation of a star is another set of token edges, and
+# stripes, checkers and per-pixel noise spend its capacity on tokens that say nothing of the class
+STYLES = ("scene", "bold", "upright")
+SMOOTH_TEXTURES = ("noise", "gradient")
 
 _N_UNIFORMS = 64  # enough for the main object, the texture and 3 distractors
 
@@ -129,10 +133,13 @@ def render(label: int, generator: torch.Generator, resolution: int = 64,
     ``background`` (two RGB triples), ``distractors`` (a list of ``(shape name, RGB, cx, cy, r)``)
     and the main object's ``cx``, ``cy`` (in [-1, 1], y downwards), ``r`` and ``angle``. Asking for
     it draws nothing more: the image is the same either way. ``style`` is one of ``STYLES``: "bold"
-    draws a larger main object (radius 0.45-0.62 instead of 0.28-0.58) over at most one distractor."""
+    draws a larger main object (radius 0.45-0.62 instead of 0.28-0.58) over at most one distractor;
+    "upright" draws bold's object at angle 0 with no distractor over a smooth texture (noise or
+    gradient) and without sensor noise."""
     check(isinstance(label, int) and 0 <= label < NUM_CLASSES, "label", f"an int in [0, {NUM_CLASSES})", label)
     check(style in STYLES, "style", f"one of {', '.join(STYLES)}", style)
-    bold = style == "bold"
+    upright = style == "upright"
+    bold = style == "bold" or upright
     check(isinstance(resolution, int) and resolution >= 16, "resolution", "an int >= 16", resolution)
     # one draw of uniforms for all scalar choices keeps the per-image op count (and time) low
     rnd = iter(torch.rand(_N_UNIFORMS, generator=generator).tolist()).__next__
@@ -141,13 +148,14 @@ def render(label: int, generator: torch.Generator, resolution: int = 64,
     # 1. background: two random colours (kept off black and white) blended by a random texture
     c1 = torch.tensor([0.1 + 0.7 * rnd() for _ in range(3)])
     c2 = torch.tensor([0.1 + 0.7 * rnd() for _ in range(3)])
-    texture = TEXTURES[int(len(TEXTURES) * rnd())]
+    textures = SMOOTH_TEXTURES if upright else TEXTURES
+    texture = textures[int(len(textures) * rnd())]
     w = _texture(texture, x, y, rnd, generator, resolution)
     image = c1[:, None, None] + (c2 - c1)[:, None, None] * w  # (3, H, W)
     distractors = []
 
     # 2. distractors: 0-3 small shapes of any colour, under the main object
-    for _ in range(int((2 if bold else 4) * rnd())):
+    for _ in range(0 if upright else int((2 if bold else 4) * rnd())):
         shape, r = int(len(SHAPES) * rnd()), 0.06 + 0.08 * rnd()
         cx, cy, angle = 1.6 * rnd() - 0.8, 1.6 * rnd() - 0.8, 2 * math.pi * rnd()
         colour = torch.tensor([rnd(), rnd(), rnd()])
@@ -159,6 +167,8 @@ def render(label: int, generator: torch.Generator, resolution: int = 64,
     r = 0.45 + 0.17 * rnd() if bold else 0.28 + 0.3 * rnd()
     cx, cy = (2 * rnd() - 1) * (0.95 - r), (2 * rnd() - 1) * (0.95 - r)
     angle = 2 * math.pi * rnd()
+    if upright:
+        angle = 0.0
     mask = _coverage(_sdf(shape, x - cx, y - cy, r, angle), resolution)  # (H, W)
     base = PALETTE[colour_id] + 0.12 * (torch.tensor([rnd(), rnd(), rnd()]) - 0.5)
     # brightness varies by up to about +-25% across the object
@@ -167,7 +177,7 @@ def render(label: int, generator: torch.Generator, resolution: int = 64,
     image = _paint(image, (base[:, None, None] * shade).clamp(0.0, 1.0), mask)
 
     # 4. sensor noise of a random strength
-    sigma = 0.05 * rnd()
+    sigma = 0.0 if upright else 0.05 * rnd()
     image = image + sigma * torch.randn(image.shape, generator=generator)
     image = image.clamp(0.0, 1.0) * 2.0 - 1.0
     out = (image,) + ((mask,) if return_mask else ())
