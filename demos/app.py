@@ -1,5 +1,6 @@
 """mmspec's Gradio demo: one tab per modality, baseline and a chosen method side by side (and a
-streaming video tab whose chunks appear as they are decoded).
+streaming video tab whose chunks appear as they are decoded). The AR image and continuous-token
+tabs share the class prompts and the classifier's quality figure.
 
     make demo            # or: mmspec demo [--host 127.0.0.1] [--port 7860]
     python demos/app.py
@@ -176,6 +177,68 @@ def ar_tab():
               concurrency_limit=CONCURRENCY, concurrency_id="models")
 
 
+# ---------------------------------------------------------------- continuous tokens
+
+CONTINUOUS_EMPTY = (None, None, "", "", "")
+
+
+def continuous_generate(prompt, method, seed, guidance_scale, *knob_values):
+    """Baseline ``none`` and ``method`` on the same seed through the continuous-token pipeline ->
+    (baseline image, method image, baseline stats, method stats + lossless/lossy note, error)."""
+    names = list(serve.knob_specs("continuous"))
+    try:
+        seed = serve.check_seed(_int(seed, "seed"))
+        knobs = _collect_knobs("continuous", method, names, knob_values)
+        recipe = serve.resolve("continuous", method, knobs)
+        cfg = float(guidance_scale if guidance_scale is not None else 1.0)
+        with serve.GAUGE:
+            base = serve.run_continuous(MODELS, [prompt], [seed], "none", {}, guidance_scale=cfg)[0]
+            ours = base if method == "none" else serve.run_continuous(MODELS, [prompt], [seed], method, knobs,
+                                                                      guidance_scale=cfg)[0]
+            quality = serve.class_confidence(MODELS, [base.image, ours.image], [prompt, prompt])
+    except Exception as err:  # shown in the page, never as a dead page
+        return (*CONTINUOUS_EMPTY[:4], _error(err))
+    kind = "lossless" if recipe.lossless else "**lossy**"
+    note = (f"{method}: {kind}. Quality: classifier p(requested class) = {quality[1]:.3f} "
+            f"(baseline {quality[0]:.3f})")
+    if ours.extra["head"] != base.extra["head"]:  # the wall-clock ratio then also compares two heads
+        note += (f"\n\n{method} decodes with the {ours.extra['head']} head, the baseline with the "
+                 f"{base.extra['head']} head (none-diffusion is the {ours.extra['head']} head's own baseline)")
+    base_md = f"**baseline (none)** - {serve.stats_line(base.stats)}"
+    ours_md = f"**{method}** - {serve.stats_line(ours.stats, base.stats)}\n\n{note}"
+    return base.image, ours.image, base_md, ours_md, ""
+
+
+def continuous_tab():
+    names = methods.names("continuous")
+    with gr.Row():
+        with gr.Column(scale=1):
+            prompt = gr.Dropdown(list(serve.ar_prompts()), value=serve.ar_prompts()[0], label="class prompt",
+                                 elem_id="cont-prompt")
+            first = "sd" if "sd" in names else names[0]
+            method = gr.Dropdown(list(names), value=first, label="method", elem_id="cont-method")
+            with gr.Row():
+                seed = gr.Number(value=0, precision=0, label="seed", elem_id="cont-seed")
+                cfg = gr.Number(value=2.0, label="CFG scale", elem_id="cont-cfg")
+            with gr.Accordion("method knobs (the papers' defaults)", open=True):
+                knobs = _knob_inputs("continuous", "cont", first)
+            run = gr.Button("Generate", variant="primary", elem_id="cont-run")
+        with gr.Column(scale=2):
+            error = gr.Markdown("", elem_id="cont-error")
+            with gr.Row():
+                base_img = gr.Image(label="baseline", format="png", height=192, interactive=False,
+                                    elem_id="cont-base-img")
+                ours_img = gr.Image(label="method", format="png", height=192, interactive=False,
+                                    elem_id="cont-ours-img")
+            base_stats = gr.Markdown("", elem_id="cont-base-stats")
+            ours_stats = gr.Markdown("", elem_id="cont-ours-stats")
+    knob_list = list(knobs.values())
+    method.change(_show_knobs("continuous", list(knobs)), inputs=method, outputs=knob_list, queue=False)
+    run.click(continuous_generate, inputs=[prompt, method, seed, cfg, *knob_list],
+              outputs=[base_img, ours_img, base_stats, ours_stats, error], api_name="continuous_generate",
+              concurrency_limit=CONCURRENCY, concurrency_id="models")
+
+
 # ---------------------------------------------------------------- VLM
 
 def _scene_choices() -> list[str]:
@@ -347,14 +410,15 @@ def video_tab():
 
 # ---------------------------------------------------------------- the app
 
-TABS = (("AR image", ar_tab), ("VLM", vlm_tab), ("Streaming video", video_tab))
+TABS = (("AR image", ar_tab), ("VLM", vlm_tab), ("Streaming video", video_tab),
+        ("Continuous tokens", continuous_tab))
 
 
 def build() -> gr.Blocks:
     with gr.Blocks(title="mmspec: speculative decoding for multimodal generation") as blocks:
         gr.Markdown("# mmspec\nSpeculative decoding for multimodal generation, on the bundled tiny models "
-                    "(CPU). The AR image and VLM tabs run the baseline and the chosen method on the same seed; the "
-                    "streaming video tab shows chunks as they are decoded.")
+                    "(CPU). The AR image, VLM and continuous-token tabs run the baseline and the chosen method on the "
+                    "same seed; the streaming video tab shows chunks as they are decoded.")
         with gr.Tabs():
             for label, tab in TABS:
                 with gr.Tab(label, elem_id=f"tab-{label.lower().replace(' ', '-')}"):

@@ -7,13 +7,13 @@
         --dynamo_backend no --main_process_port 0 -m mmspec batch jobs.jsonl --out out/
 
 A job is one JSON object per line (or one CSV row): ``id`` (a file name stem), ``kind``
-(``"ar-image"``, ``"vlm"`` or ``"video"``), ``method`` (default ``"none"``; ``"rolling"`` for
-video), ``seed`` (default 0), the kind's inputs (``prompt`` for ``ar-image``; ``image`` (a path,
-relative to the jobs file) and ``question`` for ``vlm``; ``prompt``, ``frames`` and ``switches``
-for ``video``) and options (``guidance_scale``, ``temperature``, ``max_new_tokens``, ...), and the
-method's knobs, flat (``"sjd_window": 16``) or under ``"knobs"``. Every line is checked first,
-methods and knobs through the method registry: bad lines are reported by line number and nothing
-runs or is written.
+(``"ar-image"``, ``"vlm"``, ``"video"`` or ``"continuous"``), ``method`` (default ``"none"``;
+``"rolling"`` for video), ``seed`` (default 0), the kind's inputs (``prompt`` for ``ar-image`` and
+``continuous``; ``image`` (a path, relative to the jobs file) and ``question`` for ``vlm``;
+``prompt``, ``frames`` and ``switches`` for ``video``) and options (``guidance_scale``,
+``temperature``, ``max_new_tokens``, ...), and the method's knobs, flat (``"sjd_window": 16``) or
+under ``"knobs"``. Every line is checked first, methods and knobs through the method registry: bad
+lines are reported by line number and nothing runs or is written.
 
 Video jobs: ``prompt`` (``"a red circle moving right"``), ``frames`` (default 48), ``switches``
 (prompt switches: ``[[24, "a blue circle moving right"], ...]``, or ``"24:a blue circle moving
@@ -22,6 +22,12 @@ right; 48:..."`` as text, as ``generate video --switch`` takes them; frames at c
 nearest-neighbour upscaled); the method is a cache mode of the ``"video"`` registry modality
 (``rolling``, ``window-recompute``, ``full-cache``, ``no-sink``) with its knobs (``sink_frames``,
 ``window_frames``, ``recache_sink``, ``num_inference_steps``, ``guidance_scale``).
+
+Continuous jobs: a class prompt (``"a red circle"``, the AR image kind's prompts) through the
+continuous-token pipeline (``assets/continuous``), a method of the ``"continuous"`` registry
+modality (``none``, ``none-diffusion``, ``sd``, ``sd-warmup``, ``path``, ``cspd``) with its knobs
+(``sd_gamma``, ``cspd_inner_temperature``, ...), ``guidance_scale`` (2.0) and ``temperature``
+(1.0, > 0); one PNG each.
 
 Output: ``OUT/<id>.png`` per image, ``OUT/<id>.txt`` per answer, ``OUT/<id>.mp4`` (or ``.gif``)
 per video, and ``OUT/manifest.jsonl`` with one record per job: status (``ok`` / ``error``), output
@@ -35,8 +41,8 @@ in the jobs file's order.
 Jobs are grouped into batches before they are split between processes (``PartialState.
 split_between_processes``), and every job draws from its own seed, so the files are the same for
 any number of processes. Same-kind jobs share one pipeline call (up to ``batch_size``) only where
-that cannot change a job's output (``mmspec.serve.vlm_batchable`` / ``ar_batchable``; video jobs run
-one per call, ``video_batchable``).
+that cannot change a job's output (``mmspec.serve.vlm_batchable`` / ``ar_batchable``; video and
+continuous jobs run one per call, ``video_batchable`` / ``continuous_batchable``).
 """
 
 from __future__ import annotations
@@ -103,6 +109,12 @@ KIND_SPECS: dict[str, KindSpec] = {
         per_job=("prompt", "switches"),
         batchable=serve.video_batchable,
         method="rolling"),
+    "continuous": KindSpec(
+        ext=".png",
+        fields={"prompt": Field(str, required=True), "guidance_scale": Field(float, 2.0),
+                "temperature": Field(float, 1.0)},
+        per_job=("prompt",),
+        batchable=serve.continuous_batchable),
 }
 VIDEO_FORMATS = ("mp4", "gif")
 COMMON = {"id", "kind", "method", "seed", "knobs"}
@@ -202,9 +214,11 @@ def parse_job(raw: dict, line: int, base: Path, from_csv: bool = False) -> Job:
             value = _coerce(key, value, k.type, k.optional, True)
         knobs[key] = value
     serve.resolve(kind, method, knobs)  # unknown knobs, types, ranges: named, with what is allowed
-    if kind == "ar-image":
+    if kind in ("ar-image", "continuous"):
         params["prompt"] = serve.check_ar_prompt(params["prompt"])
         check(params["guidance_scale"] >= 0, "guidance_scale", "a number >= 0", params["guidance_scale"])
+        if kind == "continuous":  # MAR's temperature scales the heads' noise: 0 is not greedy here
+            check(params["temperature"] > 0, "temperature", "a number > 0", params["temperature"])
     elif kind == "video":
         check(1 <= params["frames"] <= serve.VIDEO_MAX_FRAMES, "frames", f"an int in [1, {serve.VIDEO_MAX_FRAMES}]",
               params["frames"])
@@ -379,7 +393,7 @@ def _write(out: Path, job: Job, result: serve.Result) -> None:
 
 
 def _encode(job: Job, result: serve.Result) -> bytes:
-    if job.kind == "ar-image":
+    if job.kind in ("ar-image", "continuous"):
         import PIL.Image
 
         buf = io.BytesIO()
@@ -396,6 +410,9 @@ def _run(models: serve.Models, batch: list[Job]) -> list[serve.Result]:
         return serve.run_ar(models, [j.params["prompt"] for j in batch], seeds, first.method, first.knobs,
                             guidance_scale=p["guidance_scale"], temperature=p["temperature"], top_k=p["top_k"],
                             top_p=p["top_p"])
+    if first.kind == "continuous":
+        return serve.run_continuous(models, [j.params["prompt"] for j in batch], seeds, first.method, first.knobs,
+                                    guidance_scale=p["guidance_scale"], temperature=p["temperature"])
     if first.kind == "video":  # one job per call (video_batchable)
         return [serve.run_video(models, p["prompt"], first.seed, p["frames"], first.method, first.knobs,
                                 p["switches"])]

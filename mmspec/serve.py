@@ -2,11 +2,11 @@
 ``mmspec batch`` call pipelines through.
 
 ``Models`` loads each pipeline lazily from ``assets/``, once, and shares it (thread-safe);
-``run_ar`` / ``run_vlm`` run one request or one batch of same-kind jobs and return plain results:
-uint8 images or texts, the decode's stats and, per generated token, the decode pass that committed
-it (``commit_pass``; 0 is the prefill). ``stream_video`` / ``run_video`` stream one video from a
-prompt schedule through the streaming video pipeline (a cache mode of the ``"video"`` registry
-modality) and return uint8 frames and the stream's stats. Every pipeline call lives here, so a
+``run_ar`` / ``run_continuous`` / ``run_vlm`` run one request or one batch of same-kind jobs and
+return plain results: uint8 images or texts, the decode's stats and, per generated token, the decode
+pass that committed it (``commit_pass``; 0 is the prefill). ``stream_video`` / ``run_video``
+stream one video from a prompt schedule through the streaming video pipeline (a cache mode of the
+``"video"`` registry modality) and return uint8 frames and the stream's stats. Every pipeline call lives here, so a
 change of the pipelines' calling contract is a change to this file only.
 
 Where ``commit_pass`` comes from: in raster order (every AR method without ZipAR's next-set
@@ -19,15 +19,18 @@ tokens against its final ones (``_row_lengths``); the rare row whose length that
 next tokens are 0s) gets ``commit_pass = None`` rather than a guess. One row alone is always exact
 (the tensor is as wide as the row). ZipAR's lanes fill several grid rows per pass and the pipelines
 refuse tensor inputs there (nothing says which positions a pass filled), so ``commit_pass`` is
-``None`` for ZipAR methods.
+``None`` for ZipAR methods. The continuous-token pipeline decodes in raster order and its callback's
+``timestep`` is the tokens per image so far: exact for one image, a mean over a batch, so
+``run_continuous`` gives ``commit_pass`` for a single prompt and ``None`` for each row of a batch.
 
 The VLM run streams the same tensor: ``on_pass`` receives the answer's tokens so far after every
 pass, which ``stream_vlm`` hands to the demo as the growing text.
 
 Batches: every row gets its own ``torch.Generator`` from its job's seed (a generator list), so a
 row of a batched call equals that job run alone wherever the pipelines keep their promise (row r
-of a batch equals that prompt alone with g_r); ``ar_batchable`` / ``vlm_batchable`` say where it
-is measured to hold, and ``tests/test_batch.py`` checks batched files against batch-size-1 files.
+of a batch equals that prompt alone with g_r); ``ar_batchable`` / ``vlm_batchable`` /
+``continuous_batchable`` say where it is measured to hold, and ``tests/test_batch.py`` checks
+batched files against batch-size-1 files.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from . import methods
 from .core.errors import check
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-KINDS = ("ar-image", "vlm", "video")
+KINDS = ("ar-image", "vlm", "video", "continuous")
 """Job kinds (= registry modalities) this module can run; a new modality adds its runner here."""
 
 
@@ -79,6 +82,15 @@ class Models:
             pipe.set_progress_bar_config(disable=True)
             return pipe
         return self._get("ar-image", load)
+
+    def continuous(self):
+        def load():
+            from .pipelines import SpeculativeContinuousARPipeline
+
+            pipe = SpeculativeContinuousARPipeline.from_pretrained(str(self.assets / "continuous"))
+            pipe.set_progress_bar_config(disable=True)
+            return pipe
+        return self._get("continuous", load)
 
     def vlm(self):
         def load():
@@ -325,6 +337,53 @@ def class_confidence(models: Models, images: list[np.ndarray], prompts: list[str
     x = torch.from_numpy(np.stack(images)).permute(0, 3, 1, 2).float() / 127.5 - 1  # (B, 3, H, W) in [-1, 1]
     probs = models.classifier()(x).softmax(-1)  # (B, classes)
     return [round(float(probs[i, c]), 4) for i, c in enumerate(labels)]
+
+
+# ---------------------------------------------------------------- continuous tokens
+
+def continuous_batchable(method: str, temperature: float) -> bool:
+    """Continuous jobs run one per call: a batched row equals the image alone only to float
+    rounding (``tests/test_continuous_pipeline.py``; the latents differ in the last bits), which
+    can move a later accept test or a uint8 pixel, and a job's file must not depend on its batch."""
+    return False
+
+
+def run_continuous(models: Models, prompts: list[str], seeds: list[int], method: str = "none",
+                   knobs: dict | None = None, guidance_scale: float = 2.0, temperature: float = 1.0) -> list[Result]:
+    """Generate one image per class prompt with its seed through the continuous-token pipeline
+    (``methods.names("continuous")``); every input is checked before any model runs. The prompts
+    are the AR image modality's class prompts, which the bundled continuous model is trained on;
+    the pipeline checks them again against its own labels. ``commit_pass`` is exact for one
+    prompt and ``None`` in a batch (see the module docstring)."""
+    prompts = [check_ar_prompt(p) for p in prompts]
+    check(len(seeds) == len(prompts), "seeds", f"one seed per prompt ({len(prompts)})", seeds)
+    seeds = [check_seed(s) for s in seeds]
+    recipe = resolve("continuous", method, knobs)
+    check(isinstance(guidance_scale, (int, float)) and not isinstance(guidance_scale, bool) and guidance_scale >= 0,
+          "guidance_scale", "a number >= 0", guidance_scale)
+    check(isinstance(temperature, (int, float)) and not isinstance(temperature, bool) and temperature > 0,
+          "temperature", "a number > 0", temperature)
+    pipe = models.continuous()
+    counts = [1]  # the prefill emits each image's first token
+
+    def on_step(p, step, done, kwargs):
+        counts.append(int(done))  # tokens per image so far (a mean over the rows of a batch)
+        return {}
+
+    t0 = time.perf_counter()
+    out = pipe(prompt=prompts, method=method, method_knobs=dict(knobs or {}), guidance_scale=guidance_scale,
+               temperature=temperature, generator=_generators(seeds), output_type="latent",
+               callback_on_step_end=on_step)
+    with torch.no_grad():  # each image from its own latents: a row's pixels do not depend on its batch
+        pixels = [pipe.postprocess_images(pipe.tokenizer.decode(lat[None]).clamp(-1, 1), "np")[0]
+                  for lat in out.latents]  # lat: (T, d)
+    wall = time.perf_counter() - t0
+    images = [(np.asarray(px) * 255).round().astype(np.uint8) for px in pixels]  # (H, W, 3) each
+    stats = _plain_stats(out.stats, wall, len(prompts))
+    passes = [_commit_passes(counts, out.latents.shape[1])] if len(prompts) == 1 else [None] * len(prompts)
+    head = methods.continuous.head_for(recipe)
+    return [Result(stats=stats, image=img, commit_pass=passes[i], extra={"lossless": recipe.lossless, "head": head})
+            for i, img in enumerate(images)]
 
 
 # ---------------------------------------------------------------- VLM
