@@ -515,7 +515,8 @@ def guided_probs_triton(logits: torch.Tensor, guidance_scale: float | None = Non
     return p
 
 
-def _unsupported(logits, q, top_p) -> str | None:
+def accept_problem(logits: torch.Tensor, q: torch.Tensor | None, top_p: float | None) -> str | None:
+    """Why the fused kernel cannot take these inputs (None when it can)."""
     if top_p is not None and top_p < 1:
         return "top-p needs a sort the fused kernel does not do"
     return dtype_problem(logits, q)
@@ -529,7 +530,7 @@ def guided_accept(logits: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | 
     elsewhere or with top-p (``MMSPEC_KERNELS`` forces either)."""
     kwargs = dict(u_accept=u_accept, u_sample=u_sample, guidance_scale=guidance_scale, temperature=temperature,
                   top_k=top_k, group=group)
-    if use_triton("guided acceptance", logits.device, _unsupported(logits, q, top_p)):
+    if use_triton("guided acceptance", logits.device, accept_problem(logits, q, top_p)):
         return guided_accept_triton(logits, tokens, q, **kwargs)
     return guided_accept_reference(logits, tokens, q, top_p=top_p, **kwargs)
 

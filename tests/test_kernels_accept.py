@@ -4,20 +4,29 @@ decision against the core's own rule objects (``SpeculativeSampling``, ``Grouped
 seeded generator; the torch reference likewise; the fused probabilities against the pipeline.
 
 Tolerances: accepted lengths and tokens equal; accept probabilities within 1e-6 (fp32 softmax in a
-different summation order); probabilities within 1e-6, greedy one-hots exact."""
+different summation order); probabilities within 1e-6, greedy one-hots exact.
+
+Then the decoder's seam (``mmspec.core.fused``): which accept steps reach the kernel, and with the
+uniforms the rule objects would draw."""
 
 from __future__ import annotations
 
 import importlib
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from mmspec.core import GreedyMatch, GroupedAcceptance, GroupedAcceptanceConfig, LogitsPipeline, SpeculativeSampling
+import mmspec.core.fused as fused_mod
+from mmspec.core import (GreedyMatch, GroupedAcceptance, GroupedAcceptanceConfig, JacobiDrafter,
+                         LatentProximityAcceptance, LogitsPipeline, ModelChainDrafter, ModelTreeDrafter,
+                         NextSetSchedule, SpeculativeDecoder, SpeculativeSampling, latent_neighbours)
+from mmspec.core.fused import fused_acceptance, fused_knobs
 from mmspec.core.tree import DraftTree, Tree
 from mmspec.kernels import dispatch
 from mmspec.kernels.guided_accept import Grouping, guided_accept, guided_accept_reference, guided_probs, process_logits
 from mmspec.kernels.interpret import run_interpreted
+from tiny import noisy_copy, tiny_lm
 
 accept_mod = importlib.import_module("mmspec.kernels.guided_accept")
 needs_triton = pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed (torch's CPU-only wheels, e.g. on aarch64, come without it)")
@@ -230,6 +239,89 @@ def test_forced_triton_fails_clearly(monkeypatch):
 def test_bad_input(bad, message):
     with pytest.raises(ValueError, match=message):
         guided_accept_reference(**dict(_kwargs(CASES["exact-drafted-cfg"]), **bad))
+
+
+# -- the decoder's accept step ---------------------------------------------------------------------
+def _decoders():
+    """name -> (decoder kwargs, generator factory, whether the fused kernel implements the pair)."""
+    target = tiny_lm(0, vocab_size=24, dim=16, n_layers=1)
+    draft = noisy_copy(target, 0.3)
+    sampled = LogitsPipeline(temperature=1.0, guidance_scale=2.0)
+    greedy = LogitsPipeline(temperature=0, guidance_scale=2.0)
+    gsd = GroupedAcceptance(target.embed.weight, GroupedAcceptanceConfig(0.1, 8.0, 3))
+    per_row = lambda: [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]  # noqa: E731
+    one = lambda: torch.Generator().manual_seed(3)  # noqa: E731
+    jacobi = lambda: JacobiDrafter(24, window=4)  # noqa: E731
+    return target, {
+        "sd-greedy": (dict(drafter=ModelChainDrafter(draft, 3), logits=greedy), one, True),
+        "sd-sampled": (dict(drafter=ModelChainDrafter(draft, 3), logits=sampled), per_row, True),
+        "sd-top-k": (dict(drafter=ModelChainDrafter(draft, 3), logits=LogitsPipeline(0.7, top_k=5)), one, True),
+        "gsd": (dict(drafter=jacobi(), rule=gsd, logits=sampled), per_row, True),
+        "target-only": (dict(logits=sampled), per_row, True),
+        "zipar+sjd": (dict(drafter=JacobiDrafter(24, window=3, init="repeat"), logits=sampled,
+                           schedule=NextSetSchedule(2, 4, 2)), one, True),
+        "tree": (dict(drafter=ModelTreeDrafter(draft, top_k=2, depth=2, total_tokens=5), logits=sampled), one, False),
+        "lantern": (dict(drafter=jacobi(), rule=LatentProximityAcceptance(latent_neighbours(target.embed.weight)),
+                         logits=sampled), per_row, False),
+        "top-p": (dict(drafter=jacobi(), logits=LogitsPipeline(1.0, top_p=0.8)), one, False),
+        "greedy-rule-sampled": (dict(drafter=jacobi(), rule=GreedyMatch(), logits=sampled), one, False),
+        "exact-rule-greedy": (dict(drafter=jacobi(), rule=SpeculativeSampling(), logits=greedy), one, False),
+    }
+
+
+def test_decoder_accepts_through_the_fused_kernel_where_dispatch_picks_it(monkeypatch):
+    """The wiring, without the interpreter (tests/test_kernels_e2e.py runs the kernel itself): a
+    dispatch that picks Triton for every input it can take (auto mode on CUDA), the torch
+    reference standing in for the kernel. The pairs the kernel implements go through it on every
+    decode pass, with the rule's own uniforms, so the tokens equal the rule objects' draw for draw;
+    the others (trees, LANTERN, top-p, rule and pipeline disagreeing on greedy) never call it."""
+    target, decoders = _decoders()
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append(args[1].shape)
+        return guided_accept_reference(*args, **kwargs)
+
+    monkeypatch.delenv(dispatch.ENV, raising=False)
+    monkeypatch.setattr(fused_mod, "guided_accept_triton", kernel)
+
+    def generate(kw, gen):
+        prompts, uncond = ([[1, 2, 3]], [[0]]) if "schedule" in kw else ([[1, 2, 3], [4, 5]], [[0], [0, 0]])
+        n = 8 if "schedule" in kw else 12
+        guided = kw["logits"].uses_guidance
+        return SpeculativeDecoder(target, **kw).generate(prompts, n, uncond_input_ids=uncond if guided else None,
+                                                          generator=gen())
+
+    for name, (kw, gen, fused) in decoders.items():
+        calls.clear()
+        rules = generate(kw, gen)
+        assert calls == [], name  # auto mode on the CPU: the rule objects
+        with monkeypatch.context() as m:
+            m.setattr(fused_mod, "kernel_dispatch", SimpleNamespace(
+                considered=lambda device: True, use_triton=lambda op, device, unsupported=None: unsupported is None))
+            got = generate(kw, gen)
+        assert torch.equal(got.sequences, rules.sequences), name
+        assert len(calls) == (got.stats.target_forwards - 1 if fused else 0), (name, len(calls))
+
+
+def test_fused_acceptance_forced_refuses_what_the_kernel_cannot_take(monkeypatch):
+    """``MMSPEC_KERNELS=triton``: top-p and float64 logits raise (before anything launches); rules
+    the kernel does not implement are not its business and go to the rule objects."""
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    B, G, V = 2, 3, 11
+    logits = torch.randn(B, G + 1, V)
+    draft = DraftTree(torch.randint(V, (B, G)), Tree.chain(B, G), None)
+    with pytest.raises(dispatch.KernelUnavailableError, match="top-p"):
+        fused_acceptance(SpeculativeSampling(), LogitsPipeline(top_p=0.9), draft, logits, None)
+    with pytest.raises(dispatch.KernelUnavailableError, match="float64"):
+        fused_acceptance(SpeculativeSampling(), LogitsPipeline(), draft, logits.double(), None)
+    lantern = LatentProximityAcceptance(latent_neighbours(torch.randn(V, 4)))
+    assert fused_acceptance(lantern, LogitsPipeline(), draft, logits, None) is None
+    assert fused_knobs(GreedyMatch(), LogitsPipeline(temperature=0, top_p=0.5, top_k=2))["top_p"] is None
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(dispatch.KernelUnavailableError, match="TRITON_INTERPRET=1"):
+        fused_acceptance(SpeculativeSampling(), LogitsPipeline(), draft, logits, None)
 
 
 # -- compiled kernels on a GPU --------------------------------------------------------------------

@@ -17,6 +17,7 @@ from .acceptance import GreedyMatch, SpeculativeSampling
 from .distributions import DensityPipeline, HeadMeter
 from .drafters import EagleTreeDrafter, ModelTreeDrafter, NullDrafter
 from .errors import check
+from .fused import fused_acceptance
 from .logits import LogitsPipeline
 from .sampling import Generators, as_generators, repeat_rows, select_rows
 from .schedule import RasterSchedule
@@ -242,10 +243,10 @@ class SpeculativeDecoder:
             with stats.timed("accept", device):
                 sel = plan.emitting_rows(emitting)
                 if sel is None:
-                    acc = self.rule(draft, probs, generator)
+                    acc = self._accept(draft, probs, out.logits, generator)
                 else:  # only lanes that emit draw randomness
-                    acc = _scatter(self.rule(_select(draft, sel), probs[sel], select_rows(generator, sel)),
-                                   sel, B, tree.max_depth)
+                    acc = _scatter(self._accept(_select(draft, sel), probs[sel], out.logits,
+                                                select_rows(generator, sel), sel), sel, B, tree.max_depth)
             # 5. commit caches and emit the accepted tokens plus the next token
             with stats.timed("commit", device):
                 # the root and the accepted drafts enter the cache; finished rows stop growing
@@ -275,6 +276,14 @@ class SpeculativeDecoder:
             torch.cuda.synchronize(device)
         stats.wall_seconds = time.perf_counter() - t0
         return DecodeOutput(sequences, out_lens, stats)
+
+    def _accept(self, draft: DraftTree, probs, logits: torch.Tensor | None, generator: Generators,
+                rows: torch.Tensor | None = None) -> Acceptance:
+        """The rule's decision on the verified block: the fused acceptance kernel where the kernels'
+        dispatch picks it (``mmspec.core.fused``), the rule object otherwise. ``logits`` are all
+        rows' raw logits; ``rows`` the lanes decided (None: all), which the other arguments hold."""
+        fused = fused_acceptance(self.rule, self.logits, draft, logits, generator, rows)
+        return fused if fused is not None else self.rule(draft, probs, generator)
 
     @staticmethod
     def _emit(state: DecodeState, new: torch.Tensor, count: torch.Tensor) -> None:

@@ -19,8 +19,9 @@ a few Euler steps from t = 1 to 0 (``flow_timesteps``, ``sample_chunk``).
 
 Three attention paths, one block code:
 - ``cache``: a core cache (``StaticKVCache`` family) through ``cache.step(positions, mask)`` and
-  ``step.update(layer, q, k, v)`` (as ``LlamaGenModel``); the cache stores keys before RoPE and
-  rotates them by cache order (``SinkWindowCache``).
+  ``step.attend(layer, q, k, v)`` (as ``LlamaGenModel``: the rolling attention kernel where the
+  kernels' dispatch picks it, the cache's update + SDPA otherwise); the cache stores keys before
+  RoPE and rotates them by cache order (``SinkWindowCache``).
 - ``plan`` (``ChunkPlan``): a set of query groups, each with its own visible frames and their
   cache-order positions, gathered from one sequence. Training runs the *two-stream* plan: a
   context stream (the frames as they would be committed at t = 0: clean, noised, or the model's
@@ -394,11 +395,7 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
             check(Fr % cfg.chunk_frames == 0, "latents", f"whole chunks of {cfg.chunk_frames} frames with a cache",
                   Fr)
             tokens = (positions[..., None] * P + torch.arange(P, device=latents.device)).flatten(1)  # (B, T)
-            step = cache.step(tokens, chunk_block_mask(Fr, cfg.chunk_frames, P, B, latents.device))
-
-            def attend(layer, q, k, v):
-                q, k, v = step.update(layer, q, k, v)
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
+            attend = cache.step(tokens, chunk_block_mask(Fr, cfg.chunk_frames, P, B, latents.device)).attend
         else:
             if plan is None:
                 plan = ChunkPlan.rolling(Fr, cfg.chunk_frames, P)
