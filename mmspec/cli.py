@@ -295,7 +295,11 @@ def cmd_showcase(args) -> int:
     _showcase_ar_image(args)
     _showcase_vlm()
     _showcase_video(Path(args.out))
-    print("\nThe continuous-token part arrives with its modality adapter.")
+    if (Path(__file__).resolve().parents[1] / "assets" / "continuous" / "model_index.json").is_file():
+        _showcase_continuous(Path(args.out))
+    else:
+        print("\nThe continuous-token part runs once assets/continuous is bundled: its first full training "
+              "draws noise when sampled (README, 'Continuous-token image generation').")
     print("Try the methods by hand in the Gradio demo: `make demo` (or `.venv/bin/mmspec demo`), then open "
           "http://127.0.0.1:7860 in a browser.")
     return 0
@@ -315,6 +319,32 @@ def _showcase_ar_image(args) -> None:
           f"{setup['guidance_scale']}, T={setup['temperature']}; FD on the recipe classifier's features vs "
           f"{setup['reference_images']} real images (real-vs-real floor at this size: {setup['fd_real_floor']:.2f}); "
           f"target's mean top-1 probability on its samples: {setup['mean_top1_prob']:.3f}.")
+    print(f"samples, one row per method ({', '.join(result['_grids'])}): {grid}")
+
+
+def _showcase_continuous(out_dir: Path, model_dir: str | Path | None = None, images: int = 16, **bench) -> None:
+    """Continuous tokens on the bundled pipeline: the target alone (mixture head), lossless ``sd``
+    and ``sd`` with the distilled draft, ``images`` images each (one per class), a grid of samples
+    in ``out_dir`` and the bench's table with the PIT exactness test of the ``sd`` rows. ``bench``
+    overrides other ``ContinuousBenchConfig.quick`` fields."""
+    from .bench import continuous, report
+
+    print("\nmmspec showcase: continuous-token AR image generation (MAR-style mixture head, CPU, 1 image per call)\n")
+    model_dir = Path(model_dir or Path(__file__).resolve().parents[1] / "assets" / "continuous")
+    booster = model_dir / "draft_distilled"
+    cfg = continuous.ContinuousBenchConfig.quick(
+        pipeline_dir=str(model_dir), booster_dir=str(booster) if booster.is_dir() else None, images=images,
+        rows=tuple(r for r in continuous.DEFAULT_ROWS if r[0] in continuous.SHOWCASE_ROWS), **bench)
+    result = continuous.run(cfg, progress=_progress)
+    grid = out_dir / "continuous_grid.png"
+    continuous.save_grid(result, grid)
+    print(report.format_table(result["rows"], continuous.SHOWCASE_COLUMNS))
+    setup = result["setup"]
+    print(f"\n{setup['images']} images per row (class i % 16, seed i), CFG {setup['guidance_scale']:g} "
+          f"({setup['guidance_schedule']}), T={setup['temperature']:g}; NFE = backbone passes per image; FD vs "
+          f"{setup['reference_images']} real images (real-vs-real floor at this size: {setup['fd_real_floor']:.2f}); "
+          f"exact: PIT test of the first {setup['exact_tokens']} tokens, {setup['exact_samples']} samples, "
+          f"p >= {setup['exact_threshold']:g}.")
     print(f"samples, one row per method ({', '.join(result['_grids'])}): {grid}")
 
 
@@ -426,7 +456,8 @@ def cmd_train(args) -> int:
               f"{record['wall_time_s']:.0f} s")
     elif args.recipe in ("continuous-ar", "continuous-draft"):
         if args.recipe == "continuous-ar":
-            record = recipes.train_continuous_ar(args.out, tokenizer_dir=args.tokenizer, **common)
+            record = recipes.train_continuous_ar(args.out, tokenizer_dir=args.tokenizer, input_noise=args.input_noise,
+                                                 **common)
         else:
             record = recipes.train_continuous_draft(args.out, tokenizer_dir=args.tokenizer, target_dir=args.target,
                                                     distill=args.distill, **common)
@@ -538,10 +569,11 @@ def _text(text: str) -> str:
 
 
 # defaults sized from measured step times on a 2-core CPU at 2 threads (0.24 s per VQ step at
-# batch 16, 0.62 s per AR step at batch 32): about 6 and 19 minutes
+# batch 16; 0.62-0.70 s per AR step at batch 32): about 6 and 35 minutes (3,000 AR steps: at 2,000
+# the target still drew blobs; the bundled one ran at one thread beside other jobs, 3,640 s)
 TRAIN_DEFAULTS = {
     "vq": dict(steps=1500, batch_size=16, lr=1e-3, dataset_size=4096),
-    "ar-image": dict(steps=2000, batch_size=32, lr=1e-3, dataset_size=32768),
+    "ar-image": dict(steps=3000, batch_size=32, lr=1e-3, dataset_size=32768),
     # one thread, batch 16: ~0.33 s per eagle step (the frozen target's forward dominates), ~0.2 s
     # per chain step; about 5 and 3.5 minutes with tokenizing
     "ar-draft": dict(steps=800, batch_size=16, lr=1e-3, dataset_size=4096),
@@ -617,6 +649,9 @@ def _add_train_parser(sub) -> None:
         if name in ("continuous-ar", "continuous-draft"):
             p.add_argument("--tokenizer", required=True, type=_existing_dir, metavar="DIR",
                            help="folder written by 'mmspec train continuous-tokenizer'")
+        if name == "continuous-ar":
+            p.add_argument("--input-noise", type=_number(float, 0, strict=False), default=0.0,
+                           help="std of extra noise on the teacher-forced input latents (default 0; training only)")
         if name == "continuous-draft":
             p.add_argument("--target", type=_existing_dir, metavar="DIR",
                            help="folder written by 'mmspec train continuous-ar' (its diffusion schedule is copied; "

@@ -68,3 +68,26 @@ def test_booster_row_skipped_without_booster_and_bad_knobs_fail_before_loading(t
                                            rows=(("bad", "sd", {"sd_gamma": 0}, None),))
     with pytest.raises(ValueError, match="sd_gamma must be"):
         continuous.run(cfg)
+
+
+def test_showcase_part_writes_a_grid_and_a_table(folders, tmp_path, capsys):
+    """The showcase's continuous part on the tiny pipeline: the three mixture-head rows (the distilled
+    draft found in the pipeline folder's ``draft_distilled``), a grid PNG with one row of samples per
+    method, and the table with the sd rows' exactness column."""
+    import shutil
+
+    import PIL.Image
+
+    from mmspec import cli
+
+    model_dir = tmp_path / "continuous"
+    shutil.copytree(folders / "pipe", model_dir)
+    shutil.copytree(folders / "booster", model_dir / "draft_distilled")
+    cli._showcase_continuous(tmp_path, model_dir, images=2, classifier_dir=str(CLASSIFIER), reference_images=32,
+                             exact_samples=300, exact_tokens=2, exact_class=1)
+    out = capsys.readouterr().out
+    for label in continuous.SHOWCASE_ROWS:
+        assert f"| {label} " in out
+    assert "exact" in out and "real-vs-real floor" in out
+    with PIL.Image.open(tmp_path / "continuous_grid.png") as grid:
+        assert grid.size == (2 * 64, len(continuous.SHOWCASE_ROWS) * 64)

@@ -58,6 +58,8 @@ DEFAULT_ROWS = (
     ("sd-warmup15", "sd", {"sd_warmup": 0.15}, None),
 )
 BASELINES = ("none", "none-diffusion")
+# the showcase's rows: mixture-head rows only (a diffusion-head image costs 5-25 s here)
+SHOWCASE_ROWS = ("none", "sd", "sd+distill")
 
 
 @dataclass
@@ -216,7 +218,8 @@ def run(cfg: ContinuousBenchConfig, progress=None) -> dict:
             stats[m].append(out.stats)
 
     reference_diffusion = None
-    if cfg.exact_samples:
+    if cfg.exact_samples and any(head_for(r) == "diffusion" and row[0] not in BASELINES
+                                 for r, row in zip(recipes, rows_cfg)):
         say(f"none-diffusion: {cfg.exact_samples} reference samples for the two-sample tests")
         reference_diffusion = first_tokens(pipe, None, "none-diffusion", {}, cfg, cfg.seed + 1)[..., 1, :]
     target = torch.tensor(labels)
@@ -281,6 +284,11 @@ CONTINUOUS_COLUMNS = [
 ]
 
 
+SHOWCASE_COLUMNS = [c for c in CONTINUOUS_COLUMNS if c[0] in (
+    "method", "nfe", "nfe_speedup", "draft_nfe", "alpha", "tau", "wall_s", "wall_speedup", "fd", "fd_ratio",
+    "class_acc", "exact")]
+
+
 def save_grid(result: dict, path: str | Path, per_row: int = 16) -> None:
     """A PNG with one row of samples per bench row (the first ``per_row`` images), written atomically."""
     from .ar_image import save_grid as _save
@@ -292,5 +300,5 @@ def public(result: dict) -> dict:
     return {k: v for k, v in result.items() if not k.startswith("_")}
 
 
-__all__ = ["CONTINUOUS_COLUMNS", "ContinuousBenchConfig", "DEFAULT_ROWS", "first_tokens", "mixture_pit", "pit_exact_p", "public",
+__all__ = ["CONTINUOUS_COLUMNS", "ContinuousBenchConfig", "DEFAULT_ROWS", "SHOWCASE_COLUMNS", "SHOWCASE_ROWS", "first_tokens", "mixture_pit", "pit_exact_p", "public",
            "run", "save_grid", "two_sample_exact_p"]

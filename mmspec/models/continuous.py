@@ -170,18 +170,20 @@ class ContinuousARModel(ModelMixin, ConfigMixin):
 
     # -- training -------------------------------------------------------------------------------
     def tokens_from_latents(self, labels: torch.Tensor, latents: torch.Tensor,
-                            generator: torch.Generator | None = None) -> torch.Tensor:
+                            generator: torch.Generator | None = None, input_noise: float = 0.0) -> torch.Tensor:
         """Teacher-forcing input (B, N, 2, d): ``[class, x_0 .. x_{N-2}]`` with states drawn from
-        the kernel ``a x + b eps`` (what sampling feeds back)."""
+        the kernel ``a x + b eps`` (what sampling feeds back); ``input_noise`` > 0 (training only)
+        widens the state noise to ``sqrt(b^2 + input_noise^2)``, so the backbone learns to read
+        its own imperfect samples rather than copy an exact left neighbour."""
         a, b = self.state_kernel
         noise = torch.randn(latents.shape, generator=generator).to(latents.device, latents.dtype)
-        states = a * latents + b * noise
+        states = a * latents + (b * b + input_noise * input_noise) ** 0.5 * noise
         tok = torch.stack([states, latents], -2)  # (B, N, 2, d)
         cls = labels.to(tok.dtype)[:, None, None, None].expand(-1, 1, 2, tok.shape[-1])
         return torch.cat([cls, tok[:, :-1]], 1)
 
     def loss(self, labels: torch.Tensor, latents: torch.Tensor, generator: torch.Generator | None = None,
-             diffusion_positions: int = 64) -> dict[str, torch.Tensor]:
+             diffusion_positions: int = 64, input_noise: float = 0.0) -> dict[str, torch.Tensor]:
         """Training losses of (B, N, d) latents given (B,) labels: ``"mixture"`` (mean NLL per
         token, nats), ``"diffusion"`` (the head's hybrid loss on ``diffusion_positions`` random
         positions per image, MAR's subsampled rows) and their sum ``"loss"``. In training mode
@@ -192,7 +194,7 @@ class ContinuousARModel(ModelMixin, ConfigMixin):
         check(labels.shape == latents.shape[:1], "labels", f"a ({latents.shape[0]},) tensor", tuple(labels.shape))
         if self.training:
             labels = self.drop_labels(labels, generator)
-        z = self(self.tokens_from_latents(labels, latents, generator)).cond  # (B, N, dim)
+        z = self(self.tokens_from_latents(labels, latents, generator, input_noise)).cond  # (B, N, dim)
         mixture = self.heads["mixture"].nll(z, latents).mean()
         B = latents.shape[0]
         k = min(diffusion_positions, N)

@@ -2,7 +2,7 @@
 head + diffusion head, MAR's joint loss) and its small draft, optionally distilled to the target.
 
 ``train_continuous_tokenizer`` fits in seconds (no gradient steps). ``train_continuous_ar`` and
-``train_continuous_draft`` train ``ContinuousARModel`` on ``ShapesDataset(style="bold")`` latents
+``train_continuous_draft`` train ``ContinuousARModel`` on ``ShapesDataset(style=AR_DATA_STYLE)`` latents
 on the shared ``train_loop``. The draft's acceptance booster (``distill > 0``; not in the papers):
 the frozen target teaches the draft on the same teacher-forced inputs, (i) the mixture head by the
 cross-entropy of target-mixture samples (a Monte-Carlo forward KL(p_target || q_draft) up to the
@@ -65,7 +65,7 @@ def recon_accuracy(classifier, images: torch.Tensor, labels: torch.Tensor) -> fl
 def train_continuous_tokenizer(out_dir: str | Path, *, dataset_size: int = 2000, seed: int = 0,
                                heldout_size: int = 256, latent_dim: int = 12, patch_size: int = 4,
                                classifier_dir: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
-    """Fit ``PatchPCATokenizer`` on ``ShapesDataset(dataset_size, seed, style="bold")`` and save it
+    """Fit ``PatchPCATokenizer`` on ``ShapesDataset(dataset_size, seed, style=AR_DATA_STYLE)`` and save it
     to ``out_dir`` (fp16 safetensors, atomically) with ``train_log.json``, whose dict is returned:
     ``recipe``, ``seed``, ``config``, ``train``, ``heldout_recon_mse`` (of the saved fp16
     tokenizer, on ``heldout_size`` held-out images), ``latent_std`` (held-out, after the global
@@ -185,11 +185,11 @@ def _train(kind: str, out: Path, model: ContinuousARModel, loss, *, tokenizer_pa
 
 def train_continuous_ar(out_dir: str | Path, *, tokenizer_dir: str | Path, steps: int, batch_size: int, lr: float,
                         seed: int = 0, dataset_size: int, model_config: dict | None = None, heldout_size: int = 64,
-                        diffusion_positions: int = 64, log_every: int = 50, warmup: int = 100,
-                        log: Callable[[str], None] = print) -> dict:
+                        diffusion_positions: int = 64, input_noise: float = 0.0, log_every: int = 50,
+                        warmup: int = 100, log: Callable[[str], None] = print) -> dict:
     """Train the continuous AR target (``ContinuousARModel``: backbone, mixture head and diffusion
     head jointly, loss = mixture NLL + diffusion loss on ``diffusion_positions`` random tokens per
-    image) with AdamW on the latents of ``ShapesDataset(dataset_size, seed, style="bold")`` under
+    image) with AdamW on the latents of ``ShapesDataset(dataset_size, seed, style=AR_DATA_STYLE)`` under
     the tokenizer in ``tokenizer_dir``; save to ``out_dir`` (fp16 safetensors, atomically) with
     ``train_log.json``, whose dict is returned (``heldout_losses``, ``s_per_step``, ...).
     ``model_config`` overrides ``DEFAULT_TARGET_CONFIG``; token_dim, grid_size, num_classes and
@@ -198,6 +198,8 @@ def train_continuous_ar(out_dir: str | Path, *, tokenizer_dir: str | Path, steps
                          heldout_size=heldout_size, log_every=log_every, log=log, warmup=warmup)
     check(isinstance(diffusion_positions, int) and diffusion_positions >= 1, "diffusion_positions", "an int >= 1",
           diffusion_positions)
+    check(isinstance(input_noise, (int, float)) and not isinstance(input_noise, bool) and input_noise >= 0,
+          "input_noise", "a number >= 0", input_noise)
     start = time.perf_counter()
     tok_path, tokenizer = _load_tokenizer(tokenizer_dir)
     config = _model_config(tokenizer, DEFAULT_TARGET_CONFIG, model_config)
@@ -208,11 +210,12 @@ def train_continuous_ar(out_dir: str | Path, *, tokenizer_dir: str | Path, steps
     torch.manual_seed(seed)
     model = ContinuousARModel(**config)
     g = torch.Generator().manual_seed(seed + 1)
-    loss = lambda m, b: m.loss(*b, generator=g, diffusion_positions=diffusion_positions)  # noqa: E731
+    loss = lambda m, b: m.loss(*b, generator=g, diffusion_positions=diffusion_positions,  # noqa: E731
+                               input_noise=input_noise if m.training else 0.0)
     return _train("continuous-ar", out, model, loss, tokenizer_path=tok_path, labels=labels, latents=latents,
                   held=held, steps=steps, batch_size=batch_size, lr=lr, seed=seed, dataset_size=dataset_size,
                   heldout_size=heldout_size, held_seed=held_seed, warmup=warmup, log_every=log_every, log=log,
-                  start=start, extra={"diffusion_positions": diffusion_positions})
+                  start=start, extra={"diffusion_positions": diffusion_positions, "input_noise": input_noise})
 
 
 def distill_loss(draft: ContinuousARModel, target: ContinuousARModel, labels: torch.Tensor, latents: torch.Tensor,
@@ -299,7 +302,8 @@ def train_continuous_draft(out_dir: str | Path, *, tokenizer_dir: str | Path, st
         loss = lambda m, b: distill_loss(m, target, *b, generator=g, distill=distill,  # noqa: E731
                                          diffusion_positions=diffusion_positions)
     else:
-        loss = lambda m, b: m.loss(*b, generator=g, diffusion_positions=diffusion_positions)  # noqa: E731
+        loss = lambda m, b: m.loss(*b, generator=g, diffusion_positions=diffusion_positions,  # noqa: E731
+                               input_noise=input_noise if m.training else 0.0)
     extra = {"diffusion_positions": diffusion_positions, "distill": distill,
              "target_dir": None if target_dir is None else str(Path(target_dir).resolve())}
     record = _train("continuous-draft", out, model, loss, tokenizer_path=tok_path, labels=labels, latents=latents,
