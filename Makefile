@@ -41,16 +41,19 @@ bench-kernels: $(STAMP)
 bench-video: $(STAMP)
 	$(BIN)/mmspec bench video --json bench-video.json
 
-# rebuild every bundled checkpoint from its seed (about 90 min on 2 cores); model_index.json files and
+# rebuild every bundled checkpoint from its seed (about 3 h on 2 cores); model_index.json files and
 # assets/vlm/processor (a copy of the target recipe's processor files) are static
 AR := assets/ar-image
 VLM := assets/vlm
+CONT := assets/continuous
 assets: $(STAMP)
 	$(BIN)/mmspec train vq --out $(AR)/vqvae
 	$(BIN)/mmspec train ar-image --vq $(AR)/vqvae --out $(AR)/transformer
 	$(BIN)/mmspec train ar-draft --kind chain --vq $(AR)/vqvae --out $(AR)/draft_model
 	$(BIN)/mmspec train ar-draft --kind eagle --target $(AR)/transformer --vq $(AR)/vqvae --out $(AR)/eagle_head
 	$(BIN)/mmspec train classifier --out assets/classifier
+	$(BIN)/mmspec train video-ae --out assets/video/vae
+	$(BIN)/mmspec train video --ae assets/video/vae --out assets/video/transformer
 	$(BIN)/mmspec train video-judge --out assets/video_judge --threads 1
 	$(BIN)/mmspec train vlm --size target --out $(VLM)/target
 	cp $(VLM)/target/processor_config.json $(VLM)/target/tokenizer.json $(VLM)/target/tokenizer_config.json $(VLM)/processor/
@@ -58,6 +61,10 @@ assets: $(STAMP)
 	$(BIN)/mmspec train vlm-draft --method eagle --target $(VLM)/target --out $(VLM)/eagle_head
 	$(BIN)/mmspec train vlm-draft --method specvlm --target $(VLM)/target --out $(VLM)/specvlm_head
 	$(BIN)/mmspec train vlm-draft --method vispec --target $(VLM)/target --out $(VLM)/vispec_head
+	$(BIN)/mmspec train continuous-tokenizer --out $(CONT)/tokenizer --classifier assets/classifier
+	$(BIN)/mmspec train continuous-ar --tokenizer $(CONT)/tokenizer --out $(CONT)/transformer --threads 1
+	$(BIN)/mmspec train continuous-draft --tokenizer $(CONT)/tokenizer --target $(CONT)/transformer --out $(CONT)/draft_model --threads 1
+	$(BIN)/mmspec train continuous-draft --tokenizer $(CONT)/tokenizer --target $(CONT)/transformer --distill 0.5 --out $(CONT)/draft_distilled --threads 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info

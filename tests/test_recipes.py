@@ -70,8 +70,8 @@ def test_ar_recipe_trains_on_the_vq_ids(tmp_path, vq_dir):
     assert 0 < record["heldout_loss"] < 2 * torch.log(torch.tensor(float(model.vocab_size))).item()
 
 
-def test_ar_data_is_bold_scenes_tokenized_in_chunks(vq_dir):
-    """``token_data`` draws the AR target's "bold" scenes and tokenizes them chunk by chunk; the ids
+def test_ar_data_is_upright_scenes_tokenized_in_chunks(vq_dir):
+    """``token_data`` draws the AR target's "upright" scenes and tokenizes them chunk by chunk; the ids
     are those of the whole set encoded at once, and the record says which style was used."""
     from mmspec.training.data import ShapesDataset
     from mmspec.training.recipes.ar_image import AR_DATA_STYLE, token_data, tokenize
@@ -79,8 +79,8 @@ def test_ar_data_is_bold_scenes_tokenized_in_chunks(vq_dir):
 
     vq = load_checkpoint(TinyVQModel, vq_dir)
     labels, ids, held_labels, held_ids, _ = token_data(vq, 7, 3, seed=5, chunk=2)
-    images, want_labels = stack(ShapesDataset(7, 5, 64, style="bold"))
-    assert AR_DATA_STYLE == "bold" and torch.equal(labels, want_labels) and torch.equal(ids, tokenize(vq, images))
+    images, want_labels = stack(ShapesDataset(7, 5, 64, style="upright"))
+    assert AR_DATA_STYLE == "upright" and torch.equal(labels, want_labels) and torch.equal(ids, tokenize(vq, images))
     assert ids.shape == (7, 256) and held_ids.shape == (3, 256) and held_labels.tolist() == [0, 1, 2]
     scene, _ = stack(ShapesDataset(7, 5, 64))
     assert not torch.equal(ids, tokenize(vq, scene))

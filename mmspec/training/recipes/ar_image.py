@@ -20,9 +20,10 @@ from .common import (batch_indices, check_checkpoint_dir, check_run_args, heldou
 
 # small enough for a CPU; mlp_hidden ~ 8/3 dim as in LlamaGen
 DEFAULT_MODEL_CONFIG = dict(dim=128, n_layers=4, n_heads=4, mlp_hidden=344, class_dropout_prob=0.1)
-# the scenes the AR image models learn: large main objects, so the shape carries a real share of
-# the loss (on the VLM's "scene" style the first target learned colour but not shape; issue 10)
-AR_DATA_STYLE = "bold"
+# the scenes the AR image models learn: large upright main objects on smooth backgrounds (on the
+# VLM's "scene" style the first target learned colour but not shape, and on "bold" the second drew
+# blobs; issue 10). The continuous-token recipes and both image benches use the same style.
+AR_DATA_STYLE = "upright"
 # fixed by the tokenizer and the dataset, not by model_config
 _DERIVED = ("vocab_size", "grid_size", "num_classes")
 
@@ -67,7 +68,7 @@ def heldout_loss(model: LlamaGenModel, labels: torch.Tensor, ids: torch.Tensor, 
 def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch_size: int, lr: float,
                    seed: int = 0, dataset_size: int, model_config: dict | None = None, heldout_size: int = 64,
                    log_every: int = 50, warmup: int = 100, log: Callable[[str], None] = print) -> dict:
-    """Train a ``LlamaGenModel`` with AdamW on ``ShapesDataset(dataset_size, seed, style="bold")`` tokenized once
+    """Train a ``LlamaGenModel`` with AdamW on ``ShapesDataset(dataset_size, seed, style=AR_DATA_STYLE)`` tokenized once
     by the VQ in ``vq_dir``, and save it to ``out_dir`` (safetensors, written atomically) with
     ``train_log.json``, whose dict is returned: ``recipe``, ``seed``, ``steps``, ``config`` (the
     model's), ``train`` (the arguments), ``vq_dir``, ``final_loss``, ``heldout_loss``, ``heldout``
