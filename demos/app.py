@@ -145,20 +145,28 @@ def ar_generate(prompt, method, seed, guidance_scale, *knob_values):
     return base.image, ours.image, grid, base_md, ours_md, ""
 
 
+def _class_prompt_inputs(kind: str, prefix: str, default: str):
+    """The input column of a class-prompt tab (AR image, continuous tokens): prompt, method of the
+    registry's ``kind`` modality (``default`` first), seed, CFG scale, the method's knobs and the
+    run button, with element ids ``{prefix}-prompt`` etc."""
+    names = methods.names(kind)
+    prompt = gr.Dropdown(list(serve.ar_prompts()), value=serve.ar_prompts()[0], label="class prompt",
+                         elem_id=f"{prefix}-prompt")
+    first = default if default in names else names[0]
+    method = gr.Dropdown(list(names), value=first, label="method", elem_id=f"{prefix}-method")
+    with gr.Row():
+        seed = gr.Number(value=0, precision=0, label="seed", elem_id=f"{prefix}-seed")
+        cfg = gr.Number(value=2.0, label="CFG scale", elem_id=f"{prefix}-cfg")
+    with gr.Accordion("method knobs (the papers' defaults)", open=True):
+        knobs = _knob_inputs(kind, prefix, first)
+    run = gr.Button("Generate", variant="primary", elem_id=f"{prefix}-run")
+    return prompt, method, seed, cfg, knobs, run
+
+
 def ar_tab():
-    names = methods.names("ar-image")
     with gr.Row():
         with gr.Column(scale=1):
-            prompt = gr.Dropdown(list(serve.ar_prompts()), value=serve.ar_prompts()[0], label="class prompt",
-                                 elem_id="ar-prompt")
-            first = "gsd" if "gsd" in names else names[0]
-            method = gr.Dropdown(list(names), value=first, label="method", elem_id="ar-method")
-            with gr.Row():
-                seed = gr.Number(value=0, precision=0, label="seed", elem_id="ar-seed")
-                cfg = gr.Number(value=2.0, label="CFG scale", elem_id="ar-cfg")
-            with gr.Accordion("method knobs (the papers' defaults)", open=True):
-                knobs = _knob_inputs("ar-image", "ar", first)
-            run = gr.Button("Generate", variant="primary", elem_id="ar-run")
+            prompt, method, seed, cfg, knobs, run = _class_prompt_inputs("ar-image", "ar", "gsd")
         with gr.Column(scale=2):
             error = gr.Markdown("", elem_id="ar-error")
             with gr.Row():
@@ -210,19 +218,9 @@ def continuous_generate(prompt, method, seed, guidance_scale, *knob_values):
 
 
 def continuous_tab():
-    names = methods.names("continuous")
     with gr.Row():
         with gr.Column(scale=1):
-            prompt = gr.Dropdown(list(serve.ar_prompts()), value=serve.ar_prompts()[0], label="class prompt",
-                                 elem_id="cont-prompt")
-            first = "sd" if "sd" in names else names[0]
-            method = gr.Dropdown(list(names), value=first, label="method", elem_id="cont-method")
-            with gr.Row():
-                seed = gr.Number(value=0, precision=0, label="seed", elem_id="cont-seed")
-                cfg = gr.Number(value=2.0, label="CFG scale", elem_id="cont-cfg")
-            with gr.Accordion("method knobs (the papers' defaults)", open=True):
-                knobs = _knob_inputs("continuous", "cont", first)
-            run = gr.Button("Generate", variant="primary", elem_id="cont-run")
+            prompt, method, seed, cfg, knobs, run = _class_prompt_inputs("continuous", "cont", "sd")
         with gr.Column(scale=2):
             error = gr.Markdown("", elem_id="cont-error")
             with gr.Row():
