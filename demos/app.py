@@ -115,19 +115,30 @@ def _int(value, name: str) -> int:
 AR_EMPTY = (None, None, None, "", "", "")
 
 
+def _side_by_side(kind: str, run, prompt, method, seed, guidance_scale, knob_values):
+    """Baseline ``none`` and ``method`` on one seed through ``run`` (``serve.run_ar`` or
+    ``serve.run_continuous``) -> (baseline result, method result, lossless/lossy note with the
+    classifier's probability of the requested class for both). Raises on bad input."""
+    names = list(serve.knob_specs(kind))
+    seed = serve.check_seed(_int(seed, "seed"))
+    knobs = _collect_knobs(kind, method, names, knob_values)
+    recipe = serve.resolve(kind, method, knobs)
+    cfg = float(guidance_scale if guidance_scale is not None else 1.0)
+    with serve.GAUGE:
+        base = run(MODELS, [prompt], [seed], "none", {}, guidance_scale=cfg)[0]
+        ours = base if method == "none" else run(MODELS, [prompt], [seed], method, knobs, guidance_scale=cfg)[0]
+        quality = serve.class_confidence(MODELS, [base.image, ours.image], [prompt, prompt])
+    lossless = "lossless" if recipe.lossless else "**lossy**"
+    note = (f"{method}: {lossless}. Quality: classifier p(requested class) = {quality[1]:.3f} "
+            f"(baseline {quality[0]:.3f})")
+    return base, ours, note
+
+
 def ar_generate(prompt, method, seed, guidance_scale, *knob_values):
     """Baseline and ``method`` on the same seed -> (baseline image, method image, per-token picture,
     baseline stats, method stats + lossless/lossy note, error)."""
-    names = list(serve.knob_specs("ar-image"))
     try:
-        seed = serve.check_seed(_int(seed, "seed"))
-        knobs = _collect_knobs("ar-image", method, names, knob_values)
-        recipe = serve.resolve("ar-image", method, knobs)
-        cfg = float(guidance_scale if guidance_scale is not None else 1.0)
-        with serve.GAUGE:
-            base = serve.run_ar(MODELS, [prompt], [seed], "none", {}, guidance_scale=cfg)[0]
-            ours = base if method == "none" else serve.run_ar(MODELS, [prompt], [seed], method, knobs, guidance_scale=cfg)[0]
-            quality = serve.class_confidence(MODELS, [base.image, ours.image], [prompt, prompt])
+        base, ours, note = _side_by_side("ar-image", serve.run_ar, prompt, method, seed, guidance_scale, knob_values)
     except Exception as err:  # shown in the page, never as a dead page
         return (*AR_EMPTY[:5], _error(err))
     if ours.commit_pass is not None:
@@ -137,9 +148,6 @@ def ar_generate(prompt, method, seed, guidance_scale, *knob_values):
                      "(white: the prefill's token)")
     else:
         grid, grid_note = None, "the per-token picture is not available for ZipAR's next-set schedule yet"
-    kind = "lossless" if recipe.lossless else "**lossy**"
-    note = (f"{method}: {kind}. Quality: classifier p(requested class) = {quality[1]:.3f} "
-            f"(baseline {quality[0]:.3f})")
     base_md = f"**baseline (none)** - {serve.stats_line(base.stats)}"
     ours_md = f"**{method}** - {serve.stats_line(ours.stats, base.stats)}\n\n{note}\n\n{grid_note}"
     return base.image, ours.image, grid, base_md, ours_md, ""
@@ -193,22 +201,11 @@ CONTINUOUS_EMPTY = (None, None, "", "", "")
 def continuous_generate(prompt, method, seed, guidance_scale, *knob_values):
     """Baseline ``none`` and ``method`` on the same seed through the continuous-token pipeline ->
     (baseline image, method image, baseline stats, method stats + lossless/lossy note, error)."""
-    names = list(serve.knob_specs("continuous"))
     try:
-        seed = serve.check_seed(_int(seed, "seed"))
-        knobs = _collect_knobs("continuous", method, names, knob_values)
-        recipe = serve.resolve("continuous", method, knobs)
-        cfg = float(guidance_scale if guidance_scale is not None else 1.0)
-        with serve.GAUGE:
-            base = serve.run_continuous(MODELS, [prompt], [seed], "none", {}, guidance_scale=cfg)[0]
-            ours = base if method == "none" else serve.run_continuous(MODELS, [prompt], [seed], method, knobs,
-                                                                      guidance_scale=cfg)[0]
-            quality = serve.class_confidence(MODELS, [base.image, ours.image], [prompt, prompt])
+        base, ours, note = _side_by_side("continuous", serve.run_continuous, prompt, method, seed, guidance_scale,
+                                         knob_values)
     except Exception as err:  # shown in the page, never as a dead page
         return (*CONTINUOUS_EMPTY[:4], _error(err))
-    kind = "lossless" if recipe.lossless else "**lossy**"
-    note = (f"{method}: {kind}. Quality: classifier p(requested class) = {quality[1]:.3f} "
-            f"(baseline {quality[0]:.3f})")
     if ours.extra["head"] != base.extra["head"]:  # the wall-clock ratio then also compares two heads
         note += (f"\n\n{method} decodes with the {ours.extra['head']} head, the baseline with the "
                  f"{base.extra['head']} head (none-diffusion is the {ours.extra['head']} head's own baseline)")

@@ -63,9 +63,9 @@ def test_the_bench_own_children_are_not_competition():
 def test_quiet_is_decided_by_the_busiest_sample():
     mon = machine.LoadMonitor()
     assert mon.quiet is None and mon.record() == {"available": False}
-    mon.samples = [machine._Sample(0.0, [0.5, 0.5, 0.5], 0.0), machine._Sample(1.0, [1.0, 1.0, 1.0], 0.1)]
+    mon.samples = [machine._Sample([0.5, 0.5, 0.5], 0.0), machine._Sample([1.0, 1.0, 1.0], 0.1)]
     assert mon.quiet is True and "machine: quiet" in mon.footer()[-1]
-    mon.samples.append(machine._Sample(2.0, [2.0, 1.0, 1.0], machine.BUSY_CORES))
+    mon.samples.append(machine._Sample([2.0, 1.0, 1.0], machine.BUSY_CORES))
     assert mon.quiet is False and mon.footer()[-1].startswith("WARNING")
 
 

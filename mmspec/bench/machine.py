@@ -66,7 +66,6 @@ def _loadavg() -> list[float]:
 
 @dataclass
 class _Sample:
-    t: float
     loadavg: list[float]
     competing_cores: float
     top: list[dict] = field(default_factory=list)
@@ -96,7 +95,7 @@ class LoadMonitor:
             if cores > 0.01:
                 used.append((cores, pid, comm))
         used.sort(reverse=True)
-        self.samples.append(_Sample(now, _loadavg(), sum(c for c, _, _ in used),
+        self.samples.append(_Sample(_loadavg(), sum(c for c, _, _ in used),
                                     [{"pid": pid, "cores": round(c, 2), "command": _cmdline(pid, comm)}
                                      for c, pid, comm in used[:5]]))
         self._prev = (now, ticks)

@@ -166,7 +166,7 @@ def render(label: int, generator: torch.Generator, resolution: int = 64,
     colour_id, shape = divmod(label, len(SHAPES))
     r = 0.45 + 0.17 * rnd() if bold else 0.28 + 0.3 * rnd()
     cx, cy = (2 * rnd() - 1) * (0.95 - r), (2 * rnd() - 1) * (0.95 - r)
-    angle = 2 * math.pi * rnd()
+    angle = 2 * math.pi * rnd()  # drawn for "upright" too: later draws, and so the bundled data, stay as trained
     if upright:
         angle = 0.0
     mask = _coverage(_sdf(shape, x - cx, y - cy, r, angle), resolution)  # (H, W)
