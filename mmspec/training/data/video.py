@@ -15,8 +15,11 @@ that bounce off the walls and pass in front of or behind it (occlusion). Its pro
 fields are independent factors, so a switch of one field (the colour, or the direction) changes
 one id, and each field has its own null id for classifier-free guidance.
 
+Two styles (``STYLES``): "scene", everything below, and "simple", what the video recipes train
+on (smooth backgrounds, at most one distractor, upright shapes, faster motion).
+
 Motion: the main object moves along its direction at a constant speed (0.6 to 1.6 pixels per
-frame at 32 px), drifts slowly across it (at most a third of that speed), turns slowly, and wraps
+frame at 32 px; 1.1 to 1.9 in "simple"), drifts slowly across it (at most a third of that speed), turns slowly, and wraps
 around the frame, which is a torus (it leaves on the right and comes back on the left: a
 direction can last for an unbounded stream, and a switch never makes it jump); the distractors
 bounce off the walls. A clip may follow a *prompt schedule*, ``[(0, p0), (k, p1), ...]``: from
@@ -51,6 +54,12 @@ PROMPT_FIELDS = ("colour", "shape", "direction")
 PROMPT_VOCAB = {"colour": COLOURS, "shape": SHAPES, "direction": DIRECTIONS}
 NUM_PROMPTS = len(COLOURS) * len(SHAPES) * len(DIRECTIONS)
 BACKGROUNDS = ("stripes", "checker", "noise", "gradient")
+# "scene": every background, 0-2 distractors, spinning shapes, 0.64-1.6 px per frame at 32 px;
+# "simple": smooth backgrounds only (noise, gradient), one distractor in a quarter of the clips (so
+# occlusion stays), upright shapes that do not spin, and faster motion (1.1-1.9 px per frame), so a
+# tiny model trained in minutes learns the object and its motion rather than the textures
+STYLES = ("scene", "simple")
+SIMPLE_BACKGROUNDS = ("noise", "gradient")
 SWITCH_KINDS = ("colour", "direction")
 
 # a pixel belongs to palette colour k when its RGB (in [0, 1]) is within this distance of it: the
@@ -182,33 +191,40 @@ def _wrap(v: float) -> float:
 
 
 def render_clip(schedule: Sequence[tuple[int, VideoPrompt]], num_frames: int, generator: torch.Generator,
-                resolution: int = 32) -> tuple[torch.Tensor, ClipTruth]:
-    """Draw a clip that follows a prompt schedule ``[(0, prompt), (start, prompt), ...]``.
+                resolution: int = 32, style: str = "scene") -> tuple[torch.Tensor, ClipTruth]:
+    """Draw a clip that follows a prompt schedule ``[(0, prompt), (start, prompt), ...]`` in a
+    ``style`` of ``STYLES`` (see there).
 
     Returns frames (F, 3, H, W) in [-1, 1] and their ``ClipTruth``. Uses only ``generator``."""
     check(isinstance(num_frames, int) and num_frames >= 1, "num_frames", "an int >= 1", num_frames)
     check(isinstance(resolution, int) and resolution >= 16, "resolution", "an int >= 16", resolution)
+    check(style in STYLES, "style", f"one of {', '.join(STYLES)}", style)
     schedule = check_schedule(schedule, num_frames)
+    simple = style == "simple"
     rnd = iter(torch.rand(64, generator=generator).tolist()).__next__
     x, y = _grid(resolution)
 
     # 1. static background: two tinted greys blended by a texture
     c1, c2 = _tint(rnd, 0.15), _tint(rnd, 0.15)
-    w = _background(BACKGROUNDS[int(len(BACKGROUNDS) * rnd())], x, y, rnd, generator, resolution)
+    kinds = SIMPLE_BACKGROUNDS if simple else BACKGROUNDS
+    w = _background(kinds[int(len(kinds) * rnd())], x, y, rnd, generator, resolution)
     background = c1[:, None, None] + (c2 - c1)[:, None, None] * w  # (3, H, W)
 
     # 2. the main object's fixed look and initial motion
     r = 0.3 + 0.14 * rnd()
     pos = [2 * rnd() - 1, 2 * rnd() - 1]
-    speed = 0.04 + 0.06 * rnd()  # 0.64 .. 1.6 px per frame at 32 px
+    speed = (0.07 + 0.05 * rnd()) if simple else (0.04 + 0.06 * rnd())  # px per frame at 32 px: x 16
     drift = 0.013 * (2 * rnd() - 1)  # across the direction of motion
     angle, spin = 2 * math.pi * rnd(), 0.04 * (2 * rnd() - 1)
+    if simple:
+        angle, spin = 0.0, 0.0
     jitter = 0.08 * (torch.tensor([rnd(), rnd(), rnd()]) - 0.5)
     gx, gy = 0.12 * (2 * rnd() - 1), 0.12 * (2 * rnd() - 1)  # shading: +-15% across the object
 
     # 3. distractors: 0-2 small tinted shapes bouncing around, each in front or behind
     distractors = []
-    for _ in range(int(3 * rnd())):
+    u = rnd()
+    for _ in range(int(u < 0.25) if simple else int(3 * u)):
         d_r = 0.14 + 0.1 * rnd()
         distractors.append(dict(shape=int(len(SHAPES) * rnd()), r=d_r, colour=_tint(rnd, 0.2),
                                 pos=[(2 * rnd() - 1) * (1 - d_r), (2 * rnd() - 1) * (1 - d_r)],
@@ -287,11 +303,11 @@ class VideoClipDataset(torch.utils.data.Dataset):
     An item is a dict: ``frames`` (F, 3, H, W) in [-1, 1], ``prompt_ids`` (F, 3) per frame,
     ``switch_frame`` (the switch's frame, or -1), ``schedule`` (list of (frame, VideoPrompt)),
     ``truth`` (``ClipTruth``). Each item is drawn from its own generator seeded from
-    ``(seed, i)``: the same at any access order.
+    ``(seed, i)``: the same at any access order. ``style`` as in ``render_clip``.
     """
 
     def __init__(self, size: int, seed: int, num_frames: int = 24, resolution: int = 32,
-                 switch_prob: float = 0.0, switch_multiple: int = 1):
+                 switch_prob: float = 0.0, switch_multiple: int = 1, style: str = "scene"):
         check(isinstance(size, int) and size >= 1, "size", "an int >= 1", size)
         check(isinstance(seed, int) and seed >= 0, "seed", "an int >= 0", seed)
         check(isinstance(num_frames, int) and num_frames >= 1, "num_frames", "an int >= 1", num_frames)
@@ -302,7 +318,9 @@ class VideoClipDataset(torch.utils.data.Dataset):
               switch_multiple)
         check(switch_prob == 0 or num_frames >= 2 * switch_multiple, "num_frames",
               f"at least 2 * switch_multiple ({2 * switch_multiple}) when clips switch", num_frames)
+        check(style in STYLES, "style", f"one of {', '.join(STYLES)}", style)
         self.size, self.seed, self.num_frames, self.resolution = size, seed, num_frames, resolution
+        self.style = style
         self.switch_prob, self.switch_multiple = float(switch_prob), switch_multiple
 
     def __len__(self) -> int:
@@ -324,7 +342,7 @@ class VideoClipDataset(torch.utils.data.Dataset):
             raise IndexError(f"index {i} out of range for a dataset of size {self.size}")
         generator = torch.Generator().manual_seed(item_seed(self.seed, i))
         schedule = self.schedule(i, generator)
-        frames, truth = render_clip(schedule, self.num_frames, generator, self.resolution)
+        frames, truth = render_clip(schedule, self.num_frames, generator, self.resolution, self.style)
         return dict(frames=frames, prompt_ids=truth.prompt_ids, switch_frame=truth.switch_frames[0]
                     if truth.switch_frames else -1, schedule=schedule, truth=truth)
 
