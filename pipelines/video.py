@@ -63,7 +63,7 @@ from ..core.errors import check, check_choice
 from . import checks
 # diffusers loads components only from modules already imported: name them here
 from ..models import video_ae as _video_ae  # noqa: F401
-from ..models.video_dit import (ChunkPlan, VideoDiTModel, denoise_chunk, flow_timesteps, recache,
+from ..models.video_dit import (VideoDiTModel, denoise_chunk, flow_timesteps, recache,
                                 sample_chunk)
 
 CACHE_MODES = ("rolling", "window-recompute", "full-cache", "no-sink")
@@ -196,7 +196,6 @@ class _RecomputeContext:
         self.latents = torch.zeros(rows, 0, cfg.latent_channels, cfg.latent_size, cfg.latent_size,
                                    dtype=p.dtype, device=p.device)  # (rows, n, C, h, w)
         self.prompts = torch.zeros(rows, 0, 3, dtype=torch.long, device=p.device)  # (rows, n, 3)
-        self._plans: dict[int, ChunkPlan] = {}
 
     def frames(self) -> int:
         return self.latents.shape[1]
@@ -204,22 +203,15 @@ class _RecomputeContext:
     def nbytes(self) -> int:
         return self.latents.nbytes + self.prompts.nbytes
 
-    def _plan(self, num_frames: int) -> ChunkPlan:
-        if num_frames not in self._plans:  # the default plan of the model's forward, built once
-            cfg = self.model.config
-            self._plans[num_frames] = ChunkPlan.rolling(num_frames, cfg.chunk_frames, self.model.tokens_per_frame)
-        return self._plans[num_frames]
-
     def sample(self, noise, prompt, null, timesteps, guidance_scale, on_step):
         guided = guidance_scale != 1.0
         rows = torch.cat([prompt, null]) if guided else prompt  # (rows, 3)
         R, n, C = rows.shape[0], self.frames(), noise.shape[1]
         prompts = torch.cat([self.prompts, rows[:, None].expand(R, C, 3)], 1)
-        plan = self._plan(n + C)
 
-        def velocity(x, t):
+        def velocity(x, t):  # the model's plan-less forward: chunk-causal over the frames, positions 0 ..
             times = torch.cat([torch.zeros(R, n), torch.full((R, C), t)], 1).to(x.device)
-            return self.model(torch.cat([self.latents, x], 1), times, prompts, plan=plan)[:, n:]
+            return self.model(torch.cat([self.latents, x], 1), times, prompts)[:, n:]
 
         x = denoise_chunk(velocity, noise, timesteps, guidance_scale, on_step)
         keep = lambda z: z if z.shape[1] <= self.sink + self.window else torch.cat(  # noqa: E731

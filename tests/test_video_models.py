@@ -115,6 +115,18 @@ def test_default_forward_is_chunk_causal():
     assert torch.equal(out[:, :2], base[:, :2]) and (out[:, 2] - base[:, 2]).abs().max() > 1e-3
 
 
+def test_default_forward_equals_the_rolling_plan_without_a_window():
+    """The plan-less forward (dense: one attention call under a (T, T) chunk-causal mask, every
+    token rotated once; what the window-recompute baseline runs) equals the gathered
+    ``ChunkPlan.rolling(F)`` forward within 1e-5, over 12 frames with per-frame times and prompts."""
+    model = tiny_dit()
+    x0, x_t, t = clip(B=2, N=12)
+    prompt = torch.tensor([[0, 1, 2], [3, 0, 1]])
+    dense = model(x_t, t, prompt)
+    gathered = model(x_t, t, prompt, plan=ChunkPlan.rolling(12, 2, model.tokens_per_frame))
+    assert (dense - gathered).abs().max() < 1e-5
+
+
 def test_a_long_stream_keeps_positions_and_memory_bounded():
     """200 chunks (400 frames) through ``sample_chunk`` with guidance: the cache never grows
     past sink + window + one chunk, key positions stay below that many frames, outputs finite."""

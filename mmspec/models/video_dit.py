@@ -396,9 +396,18 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
                   Fr)
             tokens = (positions[..., None] * P + torch.arange(P, device=latents.device)).flatten(1)  # (B, T)
             attend = cache.step(tokens, chunk_block_mask(Fr, cfg.chunk_frames, P, B, latents.device)).attend
+        elif plan is None:
+            # full chunk-causal attention at positions 0 .. F - 1: what ChunkPlan.rolling(F) gives,
+            # computed densely (every token rotated once, one attention call under a (T, T) mask)
+            # rather than by gathering each chunk's keys (which rotates a chunk's keys once per later
+            # chunk); the window-recompute baseline runs this path on every denoising step
+            tab = self.rope.tables(torch.arange(Fr * P, device=latents.device)[None])  # (1, 1, T, D/2)
+            dense_mask = chunk_block_mask(Fr, cfg.chunk_frames, P, 1, latents.device)[0]  # (T, T) bool
+
+            def attend(layer, q, k, v):
+                return F.scaled_dot_product_attention(self.rope.apply(q, tab), self.rope.apply(k, tab), v,
+                                                      attn_mask=dense_mask)
         else:
-            if plan is None:
-                plan = ChunkPlan.rolling(Fr, cfg.chunk_frames, P)
             check(plan.num_tokens == Fr * P, "plan", f"a plan over {Fr} frames", plan.num_tokens // P)
             plan_on = ChunkPlan(*(getattr(plan, f).to(latents.device) for f in
                                   ("q_idx", "q_pos", "k_idx", "k_pos", "k_valid")), plan.num_tokens)
