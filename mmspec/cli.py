@@ -582,10 +582,11 @@ TRAIN_DEFAULTS = {
     # two threads, batch 32: ~0.95 s per target step (~26 min), ~0.1 s per draft-VLM step
     "vlm": dict(steps=1600, batch_size=32, lr=1e-3, dataset_size=16000),
     "vlm-draft": dict(steps=1000, batch_size=16, lr=1e-3, dataset_size=8000),
-    # one thread: ~0.25 s per autoencoder step at batch 16 (dataset_size in frames), ~1 s per
-    # video step at batch 8 (dataset_size in clips of 18 frames)
+    # one thread: ~0.12 s per autoencoder step at batch 16 (dataset_size in frames), ~0.8 s per
+    # video step at batch 8 (dataset_size in clips of 18 frames): 172 s and 2,513 s for the bundled
+    # runs, each at one thread beside another training
     "video-ae": dict(steps=1500, batch_size=16, lr=2e-3, dataset_size=4096),
-    "video": dict(steps=1500, batch_size=8, lr=1e-3, dataset_size=2048),
+    "video": dict(steps=3000, batch_size=8, lr=1e-3, dataset_size=2048),
     # one thread, batch 64: ~0.12 s per step, about 2.5 minutes with rendering (dataset_size in frames)
     "video-judge": dict(steps=1000, batch_size=64, lr=3e-3, dataset_size=16384),
     # closed form (no steps): an SVD of 2,000 images' 4x4 patches, seconds

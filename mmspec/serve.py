@@ -629,7 +629,7 @@ def video_stats(pieces: list[VideoPiece], settings: dict) -> dict:
 
 def video_stats_line(stats: dict) -> str:
     """``96 frames, 32 chunks | 31.2 fps | chunk latency median 96 ms (p95 120 ms) | cache 12 frames,
-    97 KiB | NFE 160 | re-cache at frames [48] | rolling: sink 3, window 9, 4 steps, CFG 3.0``."""
+    97 KiB | NFE 288 | re-cache at frames [48] | rolling: sink 3, window 9, 8 steps, CFG 3.5``."""
     s = stats
     mode = s["cache_mode"] + (f": sink {s['sink_frames']}, window {s['window_frames']}"
                               if s["cache_mode"] != "full-cache" else ": every frame kept")

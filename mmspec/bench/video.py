@@ -584,13 +584,14 @@ def _ceiling(pipe, judge, cfg: VideoBenchConfig) -> dict:
     autoencoder reconstructions of them: what a perfect generator reaches, before and after the
     decoder."""
     from ..training.data.video import VideoPrompt, render_clip
+    from ..training.recipes.video import VIDEO_DATA_STYLE
 
     out = {}
     real, recon, wants = [], [], []
     for i, text in enumerate(cfg.prompts):
         p = VideoPrompt.parse(text)
         frames, _ = render_clip([(0, p)], cfg.reference_frames, torch.Generator().manual_seed(cfg.seed + i),
-                                pipe.vae.config.sample_size)
+                                pipe.vae.config.sample_size, VIDEO_DATA_STYLE)
         real.append((frames + 1) / 2)
         recon.append((pipe.vae(frames).clamp(-1, 1) + 1) / 2)
         wants.append(torch.tensor(p.ids).expand(cfg.reference_frames, 3))
@@ -781,11 +782,12 @@ def _real_jump(old: list[str], new: list[str], cfg: VideoBenchConfig, C: int) ->
     """``switch_jump_ratio`` of real rendered clips with the same switch (mean over prompts): the
     jump a switch makes in the data itself (a colour switch repaints the object in one frame)."""
     from ..training.data.video import VideoPrompt, render_clip
+    from ..training.recipes.video import VIDEO_DATA_STYLE
 
     ratios = []
     for i, (o, n) in enumerate(zip(old, new)):
         frames, _ = render_clip([(0, VideoPrompt.parse(o)), (cfg.switch_at, VideoPrompt.parse(n))], cfg.switch_frames,
-                                torch.Generator().manual_seed(cfg.seed + i))
+                                torch.Generator().manual_seed(cfg.seed + i), style=VIDEO_DATA_STYLE)
         j = switch_jump(pixel_changes((frames + 1) / 2), cfg.switch_at, span=2 * C)["jump_ratio"]
         if j is not None:
             ratios.append(j)

@@ -39,7 +39,7 @@ class FullCacheConfig:
     """A cache that keeps every frame (no eviction), up to the transformer's RoPE range.
 
     Args:
-        num_inference_steps: Euler steps per chunk (None: the model's, 4 for the bundled one).
+        num_inference_steps: Euler steps per chunk (None: the model's, 8 for the bundled one).
         guidance_scale: classifier-free guidance, 1 disables it (None: the model's, 3.0).
         recache_sink: at a prompt switch, re-encode the sink frames under the new prompt too
             (LongLive's re-cache; True, as trained) or keep their old K/V (False).
@@ -59,7 +59,7 @@ class NoSinkConfig:
 
     Args:
         window_frames: recent frames kept, a multiple of the model's chunk (None: as trained, 9).
-        num_inference_steps: Euler steps per chunk (None: the model's, 4 for the bundled one).
+        num_inference_steps: Euler steps per chunk (None: the model's, 8 for the bundled one).
         guidance_scale: classifier-free guidance, 1 disables it (None: the model's, 3.0).
         recache_sink: at a prompt switch, re-encode the kept frames under the new prompt (True)
             or keep their old K/V (False).
@@ -82,7 +82,7 @@ class SinkWindowConfig:
         sink_frames: first frames kept for the whole stream, a multiple of the model's chunk
             (None: as trained, 3).
         window_frames: recent frames kept, a multiple of the model's chunk (None: as trained, 9).
-        num_inference_steps: Euler steps per chunk (None: the model's, 4 for the bundled one).
+        num_inference_steps: Euler steps per chunk (None: the model's, 8 for the bundled one).
         guidance_scale: classifier-free guidance, 1 disables it (None: the model's, 3.0).
         recache_sink: at a prompt switch, re-encode the sink frames under the new prompt too
             (LongLive's re-cache; True, as trained) or keep their old K/V (False).
