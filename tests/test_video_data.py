@@ -124,13 +124,14 @@ def _style_figures(style: str) -> dict:
     from mmspec.training.data.video import DIRECTION_VECTORS, palette_mask
 
     ds = VideoClipDataset(64, seed=3, num_frames=12, style=style)
-    steps, fills, background, occluded = [], [], [], 0
+    steps, fills, background, occluded, distractors = [], [], [], 0, []
     for i in range(64):
         item = ds[i]
         truth, frames = item["truth"], item["frames"]
         step = torch.remainder(truth.centroid[1:] - truth.centroid[:-1] + 1, 2) - 1
         steps.append((step * DIRECTION_VECTORS[truth.direction[1:]]).sum(-1))
         occluded += int((truth.visible < 0.99).any())
+        distractors.append(truth.distractors)
         masks = palette_mask(frames)[torch.arange(12), truth.colour]  # (F, H, W)
         for mask in masks if SHAPES[int(truth.shape[0])] == "square" else []:
             if mask[0].any() or mask[-1].any() or mask[:, 0].any() or mask[:, -1].any() or mask.sum() < 9:
@@ -142,20 +143,23 @@ def _style_figures(style: str) -> dict:
         background.append(float(dx[~(coloured[:, 1:] | coloured[:, :-1])].mean()))
     steps = torch.cat(steps)
     return dict(speed=(float(steps.min()), float(steps.max())), fill_min=min(fills), fills=len(fills),
-                background=sum(background) / len(background), occluded=occluded)
+                background=sum(background) / len(background), occluded=occluded, distractors=distractors)
 
 
 def test_simple_style_is_what_it_says():
     """The "simple" clips the video recipes train on, against "scene" on the same seeds: faster
     (0.07-0.12 per frame, 1.1-1.9 px, against 0.04-0.10), upright squares that fill their pixel box
     (>= 0.85 in every whole frame; scene's rotated squares go below 0.5), smoother backgrounds (mean
-    pixel step 0.011 against 0.021, asserted below 0.7x), and occlusion still present."""
+    pixel step 0.011 against 0.021, asserted below 0.7x), at most one distractor, in 10 to 22 of
+    the 64 clips (a quarter is 16; scene: up to two, in most clips), and occlusion still present."""
     simple, scene = _style_figures("simple"), _style_figures("scene")
     assert 0.07 <= simple["speed"][0] and simple["speed"][1] <= 0.12, simple
     assert scene["speed"][0] < 0.07, scene
     assert simple["fills"] >= 20 and simple["fill_min"] >= 0.85, simple
     assert scene["fill_min"] < 0.5, scene
     assert simple["background"] < 0.7 * scene["background"], (simple, scene)
+    assert set(simple["distractors"]) <= {0, 1} and 10 <= sum(simple["distractors"]) <= 22, simple
+    assert max(scene["distractors"]) == 2 and sum(d > 0 for d in scene["distractors"]) > 32, scene
     assert simple["occluded"] >= 1, simple
     with pytest.raises(ValueError, match="style must be one of scene, simple"):
         VideoClipDataset(4, 0, style="busy")

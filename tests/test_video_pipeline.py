@@ -334,7 +334,8 @@ def test_bad_input_fails_before_any_work(pipe, kwargs, match):
 def test_bundled_assets_are_fp16_within_budget_and_stream():
     """assets/video: fp16 safetensors in the diffusers layout, at most 30 MB, trained by the
     recipes (train_log.json), components that fit each other; it streams offline, and its RoPE
-    range puts the full-cache limit at 288 frames (the module docstring's figure)."""
+    range puts the full-cache limit at 288 frames (the module docstring's figure); it samples with
+    8 Euler steps at CFG 3.5 by default."""
     from pathlib import Path
 
     from safetensors import safe_open
@@ -353,5 +354,7 @@ def test_bundled_assets_are_fp16_within_budget_and_stream():
     model, vae = bundled.transformer, bundled.vae
     assert (model.config.latent_channels, model.config.latent_size) == (vae.config.latent_channels, vae.latent_size)
     assert model.rope_frames == 291 and bundled.max_frames("full-cache") == 288
+    # the sampling defaults the README, the registry's knob docs and the recipe name
+    assert (model.config.sample_steps, model.config.guidance_scale) == (8, 3.5)
     out = bundled(RED, num_frames=6, generator=gen(), output_type="pt")
     assert out.frames.shape == (1, 6, 3, 32, 32) and out.stats["cache_frames"] == 6

@@ -591,7 +591,7 @@ def _ceiling(pipe, judge, cfg: VideoBenchConfig) -> dict:
     for i, text in enumerate(cfg.prompts):
         p = VideoPrompt.parse(text)
         frames, _ = render_clip([(0, p)], cfg.reference_frames, torch.Generator().manual_seed(cfg.seed + i),
-                                pipe.vae.config.sample_size, VIDEO_DATA_STYLE)
+                                pipe.vae.config.sample_size, style=VIDEO_DATA_STYLE)
         real.append((frames + 1) / 2)
         recon.append((pipe.vae(frames).clamp(-1, 1) + 1) / 2)
         wants.append(torch.tensor(p.ids).expand(cfg.reference_frames, 3))

@@ -40,7 +40,7 @@ class FullCacheConfig:
 
     Args:
         num_inference_steps: Euler steps per chunk (None: the model's, 8 for the bundled one).
-        guidance_scale: classifier-free guidance, 1 disables it (None: the model's, 3.0).
+        guidance_scale: classifier-free guidance, 1 disables it (None: the model's, 3.5 for the bundled one).
         recache_sink: at a prompt switch, re-encode the sink frames under the new prompt too
             (LongLive's re-cache; True, as trained) or keep their old K/V (False).
     """
@@ -60,7 +60,7 @@ class NoSinkConfig:
     Args:
         window_frames: recent frames kept, a multiple of the model's chunk (None: as trained, 9).
         num_inference_steps: Euler steps per chunk (None: the model's, 8 for the bundled one).
-        guidance_scale: classifier-free guidance, 1 disables it (None: the model's, 3.0).
+        guidance_scale: classifier-free guidance, 1 disables it (None: the model's, 3.5 for the bundled one).
         recache_sink: at a prompt switch, re-encode the kept frames under the new prompt (True)
             or keep their old K/V (False).
     """
@@ -83,7 +83,7 @@ class SinkWindowConfig:
             (None: as trained, 3).
         window_frames: recent frames kept, a multiple of the model's chunk (None: as trained, 9).
         num_inference_steps: Euler steps per chunk (None: the model's, 8 for the bundled one).
-        guidance_scale: classifier-free guidance, 1 disables it (None: the model's, 3.0).
+        guidance_scale: classifier-free guidance, 1 disables it (None: the model's, 3.5 for the bundled one).
         recache_sink: at a prompt switch, re-encode the sink frames under the new prompt too
             (LongLive's re-cache; True, as trained) or keep their old K/V (False).
     """

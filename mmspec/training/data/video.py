@@ -19,12 +19,13 @@ Two styles (``STYLES``): "scene", everything below, and "simple", what the video
 on (smooth backgrounds, at most one distractor, upright shapes, faster motion).
 
 Motion: the main object moves along its direction at a constant speed (0.6 to 1.6 pixels per
-frame at 32 px; 1.1 to 1.9 in "simple"), drifts slowly across it (at most a third of that speed), turns slowly, and wraps
-around the frame, which is a torus (it leaves on the right and comes back on the left: a
-direction can last for an unbounded stream, and a switch never makes it jump); the distractors
-bounce off the walls. A clip may follow a *prompt schedule*, ``[(0, p0), (k, p1), ...]``: from
-frame k on, the object takes prompt p1's colour, shape and direction (its position and speed
-carry over), so a colour or direction switch happens exactly at frame k.
+frame at 32 px; 1.1 to 1.9 in "simple"), drifts slowly across it (at most a third of that speed),
+turns slowly (not in "simple"), and wraps around the frame, which is a torus (it leaves on the
+right and comes back on the left: a direction can last for an unbounded stream, and a switch
+never makes it jump); the distractors bounce off the walls. A clip may follow a *prompt
+schedule*, ``[(0, p0), (k, p1), ...]``: from frame k on, the object takes prompt p1's colour,
+shape and direction (its position and speed carry over), so a colour or direction switch happens
+exactly at frame k.
 
 Colours are chosen so the main object is the only saturated thing in a frame: backgrounds and
 distractors are tinted greys (distance >= 0.4 from every palette colour), which makes the object's
@@ -141,6 +142,7 @@ class ClipTruth:
         visible: (F,) float, the fraction of the object's area not covered by distractors (and
             inside the frame, always: it wraps instead of leaving).
         switch_frames: start frames of the schedule's prompts after the first.
+        distractors: how many distractor shapes the clip has.
     """
 
     colour: torch.Tensor
@@ -149,6 +151,7 @@ class ClipTruth:
     centroid: torch.Tensor
     visible: torch.Tensor
     switch_frames: list[int]
+    distractors: int = 0
 
     @property
     def prompt_ids(self) -> torch.Tensor:
@@ -280,7 +283,8 @@ def render_clip(schedule: Sequence[tuple[int, VideoPrompt]], num_frames: int, ge
 
     ids = torch.tensor(prompts)  # (F, 3)
     truth = ClipTruth(colour=ids[:, 0], shape=ids[:, 1], direction=ids[:, 2], centroid=torch.tensor(centroids),
-                      visible=torch.tensor(visible), switch_frames=[s for s, _ in schedule[1:]])
+                      visible=torch.tensor(visible), switch_frames=[s for s, _ in schedule[1:]],
+                      distractors=len(distractors))
     return torch.stack(frames), truth
 
 

@@ -100,7 +100,7 @@ def train_video_ae(out_dir: str | Path, *, steps: int, batch_size: int = 32, lr:
     size = ae.config.sample_size
     clips = -(-dataset_size // clip_frames)
     frames = render_clips(VideoClipDataset(clips, seed, clip_frames, size, switch_prob=0.3,
-                                                  style=VIDEO_DATA_STYLE))[0].flatten(0, 1)
+                                           style=VIDEO_DATA_STYLE))[0].flatten(0, 1)
     frames = frames[:dataset_size]
     log(f"video-ae rendered {len(frames)} frames ({clips} clips) in {time.perf_counter() - start:.0f}s")
     optimizer = torch.optim.Adam(ae.parameters(), lr=lr)
@@ -114,13 +114,14 @@ def train_video_ae(out_dir: str | Path, *, steps: int, batch_size: int = 32, lr:
     ae.set_latent_stats(frames)
     held_seed = heldout_seed(seed)
     held = render_clips(VideoClipDataset(heldout_size, held_seed, clip_frames, size, switch_prob=0.3,
-                                                 style=VIDEO_DATA_STYLE))[0]
+                                         style=VIDEO_DATA_STYLE))[0]
     recon = heldout_recon(ae, held.flatten(0, 1))
     log(f"video-ae held-out reconstruction MSE {recon['mse']:.5f} (PSNR {recon['psnr_db']:.1f} dB)")
     record = {
         "recipe": "video-ae", "seed": seed, "steps": steps, "config": json_config(ae),
         "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "clip_frames": clip_frames,
-                  "clips": clips, "data_style": VIDEO_DATA_STYLE, "optimizer": "Adam", "schedule": f"linear warmup {warmup} steps, cosine to 10%"},
+                  "clips": clips, "data_style": VIDEO_DATA_STYLE, "optimizer": "Adam",
+                  "schedule": f"linear warmup {warmup} steps, cosine to 10%"},
         "final_loss": final_loss, "heldout_recon_mse": recon["mse"], "heldout_psnr_db": recon["psnr_db"],
         "heldout": {"clips": heldout_size, "frames": heldout_size * clip_frames, "seed": held_seed},
         "latent_mean": ae.latent_mean.tolist(), "latent_std": ae.latent_std.tolist(),
@@ -293,8 +294,8 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
                 switch_prob: float = 0.25, eval_frames: int = 48, eval_clips: int = 12, log_every: int = 50,
                 warmup: int = 100, log: Callable[[str], None] = print) -> dict:
     """Train a ``VideoDiTModel`` with AdamW on ``VideoClipDataset(dataset_size, seed, clip_frames,
-    switch_prob=switch_prob, style=VIDEO_DATA_STYLE)`` encoded once by the autoencoder in ``ae_dir``, with the two-stream
-    loss (``TwoStreamLoss``; module docstring), and save it to ``out_dir`` (fp16 safetensors,
+    switch_prob=switch_prob, style=VIDEO_DATA_STYLE)`` encoded once by the autoencoder in
+    ``ae_dir``, with the two-stream loss (``TwoStreamLoss``; module docstring), and save it to ``out_dir`` (fp16 safetensors,
     atomically) with ``train_log.json`` and ``samples.png`` (``eval_clips`` streams of
     ``eval_frames`` frames, every other frame; every third stream switches its prompt mid-way).
 
@@ -330,7 +331,7 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
     del frames
     held_seed = heldout_seed(seed)
     held_frames, held_prompts, _ = render_clips(VideoClipDataset(heldout_size, held_seed, clip_frames, size,
-                                                                                  style=VIDEO_DATA_STYLE))
+                                                                 style=VIDEO_DATA_STYLE))
     held_latents = encode_clips(ae, held_frames)
     del held_frames
     log(f"video rendered and encoded {dataset_size} + {heldout_size} clips of {clip_frames} frames "
@@ -359,7 +360,8 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
     record = {
         "recipe": "video", "seed": seed, "steps": steps, "config": json_config(model),
         "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "clip_frames": clip_frames,
-                  "data_style": VIDEO_DATA_STYLE, "switch_prob": switch_prob, "windows": windows, "optimizer": "AdamW", "betas": [0.9, 0.95],
+                  "data_style": VIDEO_DATA_STYLE, "switch_prob": switch_prob, "windows": windows,
+                  "optimizer": "AdamW", "betas": [0.9, 0.95],
                   "weight_decay": 0.01, "grad_clip": 1.0, "schedule": f"linear warmup {warmup} steps, cosine to 10%",
                   "noisy_context_prob": loss.noisy_context_prob, "context_noise": loss.context_noise,
                   "self_context_prob": loss.self_context_prob, "train_time_s": train_time},
