@@ -47,7 +47,9 @@ class HFCacheAdapter:
 
     def step(self, T: int, tree_mask: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
         """Open a block of T slots: returns its (B, 1, T, S + T) additive mask and counts the slots
-        as valid until ``keep_block`` or ``truncate`` decides.
+        as valid until ``keep_block`` or ``truncate`` decides. A causal block (no ``tree_mask``)
+        on a cache with no holes gets ``None``: the model's own causal mask is the same
+        visibility, and a one-token pass then takes attention's unmasked path.
 
         Visibility is ``visibility_mask``'s: the slots before the last ``R + T`` are visible where
         valid, the last ``R + T`` follow ``tree_mask`` (B, T, R + T) (causal when None). Hidden
@@ -57,7 +59,10 @@ class HFCacheAdapter:
         width = T if tree_mask is None else tree_mask.shape[-1]
         check(width <= S + T, "tree_mask", f"at most {S + T} wide (cached slots + block)", width)
         ends = torch.full((B,), S + T, device=self.valid.device)
+        holes = not bool(self.valid.all())
         self.valid = torch.cat([self.valid, self.valid.new_ones(B, T)], 1)
+        if tree_mask is None and not holes:
+            return None  # a causal block on a cache with no holes: the model's own causal mask
         seen = visibility_mask(ends, T, S + T, tree_mask) & self.valid[:, None, None, :]  # (B, 1, T, S + T)
         mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
         return mask.masked_fill(~seen, torch.finfo(dtype).min)
@@ -116,7 +121,8 @@ class HFCacheAdapter:
 class HFCausalLMTarget:
     """A transformers causal LM (``LlamaForCausalLM`` and kin) as the core's ``Target``.
 
-    ``hidden`` is ``hidden_states[-1]`` (for Llama-style models, the LM head's input). Needs
+    ``hidden`` is the base model's last hidden state (for Llama-style models, after the final
+    norm: the LM head's input; the causal LM's ``hidden_states[-1]``). Needs
     ``attn_implementation`` "eager" or "sdpa" and full attention in every layer: a sliding window
     would also have to be in the mask.
     """
@@ -131,6 +137,9 @@ class HFCausalLMTarget:
         check(window is None and all(t == "full_attention" for t in layer_types), "the model's attention",
               "full attention in every layer (no sliding_window, no other layer_types)",
               {"sliding_window": window, "layer_types": sorted(set(layer_types))})
+        for name in ("final_logit_softcapping", "logit_scale"):  # heads that do more than a linear map
+            check(getattr(config, name, None) in (None, 1.0), f"the model's {name}", "None (a plain linear LM head)",
+                  getattr(config, name, None))
         self.model = model
         self.vocab_size = config.vocab_size
 
@@ -151,6 +160,14 @@ class HFCausalLMTarget:
 
     def forward(self, tokens: torch.Tensor, **model_kwargs) -> ModelOutput:
         """Score (B, T) tokens; ``model_kwargs`` carry the mask, positions and cache. The one hook for
-        subclasses that embed or score tokens another way (``mmspec.adapters.ar_image_hf``)."""
-        out = self.model(input_ids=tokens, output_hidden_states=True, **model_kwargs)
-        return ModelOutput(logits=out.logits.float(), hidden=out.hidden_states[-1])
+        subclasses that embed or score tokens another way (``mmspec.adapters.ar_image_hf``).
+
+        Runs the base model and the LM head on its last hidden state (what the causal LM's own
+        forward does), so ``hidden`` costs nothing: ``output_hidden_states`` would record every
+        layer's output on every pass."""
+        return self._score(self.model.base_model(input_ids=tokens, **model_kwargs).last_hidden_state)
+
+    def _score(self, hidden: torch.Tensor, **extra) -> ModelOutput:
+        """``ModelOutput`` of the last hidden state: float32 logits from the LM head."""
+        logits = self.model.get_output_embeddings()(hidden)
+        return ModelOutput(logits=logits if logits.dtype == torch.float32 else logits.float(), hidden=hidden, **extra)

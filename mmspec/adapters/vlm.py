@@ -110,10 +110,9 @@ class VLMTarget(HFCausalLMTarget):
                 positions = (positions + cache.rope_deltas).expand(3, *positions.shape)
         mask = cache.step(tokens.shape[1], tree_mask, self.model.dtype)  # (B, 1, T, S + T)
         embeds = self.input_embeds(tokens, **conditioning)
-        out = self.model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                         past_key_values=cache.cache, use_cache=True, output_hidden_states=True)
-        return ModelOutput(logits=out.logits.float(), hidden=out.hidden_states[-1],
-                           prompt_embeds=embeds if fresh else None)
+        out = self.model.base_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                                    past_key_values=cache.cache, use_cache=True)
+        return self._score(out.last_hidden_state, prompt_embeds=embeds if fresh else None)
 
     def input_embeds(self, tokens: torch.Tensor, **conditioning) -> torch.Tensor:
         """(B, T, E) token embeddings with the images' features (``conditioning``, as

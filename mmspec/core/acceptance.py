@@ -21,6 +21,7 @@ import torch
 
 from ..kernels import residual_distribution
 from .distributions import TokenDist
+from .logits import argmax_ids
 from .sampling import Generators, rand, sample, select_rows
 from .tree import DraftTree
 from .types import Acceptance
@@ -185,13 +186,13 @@ class GreedyMatch(SpeculativeSampling):
         return torch.zeros(shape, device=device)  # accept probability is exactly 0 or 1
 
     def accept_prob(self, p, q, x):
-        return (p.argmax(-1) == x).to(p.dtype)
+        return (argmax_ids(p) == x).to(p.dtype)
 
     def reject(self, p, q, x):
         return p
 
     def sample(self, p, generator):
-        return p.argmax(-1)
+        return argmax_ids(p)
 
     def _walk(self, draft: DraftTree, p_all: torch.Tensor, generator) -> Acceptance:
         """The greedy tree walk without a per-depth loop: a node is accepted iff its token is the
@@ -203,8 +204,8 @@ class GreedyMatch(SpeculativeSampling):
         device = p_all.device
         if N1 == 1:  # nothing drafted: the target's token alone
             zeros = torch.zeros(B, dtype=torch.long, device=device)
-            return Acceptance(path=zeros[:, None], num_accepted=zeros, next_token=p_all[:, 0].argmax(-1))
-        best_tok = p_all.argmax(-1)  # (B, N+1): the target's token after every node
+            return Acceptance(path=zeros[:, None], num_accepted=zeros, next_token=argmax_ids(p_all)[:, 0])
+        best_tok = argmax_ids(p_all)  # (B, N+1): the target's token after every node
         ok = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device),
                         tokens == best_tok.gather(1, tree.parents)], 1)  # (B, N+1)
         anc = tree.ancestor_mask  # (B, N+1, N+1): [b, i, j] j is i or an ancestor of i

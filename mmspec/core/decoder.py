@@ -118,7 +118,7 @@ class SpeculativeDecoder:
               f"a drafter of continuous tokens of shape {shape} (a ModelChainDrafter over a continuous draft model)",
               type(d).__name__)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def generate(self, input_ids, max_new_tokens: int, *, uncond_input_ids=None,
                  generator: Generators = None, eos_token_id: int | Sequence[int] | None = None,
                  pad_token_id: int = 0, conditioning: Mapping[str, Any] | None = None,

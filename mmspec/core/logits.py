@@ -71,7 +71,7 @@ class LogitsPipeline:
         """(B or 2B, ..., V) raw logits -> (B, ..., V) float32 probabilities."""
         logits = self.merge_guidance(logits.float())
         if self.greedy:
-            return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+            return greedy_one_hot(logits)
         logits = logits / self.temperature
         if self.top_k is not None and self.top_k < logits.shape[-1]:
             kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
@@ -86,6 +86,23 @@ class LogitsPipeline:
             drop = drop_sorted.scatter(-1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         return logits.softmax(-1)
+
+
+def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy distribution: float32 one-hot at each row's argmax (the first on ties), built by
+    one argmax and a scatter into zeros. The argmax ids ride along as the tensor's ``argmax_ids``
+    attribute, so a greedy rule reads them instead of scanning the vocabulary again
+    (``argmax_ids``); views and copies of the tensor drop it and scan."""
+    ids = logits.argmax(-1, keepdim=True)
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, ids, 1.0)
+    probs.argmax_ids = ids[..., 0]
+    return probs
+
+
+def argmax_ids(p: torch.Tensor) -> torch.Tensor:
+    """``p.argmax(-1)``, read from ``greedy_one_hot``'s ``argmax_ids`` when ``p`` carries them."""
+    ids = getattr(p, "argmax_ids", None)
+    return ids if ids is not None and ids.shape == p.shape[:-1] else p.argmax(-1)
 
 
 def _real(x) -> bool:
