@@ -64,7 +64,7 @@ assets: $(STAMP)
 	$(BIN)/mmspec train continuous-tokenizer --out $(CONT)/tokenizer --classifier assets/classifier
 	$(BIN)/mmspec train continuous-ar --tokenizer $(CONT)/tokenizer --out $(CONT)/transformer --threads 1
 	$(BIN)/mmspec train continuous-draft --tokenizer $(CONT)/tokenizer --target $(CONT)/transformer --out $(CONT)/draft_model --threads 1
-	$(BIN)/mmspec train continuous-draft --tokenizer $(CONT)/tokenizer --target $(CONT)/transformer --distill 0.5 --out $(CONT)/draft_distilled --threads 1
+	$(BIN)/mmspec train continuous-draft --tokenizer $(CONT)/tokenizer --target $(CONT)/transformer --distill 0.5 --steps 2500 --out $(CONT)/draft_distilled --threads 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -9,6 +9,7 @@ coordinate (Bonferroni) and a chi-square homogeneity test on 3**4 pooled-quantil
 lossless rule passes at p >= 1e-3, a broken one falls below it. Toy pair: ``test_continuous_core``.
 """
 
+import copy
 import math
 
 import pytest
@@ -228,6 +229,31 @@ def test_cached_decoding_equals_the_reference_forward(pair):
     assert target.token_shape == (2, 2) and target.token_dtype == torch.float64 and target.vocab_size is None
     with pytest.raises(ValueError, match=r"tokens must be a \(batch, length, 2, 2\) tensor"):
         target(torch.zeros(1, 3, 2))
+
+
+def test_every_position_reads_its_rows_class_and_the_cache_remembers_it(pair):
+    """``class_in`` (zero at init) made non-zero: the class now moves every position's features,
+    and a cached decode, whose later passes hold no position 0, still equals the cache-free forward
+    (each row's class kept from its prompt pass). A cached pass before the prompt pass is refused."""
+    target = copy.deepcopy(pair[0])
+    toks = torch.randn(2, 4, 2, 2, dtype=torch.float64)
+    toks[:, 0] = torch.tensor([1.0, 2.0])[:, None, None]
+    before = target(toks).cond
+    with torch.no_grad():
+        target.class_in.weight.normal_(generator=torch.Generator().manual_seed(0))
+    ref = target(toks).cond
+    assert (ref - before)[:, 1:].abs().amin() > 0  # every token position moved, not only position 0
+    cache = target.new_cache(2, 8)
+    parts = [target(toks[:, :1], torch.zeros(2, 1, dtype=torch.long), cache).cond]
+    parts += [target(toks[:, j:j + 1], torch.full((2, 1), j), cache).cond for j in range(1, 4)]
+    assert torch.allclose(torch.cat(parts, 1), ref, atol=1e-6)
+    other = toks.clone()
+    other[:, 0] = torch.tensor([2.0, 1.0])[:, None, None]  # the classes swapped: other features
+    assert not torch.allclose(target(other).cond[:, 1:], ref[:, 1:], atol=1e-3)
+    with pytest.raises(ValueError, match="position 0 .the class. comes first"):
+        target(toks[:, 1:], torch.arange(1, 4).expand(2, 3), target.new_cache(2, 8))
+    with pytest.raises(ValueError, match="needs position 0"):
+        target(toks[:, 1:], torch.arange(1, 4).expand(2, 3))
 
 
 def test_save_and_load_roundtrip(tmp_path):

@@ -53,7 +53,7 @@ def test_tokenizer_recipe(tokenizer_dir):
     assert record["recon_accuracy"] is None
     tok = load_checkpoint(PatchPCATokenizer, out)
     labels, latents = encode_dataset(tok, 4, 0)
-    assert latents.shape == (4, 256, 12) and labels.tolist() == [0, 1, 2, 3]
+    assert latents.shape == (4, 64, 16) and labels.tolist() == [0, 1, 2, 3]
 
 
 def test_target_and_drafts(tokenizer_dir, tmp_path):
@@ -64,7 +64,7 @@ def test_target_and_drafts(tokenizer_dir, tmp_path):
     assert set(rec["heldout_losses"]) == {"mixture", "diffusion", "loss"} and rec["s_per_step"] > 0
     assert any("continuous-ar step 2/2" in line for line in logs)
     target = load_checkpoint(ContinuousARModel, tmp_path / "ar")
-    assert target.config.token_dim == 12 and target.config.grid_size == 16 and target.config.id2label["0"]
+    assert target.config.token_dim == 16 and target.config.grid_size == 8 and target.config.id2label["0"]
     assert int(target.heads["diffusion"].schedule.timesteps.max()) == 946  # MAR's chain without its t = 999 step
 
     rec = train_continuous_draft(tmp_path / "draft", tokenizer_dir=tok, target_dir=tmp_path / "ar", distill=0.5,
@@ -73,6 +73,9 @@ def test_target_and_drafts(tokenizer_dir, tmp_path):
     draft = load_checkpoint(ContinuousARModel, tmp_path / "draft")
     assert draft.config.diffusion_timesteps == target.config.diffusion_timesteps
     methods.build(methods.resolve("continuous", "path"), {"target": target, "draft_model": draft})  # compatible
+    rec = train_continuous_draft(tmp_path / "plain", tokenizer_dir=tok, input_noise=0.25,  # data only, no target
+                                 model_config={**TINY, "dim": 8, "mlp_hidden": 16}, log=lambda s: None, **RUN)
+    assert rec["train"]["distill"] == 0 and rec["train"]["input_noise"] == 0.25 and rec["train"]["target_dir"] is None
 
     with pytest.raises(ValueError, match="target_dir must be a folder written by 'mmspec train continuous-ar' when "
                                          "distill > 0"):

@@ -6,7 +6,13 @@ The sequence is ``[class, x_0, ..., x_{N-1}]`` with ``N = grid_size**2`` tokens 
 Position 0 carries a class id (the extra class ``num_classes`` is the null class of CFG, and
 ``class_dropout_prob`` drops labels to it while training); positions ``1 + i`` carry tokens of
 shape ``(2, token_dim)``: row 0 the state the backbone reads (through ``Linear(token_dim, dim)``),
-row 1 the latent (see ``mmspec.models.continuous_heads`` for why the two differ). The feature z
+row 1 the latent (see ``mmspec.models.continuous_heads`` for why the two differ). Every position
+also adds a second embedding of its row's class (``class_in``, DiT-style conditioning of every
+token): read through attention to position 0 alone, the class went almost unlearnt (a
+3,000-step target scored 256 held-out images 0.5 nats per image better under their true class
+than under the next one; with ``class_in`` and otherwise the same run, 3.25 nats; the bundled
+9,000-step target, 28.2; README, "Continuous-token image generation"). A cached
+decode remembers each row's class from its prompt pass (``ClassKVCache``). The feature z
 at position p (``ModelOutput.cond``) conditions token p; two heads read it: ``"mixture"``
 (``GaussianMixtureHead``, exact densities) and ``"diffusion"`` (``DiffusionHead``, MAR's).
 
@@ -33,7 +39,17 @@ from ..core.types import ModelOutput
 from .continuous_heads import DiffusionHead, GaussianMixtureHead
 from .llamagen import LlamaGenBlock
 
-__all__ = ["ContinuousARModel"]
+__all__ = ["ClassKVCache", "ContinuousARModel"]
+
+
+class ClassKVCache(StaticKVCache):
+    """A ``StaticKVCache`` that also keeps each row's class id (``labels``, (B,) long), set by the
+    pass that holds the row's position 0 (the prompt pass) and read by the passes after it."""
+
+    def __init__(self, *args, null_class: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.labels = torch.full((self.batch_size,), null_class, dtype=torch.long, device=self.lengths.device)
+        self.seen = torch.zeros(self.batch_size, dtype=torch.bool, device=self.lengths.device)
 
 
 class ContinuousARModel(ModelMixin, ConfigMixin):
@@ -61,10 +77,10 @@ class ContinuousARModel(ModelMixin, ConfigMixin):
     config_name = "config.json"
 
     @register_to_config
-    def __init__(self, token_dim: int = 12, grid_size: int = 16, num_classes: int = 16, dim: int = 128,
+    def __init__(self, token_dim: int = 16, grid_size: int = 8, num_classes: int = 16, dim: int = 128,
                  n_layers: int = 4, n_heads: int = 4, mlp_hidden: int = 344, class_dropout_prob: float = 0.1,
                  rope_base: float = 10000.0, norm_eps: float = 1e-5, initializer_range: float = 0.02,
-                 mixture_components: int = 8, mixture_hidden: int = 128, mixture_sigma_min: float = 1e-2,
+                 mixture_components: int = 16, mixture_hidden: int = 128, mixture_sigma_min: float = 1e-2,
                  diffusion_width: int = 128, diffusion_blocks: int = 3, diffusion_learn_sigma: bool = True,
                  diffusion_train_steps: int = 1000, diffusion_sampling_steps: int = 20,
                  diffusion_timesteps: list[int] | None = None, id2label: dict[str, str] | None = None):
@@ -91,6 +107,10 @@ class ContinuousARModel(ModelMixin, ConfigMixin):
             "diffusion": DiffusionHead(token_dim, dim, diffusion_width, diffusion_blocks, diffusion_learn_sigma,
                                        diffusion_train_steps, diffusion_sampling_steps, diffusion_timesteps),
         })
+        # the class at every position, zero at init (DiT's adaLN-zero idea): a fresh model scores as
+        # without it, and the random draws of the other weights' init are unchanged
+        self.class_in = nn.Embedding(num_classes + 1, dim)
+        nn.init.zeros_(self.class_in.weight)
         # one backbone serves both heads: the mixture draws states with the diffusion chain's kernel
         self.heads["mixture"].state_kernel = self.heads["diffusion"].state_kernel
         self.rope = GridRope2D(dim // n_heads, grid_size, rope_base)
@@ -137,11 +157,11 @@ class ContinuousARModel(ModelMixin, ConfigMixin):
         return torch.where(u < self.config.class_dropout_prob, self.null_class, labels)
 
     # -- the core's Target protocol -------------------------------------------------------------
-    def new_cache(self, batch_size: int, max_len: int) -> StaticKVCache:
+    def new_cache(self, batch_size: int, max_len: int) -> ClassKVCache:
         cfg = self.config
         p = self.token_in.weight
-        return StaticKVCache(cfg.n_layers, batch_size, cfg.n_heads, cfg.dim // cfg.n_heads, max_len=max_len,
-                             rope=self.rope, dtype=p.dtype, device=p.device)
+        return ClassKVCache(cfg.n_layers, batch_size, cfg.n_heads, cfg.dim // cfg.n_heads, max_len=max_len,
+                            rope=self.rope, dtype=p.dtype, device=p.device, null_class=self.null_class)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: StaticKVCache | None = None, tree_mask: torch.Tensor | None = None) -> ModelOutput:
@@ -149,7 +169,9 @@ class ContinuousARModel(ModelMixin, ConfigMixin):
 
         Position 0 reads a class id from ``tokens[..., 0, 0]`` (the decoder broadcasts prompt ids
         over the token shape), the others the state row. Returns ``cond`` (B, T, dim), the
-        features of the token after each position (also ``hidden``), and the heads."""
+        features of the token after each position (also ``hidden``), and the heads. Every row's
+        class embedding (``class_in``) is added at every position: from position 0 of this block,
+        or, in a cached pass, from the cache (``ClassKVCache``, set by the row's prompt pass)."""
         check(tokens.dim() == 4 and tuple(tokens.shape[2:]) == self.token_shape, "tokens",
               f"a (batch, length, 2, {self.config.token_dim}) tensor", tuple(tokens.shape))
         B, T = tokens.shape[:2]
@@ -161,6 +183,20 @@ class ContinuousARModel(ModelMixin, ConfigMixin):
         cls_ids = torch.where(is_cls, tokens[..., 0, 0].round().long(), 0)
         x = torch.where(is_cls[..., None], self.cls_embedding(cls_ids),
                         self.token_in(tokens[..., 0, :].to(self.token_dtype)))  # (B, T, dim)
+        has_cls = is_cls.any(1)
+        row_cls = cls_ids.gather(1, is_cls.long().argmax(1, keepdim=True))[:, 0]  # each row's class id
+        if cache is None:
+            if not bool(has_cls.all()):
+                raise ValueError("the reference path (cache=None) needs position 0 (the class) in every row")
+        else:
+            check(isinstance(cache, ClassKVCache), "cache", "a ClassKVCache (ContinuousARModel.new_cache)",
+                  type(cache).__name__)
+            if not bool((has_cls | cache.seen).all()):
+                raise ValueError("a cached pass before the row's prompt pass: position 0 (the class) comes first")
+            cache.labels = torch.where(has_cls, row_cls, cache.labels)
+            cache.seen = cache.seen | has_cls
+            row_cls = cache.labels
+        x = x + self.class_in(row_cls)[:, None]
         step = None if cache is None else cache.step(positions, tree_mask)
         tables = self.rope.tables(positions) if cache is None else None
         for layer in self.layers:

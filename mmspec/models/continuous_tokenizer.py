@@ -35,7 +35,7 @@ class PatchPCATokenizer(ModelMixin, ConfigMixin):
     config_name = "config.json"
 
     @register_to_config
-    def __init__(self, sample_size: int = 64, patch_size: int = 4, latent_dim: int = 12, in_channels: int = 3):
+    def __init__(self, sample_size: int = 64, patch_size: int = 8, latent_dim: int = 16, in_channels: int = 3):
         super().__init__()
         for name, value in (("sample_size", sample_size), ("patch_size", patch_size), ("latent_dim", latent_dim),
                             ("in_channels", in_channels)):

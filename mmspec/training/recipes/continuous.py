@@ -41,12 +41,13 @@ __all__ = ["DEFAULT_DRAFT_CONFIG", "DEFAULT_TARGET_CONFIG", "encode_dataset", "t
 # nothing. The chain starts at t = 946 from N(0, I) instead (q(x_946 | x_0) = N(0.08 x_0, 0.993 I)).
 # Training is unaffected (all 1,000 steps); only sampling reads this.
 SAMPLING_TIMESTEPS = [0, 53, 105, 158, 210, 263, 315, 368, 421, 473, 526, 578, 631, 684, 736, 789, 841, 894, 946]
-# the spec's sizes (specs/continuous_tokens.md section 4)
+# the spec's backbone sizes (specs/continuous_tokens.md section 4) with 16 mixture components (the
+# spec's 8 at 4x4 patches gave no objects; see the README's continuous-token section)
 DEFAULT_TARGET_CONFIG = dict(dim=128, n_layers=4, n_heads=4, mlp_hidden=344, class_dropout_prob=0.1,
-                             mixture_components=8, mixture_hidden=128, diffusion_width=128, diffusion_blocks=3,
+                             mixture_components=16, mixture_hidden=128, diffusion_width=128, diffusion_blocks=3,
                              diffusion_timesteps=SAMPLING_TIMESTEPS)
 DEFAULT_DRAFT_CONFIG = dict(dim=64, n_layers=2, n_heads=4, mlp_hidden=172, class_dropout_prob=0.1,
-                            mixture_components=8, mixture_hidden=64, diffusion_width=96, diffusion_blocks=2,
+                            mixture_components=16, mixture_hidden=64, diffusion_width=96, diffusion_blocks=2,
                             diffusion_timesteps=SAMPLING_TIMESTEPS)
 # fixed by the tokenizer and the dataset (and, for a draft, by its target), not by model_config
 _DERIVED = ("token_dim", "grid_size", "num_classes", "id2label")
@@ -63,7 +64,7 @@ def recon_accuracy(classifier, images: torch.Tensor, labels: torch.Tensor) -> fl
 
 
 def train_continuous_tokenizer(out_dir: str | Path, *, dataset_size: int = 2000, seed: int = 0,
-                               heldout_size: int = 256, latent_dim: int = 12, patch_size: int = 4,
+                               heldout_size: int = 256, latent_dim: int = 16, patch_size: int = 8,
                                classifier_dir: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
     """Fit ``PatchPCATokenizer`` on ``ShapesDataset(dataset_size, seed, style=AR_DATA_STYLE)`` and save it
     to ``out_dir`` (fp16 safetensors, atomically) with ``train_log.json``, whose dict is returned:
@@ -219,17 +220,19 @@ def train_continuous_ar(out_dir: str | Path, *, tokenizer_dir: str | Path, steps
 
 
 def distill_loss(draft: ContinuousARModel, target: ContinuousARModel, labels: torch.Tensor, latents: torch.Tensor,
-                 generator: torch.Generator, distill: float, diffusion_positions: int = 64) -> dict[str, torch.Tensor]:
+                 generator: torch.Generator, distill: float, diffusion_positions: int = 64,
+                 input_noise: float = 0.0) -> dict[str, torch.Tensor]:
     """The draft's loss: its own data losses (``ContinuousARModel.loss`` on the same inputs) times
     ``1 - distill`` plus ``distill`` times the distillation terms on the frozen ``target``:
     ``"kd_mixture"``, the draft mixture's mean NLL of one sample per token from the target's
     (unguided, untempered) mixture, and ``"kd_eps"``, the mean squared epsilon difference of the two
     diffusion heads at the target's noised inputs (same x_t and t, ``diffusion_positions`` tokens
-    per image). Both models read the same teacher-forced tokens (they share the state kernel)."""
+    per image). Both models read the same teacher-forced tokens (they share the state kernel;
+    ``input_noise`` widens its noise as in ``ContinuousARModel.tokens_from_latents``)."""
     N, d = draft.num_image_tokens, draft.config.token_dim
     if draft.training:
         labels = draft.drop_labels(labels, generator)
-    tokens = draft.tokens_from_latents(labels, latents, generator)
+    tokens = draft.tokens_from_latents(labels, latents, generator, input_noise)
     z = draft(tokens).cond  # (B, N, dim)
     with torch.no_grad():
         zt = target(tokens).cond  # (B, N, dim_t)
@@ -263,17 +266,21 @@ def distill_loss(draft: ContinuousARModel, target: ContinuousARModel, labels: to
 def train_continuous_draft(out_dir: str | Path, *, tokenizer_dir: str | Path, steps: int, batch_size: int, lr: float,
                            seed: int = 0, dataset_size: int, target_dir: str | Path | None = None,
                            distill: float = 0.0, model_config: dict | None = None, heldout_size: int = 64,
-                           diffusion_positions: int = 64, log_every: int = 50, warmup: int = 100,
-                           log: Callable[[str], None] = print) -> dict:
+                           diffusion_positions: int = 64, input_noise: float = 0.0, log_every: int = 50,
+                           warmup: int = 100, log: Callable[[str], None] = print) -> dict:
     """Train a small continuous draft (``DEFAULT_DRAFT_CONFIG``, its own mixture and diffusion
     heads) like ``train_continuous_ar``; with ``distill`` in (0, 1] and the target in
     ``target_dir`` (required then) the loss mixes in ``distill_loss``'s distillation terms. With a
     ``target_dir`` the draft copies the target's diffusion schedule (``sd``'s part refuses a draft
-    whose schedule differs). The record's ``train`` adds ``target_dir`` and ``distill``."""
+    whose schedule differs). ``input_noise`` widens the teacher-forced states' noise in training
+    as in ``train_continuous_ar`` (both models read the same noised states when distilling).
+    The record's ``train`` adds ``target_dir``, ``distill`` and ``input_noise``."""
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed, dataset_size=dataset_size,
                          heldout_size=heldout_size, log_every=log_every, log=log, warmup=warmup)
     check(isinstance(distill, (int, float)) and not isinstance(distill, bool) and 0.0 <= distill <= 1.0, "distill",
           "a number in [0, 1]", distill)
+    check(isinstance(input_noise, (int, float)) and not isinstance(input_noise, bool) and input_noise >= 0,
+          "input_noise", "a number >= 0", input_noise)
     check(distill == 0 or target_dir is not None, "target_dir",
           "a folder written by 'mmspec train continuous-ar' when distill > 0", target_dir)
     start = time.perf_counter()
@@ -300,11 +307,12 @@ def train_continuous_draft(out_dir: str | Path, *, tokenizer_dir: str | Path, st
     g = torch.Generator().manual_seed(seed + 1)
     if distill > 0:
         loss = lambda m, b: distill_loss(m, target, *b, generator=g, distill=distill,  # noqa: E731
-                                         diffusion_positions=diffusion_positions)
+                                         diffusion_positions=diffusion_positions,
+                                         input_noise=input_noise if m.training else 0.0)
     else:
         loss = lambda m, b: m.loss(*b, generator=g, diffusion_positions=diffusion_positions,  # noqa: E731
                                input_noise=input_noise if m.training else 0.0)
-    extra = {"diffusion_positions": diffusion_positions, "distill": distill,
+    extra = {"diffusion_positions": diffusion_positions, "distill": distill, "input_noise": input_noise,
              "target_dir": None if target_dir is None else str(Path(target_dir).resolve())}
     record = _train("continuous-draft", out, model, loss, tokenizer_path=tok_path, labels=labels, latents=latents,
                     held=held, steps=steps, batch_size=batch_size, lr=lr, seed=seed, dataset_size=dataset_size,
