@@ -38,3 +38,32 @@ def test_bundled_pipeline_generates_offline():
     assert out.images.shape == (1, 3, 64, 64) and out.stats["nfe"] < 256
     classifier = load_checkpoint(ShapesClassifier, ASSETS / "classifier")
     assert classifier(out.images * 2 - 1).shape == (1, 16)
+
+
+CONT = ASSETS / "continuous"
+
+
+def test_bundled_continuous_pipeline():
+    """assets/continuous: fp16 safetensors within the issue's 30 MB, seed-0 train logs, the
+    tokenizer's 8x8 grid of 16-dim latents, and lossless ``sd`` running offline with the bundled
+    draft (fewer backbone passes than tokens); the distilled draft shares the target's schedule."""
+    from mmspec.models.continuous import ContinuousARModel
+    from mmspec.pipelines import SpeculativeContinuousARPipeline
+
+    files = sorted(CONT.glob("*/diffusion_pytorch_model.safetensors"))
+    assert [f.parent.name for f in files] == ["draft_distilled", "draft_model", "tokenizer", "transformer"]
+    assert sum(f.stat().st_size for f in files) <= 30 * 2**20
+    for f in files:
+        with safe_open(f, "pt") as st:
+            assert {st.get_tensor(k).dtype for k in st.keys()} == {torch.float16}, f
+        assert json.loads((f.parent / "train_log.json").read_text())["seed"] == 0
+    pipe = SpeculativeContinuousARPipeline.from_pretrained(CONT)
+    pipe.set_progress_bar_config(disable=True)
+    t = pipe.transformer
+    assert (t.config.grid_size, t.config.token_dim) == (pipe.tokenizer.grid_size, pipe.tokenizer.config.latent_dim) \
+        == (8, 16)
+    distilled = load_checkpoint(ContinuousARModel, CONT / "draft_distilled")
+    assert distilled.config.diffusion_timesteps == t.config.diffusion_timesteps
+    out = pipe(prompt="a red circle", method="sd", guidance_scale=6.0, guidance_schedule="constant",
+               generator=torch.Generator().manual_seed(0), output_type="pt")
+    assert out.images.shape == (1, 3, 64, 64) and out.stats["nfe"] < t.num_image_tokens
