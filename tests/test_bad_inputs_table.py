@@ -95,10 +95,13 @@ def forbid(monkeypatch, target, names):
 
 
 def _hooked(pipe):
+    """Every module of every model component records its component's name when it runs (the
+    adapters call submodules, e.g. a VLM's base model and LM head, not always the top module)."""
     calls = []
     for name, component in pipe.components.items():
         if isinstance(component, torch.nn.Module):
-            component.register_forward_hook(lambda *a, _n=name: calls.append(_n))
+            for module in component.modules():
+                module.register_forward_hook(lambda *a, _n=name: calls.append(_n))
     pipe.set_progress_bar_config(disable=True)
     return pipe, calls
 
