@@ -250,9 +250,9 @@ def test_every_position_reads_its_rows_class_and_the_cache_remembers_it(pair):
     other = toks.clone()
     other[:, 0] = torch.tensor([2.0, 1.0])[:, None, None]  # the classes swapped: other features
     assert not torch.allclose(target(other).cond[:, 1:], ref[:, 1:], atol=1e-3)
-    with pytest.raises(ValueError, match="position 0 .the class. comes first"):
+    with pytest.raises(ValueError, match="a cached pass came before the prompt pass"):
         target(toks[:, 1:], torch.arange(1, 4).expand(2, 3), target.new_cache(2, 8))
-    with pytest.raises(ValueError, match="needs position 0"):
+    with pytest.raises(ValueError, match="needs position 0 .the class. in every row"):
         target(toks[:, 1:], torch.arange(1, 4).expand(2, 3))
 
 

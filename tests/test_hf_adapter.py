@@ -210,3 +210,22 @@ def test_rejects_sliding_window_attention():
                          sliding_window=8, max_window_layers=1)
     with pytest.raises(ValueError, match="full attention in every layer"):
         HFCausalLMTarget(Qwen2ForCausalLM(config))
+
+
+def test_scores_equal_the_causal_lms_and_masks_only_where_holes_are():
+    """The adapter's logits and hidden states (base model + LM head) equal the causal LM's own
+    forward with ``output_hidden_states`` bit for bit; a chain block on a cache without holes gets
+    no mask, and once a row keeps fewer slots than another (a hole) blocks get the 4-D mask."""
+    model = tiny_llama()
+    target = HFCausalLMTarget(model)
+    ids = torch.tensor(prompts_of_lengths((5, 5)))
+    cache = target.new_cache(2, 16)
+    assert cache.step(5) is None and not cache.holes  # hole-free: the model's causal mask
+    cache.truncate(torch.tensor([0, 0]))
+    with torch.no_grad():
+        ours = target(ids, torch.arange(5).expand(2, 5), cache)
+        ref = model(input_ids=ids, output_hidden_states=True)
+    assert torch.equal(ours.logits, ref.logits.float()) and torch.equal(ours.hidden, ref.hidden_states[-1])
+    assert cache.step(3) is None  # still no holes
+    cache.keep_block(3, None, torch.tensor([3, 1]))  # row 1 keeps one of three: holes
+    assert cache.holes and cache.step(1) is not None

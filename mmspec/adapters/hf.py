@@ -36,6 +36,9 @@ class HFCacheAdapter:
     def __init__(self, cache: DynamicCache, batch_size: int, device=None):
         self.cache = cache
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
+        # whether some row has an invalid slot: kept on the host by the calls that already read
+        # the device (truncate, keep_block, compact), so ``step`` needs no sync
+        self.holes = False
 
     @property
     def seq_length(self) -> int:
@@ -49,7 +52,7 @@ class HFCacheAdapter:
         """Open a block of T slots: returns its (B, 1, T, S + T) additive mask and counts the slots
         as valid until ``keep_block`` or ``truncate`` decides. A causal block (no ``tree_mask``)
         on a cache with no holes gets ``None``: the model's own causal mask is the same
-        visibility, and a one-token pass then takes attention's unmasked path.
+        visibility, and no mask is built.
 
         Visibility is ``visibility_mask``'s: the slots before the last ``R + T`` are visible where
         valid, the last ``R + T`` follow ``tree_mask`` (B, T, R + T) (causal when None). Hidden
@@ -59,9 +62,8 @@ class HFCacheAdapter:
         width = T if tree_mask is None else tree_mask.shape[-1]
         check(width <= S + T, "tree_mask", f"at most {S + T} wide (cached slots + block)", width)
         ends = torch.full((B,), S + T, device=self.valid.device)
-        holes = not bool(self.valid.all())
         self.valid = torch.cat([self.valid, self.valid.new_ones(B, T)], 1)
-        if tree_mask is None and not holes:
+        if tree_mask is None and not self.holes:
             return None  # a causal block on a cache with no holes: the model's own causal mask
         seen = visibility_mask(ends, T, S + T, tree_mask) & self.valid[:, None, None, :]  # (B, 1, T, S + T)
         mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
@@ -76,6 +78,7 @@ class HFCacheAdapter:
         slot = torch.arange(1, S + 1, device=self.valid.device)
         used, longest = torch.stack([(self.valid.any(0) * slot).max(), self.next_positions().max()]).tolist()
         self._crop(S - used)
+        self.holes = bool((~self.valid).any())  # once per decode (the prompts' padding)
         self._maybe_compact(longest)
 
     def keep_block(self, block_size: int, idx: torch.Tensor | None, n: torch.Tensor) -> None:
@@ -85,7 +88,7 @@ class HFCacheAdapter:
         B, S = self.valid.shape
         start = S - block_size
         kept = self.valid[:, :start].sum(1) + n
-        m, longest = torch.stack([n.max(), kept.max()]).tolist()
+        m, longest, fewest = torch.stack([n.max(), kept.max(), n.min()]).tolist()
         if idx is not None:
             src = start + idx[:, :m].clamp(min=0)  # (B, m)
             for layer in self.cache.layers:
@@ -94,6 +97,7 @@ class HFCacheAdapter:
                     buf[:, :, start:start + m] = buf.gather(2, index)
         self._crop(block_size - m)
         self.valid[:, start:] = torch.arange(m, device=n.device) < n[:, None]
+        self.holes = self.holes or fewest < m
         self._maybe_compact(longest)
 
     def compact(self) -> None:
@@ -105,7 +109,9 @@ class HFCacheAdapter:
             layer.keys = layer.keys.gather(2, index)
             layer.values = layer.values.gather(2, index)
         self.valid = self.valid.gather(1, order)
-        self._crop(S - int(self.next_positions().max()))
+        longest, shortest = torch.stack([self.next_positions().max(), self.next_positions().min()]).tolist()
+        self._crop(S - longest)
+        self.holes = shortest < longest  # every row's valid slots are a prefix now
 
     def _maybe_compact(self, longest: int) -> None:
         # a compaction copies the cache once, as every DynamicCache append already does
@@ -170,4 +176,4 @@ class HFCausalLMTarget:
     def _score(self, hidden: torch.Tensor, **extra) -> ModelOutput:
         """``ModelOutput`` of the last hidden state: float32 logits from the LM head."""
         logits = self.model.get_output_embeddings()(hidden)
-        return ModelOutput(logits=logits if logits.dtype == torch.float32 else logits.float(), hidden=hidden, **extra)
+        return ModelOutput(logits=logits.float(), hidden=hidden, **extra)

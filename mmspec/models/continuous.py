@@ -10,8 +10,8 @@ row 1 the latent (see ``mmspec.models.continuous_heads`` for why the two differ)
 also adds a second embedding of its row's class (``class_in``, DiT-style conditioning of every
 token): read through attention to position 0 alone, the class went almost unlearnt (a
 3,000-step target scored 256 held-out images 0.5 nats per image better under their true class
-than under the next one; with ``class_in`` and otherwise the same run, 3.25 nats; the bundled
-9,000-step target, 28.2; README, "Continuous-token image generation"). A cached
+than under the next one; with ``class_in`` (then normally initialised) at the same 3,000 steps,
+3.25 nats; the bundled 9,000-step target, 28.2; README, "Continuous-token image generation"). A cached
 decode remembers each row's class from its prompt pass (``ClassKVCache``). The feature z
 at position p (``ModelOutput.cond``) conditions token p; two heads read it: ``"mixture"``
 (``GaussianMixtureHead``, exact densities) and ``"diffusion"`` (``DiffusionHead``, MAR's).
@@ -43,13 +43,11 @@ __all__ = ["ClassKVCache", "ContinuousARModel"]
 
 
 class ClassKVCache(StaticKVCache):
-    """A ``StaticKVCache`` that also keeps each row's class id (``labels``, (B,) long), set by the
-    pass that holds the row's position 0 (the prompt pass) and read by the passes after it."""
+    """A ``StaticKVCache`` that also keeps each row's class id (``labels``, (B,) long): None until
+    the prompt pass (the cache's first, which holds every row's position 0) sets it; the passes
+    after it read it."""
 
-    def __init__(self, *args, null_class: int, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.labels = torch.full((self.batch_size,), null_class, dtype=torch.long, device=self.lengths.device)
-        self.seen = torch.zeros(self.batch_size, dtype=torch.bool, device=self.lengths.device)
+    labels: torch.Tensor | None = None
 
 
 class ContinuousARModel(ModelMixin, ConfigMixin):
@@ -161,7 +159,7 @@ class ContinuousARModel(ModelMixin, ConfigMixin):
         cfg = self.config
         p = self.token_in.weight
         return ClassKVCache(cfg.n_layers, batch_size, cfg.n_heads, cfg.dim // cfg.n_heads, max_len=max_len,
-                            rope=self.rope, dtype=p.dtype, device=p.device, null_class=self.null_class)
+                            rope=self.rope, dtype=p.dtype, device=p.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 cache: StaticKVCache | None = None, tree_mask: torch.Tensor | None = None) -> ModelOutput:
@@ -183,18 +181,17 @@ class ContinuousARModel(ModelMixin, ConfigMixin):
         cls_ids = torch.where(is_cls, tokens[..., 0, 0].round().long(), 0)
         x = torch.where(is_cls[..., None], self.cls_embedding(cls_ids),
                         self.token_in(tokens[..., 0, :].to(self.token_dtype)))  # (B, T, dim)
-        has_cls = is_cls.any(1)
-        row_cls = cls_ids.gather(1, is_cls.long().argmax(1, keepdim=True))[:, 0]  # each row's class id
-        if cache is None:
-            if not bool(has_cls.all()):
-                raise ValueError("the reference path (cache=None) needs position 0 (the class) in every row")
-        else:
+        if cache is not None:
             check(isinstance(cache, ClassKVCache), "cache", "a ClassKVCache (ContinuousARModel.new_cache)",
                   type(cache).__name__)
-            if not bool((has_cls | cache.seen).all()):
-                raise ValueError("a cached pass before the row's prompt pass: position 0 (the class) comes first")
-            cache.labels = torch.where(has_cls, row_cls, cache.labels)
-            cache.seen = cache.seen | has_cls
+        if cache is None or cache.labels is None:  # a block that starts every row: its class is at position 0
+            if not bool(is_cls.any(1).all()):
+                raise ValueError("the first pass needs position 0 (the class) in every row"
+                                 + ("" if cache is None else ": a cached pass came before the prompt pass"))
+            row_cls = cls_ids.gather(1, is_cls.long().argmax(1, keepdim=True))[:, 0]  # (B,)
+            if cache is not None:
+                cache.labels = row_cls
+        else:  # later cached passes: no host sync, the class from the prompt pass
             row_cls = cache.labels
         x = x + self.class_in(row_cls)[:, None]
         step = None if cache is None else cache.step(positions, tree_mask)
