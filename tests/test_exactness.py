@@ -34,6 +34,25 @@ class AlwaysAccept(SpeculativeSampling):
         return torch.ones_like(p[:, 0])
 
 
+class SiblingRounds(SpeculativeSampling):
+    """Lossless: the same test and residual, but as a subclass's own test, so deterministic trees
+    take the sibling rounds over all nodes instead of one draw per node (``draws_decide``)."""
+
+    def accept_prob(self, p, q, x):
+        return super().accept_prob(p, q, x)
+
+
+class FreshCorrection(SpeculativeSampling):
+    """Broken (one draw per node): the token after the accepted path is drawn afresh from p at the
+    path's last node instead of being the draw that rejected its children (p, not the residual)."""
+
+    def _walk(self, draft, p_all, generator):
+        acc = super()._walk(draft, p_all, generator)
+        last = acc.path.gather(1, acc.num_accepted[:, None]).squeeze(1)
+        acc.next_token = self.sample(p_all[torch.arange(len(last)), last], generator)
+        return acc
+
+
 def drafter(kind, draft, V):
     if kind == "chain":
         return ModelChainDrafter(draft, gamma=2)
@@ -70,6 +89,16 @@ def test_lossless_matches_target(small_vocab_pair, kind):
     assert pval >= P_THRESHOLD, f"{kind}: chi-square p={pval:.2e}, TV={tv:.4f}"
 
 
+def test_lossless_tree_by_sibling_rounds(small_vocab_pair):
+    """The deterministic tree under the sibling rounds (the road every other rule takes) is exact
+    too; the default road is one draw per node."""
+    target, draft = small_vocab_pair
+    assert SpeculativeSampling().draws_decide and not SiblingRounds().draws_decide
+    pval, tv, stats = sample_pvalue(target, draft, "tree-topk", PLAIN, rule=SiblingRounds())
+    assert stats.tau > 1.1
+    assert pval >= P_THRESHOLD, f"chi-square p={pval:.2e}, TV={tv:.4f}"
+
+
 @pytest.mark.parametrize("kind", ["chain", "tree-topk", "tree-sampled", "jacobi"])
 def test_lossless_with_cfg_topk_temperature(small_vocab_pair, kind):
     """3: exact with classifier-free guidance (doubled batch), top-k and temperature on."""
@@ -81,7 +110,7 @@ def test_lossless_with_cfg_topk_temperature(small_vocab_pair, kind):
 
 @pytest.mark.parametrize("kind,broken", [
     ("chain", NoResidual), ("chain", AlwaysAccept),
-    ("tree-topk", NoResidual), ("tree-topk", AlwaysAccept),
+    ("tree-topk", NoResidual), ("tree-topk", AlwaysAccept), ("tree-topk", FreshCorrection),
     ("tree-sampled", NoResidual), ("tree-sampled", AlwaysAccept),
     ("jacobi", NoResidual), ("jacobi", AlwaysAccept),
 ])

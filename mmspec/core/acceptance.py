@@ -129,40 +129,99 @@ class SpeculativeSampling:
         path = torch.where(depth <= n[:, None], depth, -1)
         return Acceptance(path=path, num_accepted=n, next_token=self.sample(last, generator))
 
+    @property
+    def draws_decide(self) -> bool:
+        """Whether a deterministic (q = 1) tree may be verified by one target draw per node: true
+        for this rule's own test and residual; a subclass that changes either walks the siblings."""
+        cls = type(self)
+        return cls.accept_prob is SpeculativeSampling.accept_prob and cls.reject is SpeculativeSampling.reject
+
     def _walk(self, draft: DraftTree, p_all: torch.Tensor, generator) -> Acceptance:
+        """Trees, every node at once.
+
+        The target's distribution at a node does not depend on how the walk got there, so each
+        node's sibling tests can run before the path is known: ``max_children`` rounds over all
+        nodes decide which child (if any) each node accepts and leave the residual there, then a
+        path search keeps the accepted prefix (``accepted_path``) and the correction or bonus is
+        drawn from the residual of its last node. Same rule and same output distribution as
+        trying the children depth by depth; the random numbers are drawn per node (B, N+1, K)
+        instead of per step, so seeded runs differ from a depth-by-depth walk.
+
+        Deterministic trees under this rule's own test take a shorter road (``draws_decide``):
+        trying children x_1, x_2, ... with ``p(x_i)`` and zeroing each rejected one accepts x_i
+        with probability exactly ``p(x_i)`` and otherwise emits a draw from p without the
+        children, which is what one draw y ~ p per node does: accept the child equal to y, or
+        emit y (SpecInfer's multi-round rule with q = 1, Miao et al., 2024)."""
         tree, tokens = draft.tree, draft.tokens
         B, N1, V = p_all.shape
         device = p_all.device
         rows = torch.arange(B, device=device)
-        # node 0 is the root; pad the node tables so that index 0 is valid
-        node_tok = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), tokens], 1)
-        node_q = None if draft.q is None else torch.cat([draft.q.new_zeros(B, 1, V), draft.q], 1)
-        children = tree.children
-        cur = torch.zeros(B, dtype=torch.long, device=device)
-        p = p_all[:, 0]
-        active = torch.ones(B, dtype=torch.bool, device=device)
-        num_acc = torch.zeros(B, dtype=torch.long, device=device)
-        path = torch.full((B, tree.max_depth + 1), -1, dtype=torch.long, device=device)
-        path[:, 0] = 0
-        for d in range(tree.max_depth):
-            moved = torch.zeros(B, dtype=torch.bool, device=device)
-            nxt = cur
-            for s in range(tree.max_children):
-                child = children[rows, cur, s]  # (B,)
-                try_it = active & ~moved & (child >= 0)
-                c = child.clamp(min=0)
-                x = node_tok[rows, c]
-                q = None if node_q is None else node_q[rows, c]
-                ok = try_it & (self.uniform((B,), device, generator) < self.accept_prob(p, q, x))
-                p = torch.where((try_it & ~ok)[:, None], self.reject(p, q, x), p)
-                nxt = torch.where(ok, c, nxt)
-                moved |= ok
-            cur = nxt
-            p = torch.where(moved[:, None], p_all[rows, cur], p)
-            path[:, d + 1] = torch.where(moved, cur, -1)
-            num_acc += moved
-            active &= moved
-        return Acceptance(path=path, num_accepted=num_acc, next_token=self.sample(p, generator))
+        if N1 == 1:  # nothing drafted (target-only decoding): the target's own draw
+            zeros = torch.zeros(B, dtype=torch.long, device=device)
+            return Acceptance(path=zeros[:, None], num_accepted=zeros, next_token=self.sample(p_all[:, 0], generator))
+        children = tree.children  # (B, N+1, K), -1 where absent
+        K = children.shape[-1]
+        node_tok = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), tokens], 1)  # (B, N+1)
+        kid = children.clamp(min=0)
+        kid_tok = node_tok.gather(1, kid.reshape(B, -1)).view(B, N1, K)
+        if draft.q is None and self.draws_decide:
+            y = self.sample(p_all, generator)  # (B, N+1): one draw per node
+            match = (kid_tok == y[..., None]) & (children >= 0)
+            first = match.to(torch.int8).argmax(-1, keepdim=True)  # the first sibling with that token
+            chosen = torch.where(match.any(-1), kid.gather(-1, first).squeeze(-1), -1)
+            path, n, last = accepted_path(tree, chosen)
+            return Acceptance(path=path, num_accepted=n, next_token=y[rows, last])
+        u = self.uniform((B, N1, K), device, generator)
+        p = p_all.reshape(B * N1, V)
+        chosen = torch.full((B, N1), -1, dtype=torch.long, device=device)
+        q_all = None if draft.q is None else torch.cat([draft.q.new_zeros(B, 1, V), draft.q], 1)
+        for s in range(K):
+            # the nodes with an s-th child whose earlier children were all rejected
+            live = ((children[..., s] >= 0) & (chosen < 0)).reshape(-1).nonzero().squeeze(1)
+            if live.numel() == 0:
+                break
+            c = kid[..., s].reshape(-1)[live]
+            x = kid_tok[..., s].reshape(-1)[live]
+            r = live // N1
+            q = None if q_all is None else q_all[r, c]
+            ps = p[live]
+            ok = u[..., s].reshape(-1)[live] < self.accept_prob(ps, q, x)
+            p = p.index_copy(0, live, torch.where(ok[:, None], ps, self.reject(ps, q, x)))
+            chosen.view(-1)[live] = torch.where(ok, c, -1)
+        path, n, last = accepted_path(tree, chosen)
+        return Acceptance(path=path, num_accepted=n, next_token=self.sample(p.view(B, N1, V)[rows, last], generator))
+
+
+def accepted_path(tree, chosen: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, N+1) the child each node accepted (-1: none) -> the accepted path.
+
+    A node is on it when every node from the root down to it was chosen by its parent; the path
+    ends at the deepest such node (at most one child per node is chosen, so that node is unique).
+    Returns ``path`` (B, max_depth + 1) node indices by depth (-1 past the end), ``n`` (B,)
+    accepted drafts and ``last`` (B,) the path's last node."""
+    B, N1 = chosen.shape
+    device = chosen.device
+    ok = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device),
+                    chosen.gather(1, tree.parents) == torch.arange(1, N1, device=device)], 1)
+    return _deepest(tree, ok)
+
+
+def _deepest(tree, ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, N+1) whether each node passed its own test -> (path, n, last) of the deepest node whose
+    ancestors all passed (the first by index among equals)."""
+    B, N1 = ok.shape
+    device = ok.device
+    anc = tree.ancestor_mask  # (B, N+1, N+1): [b, i, j] j is i or an ancestor of i
+    accepted = ~(anc & ~ok[:, None, :]).any(-1)
+    depth = anc.sum(-1) - 1
+    last = torch.where(accepted, depth, -1).argmax(-1)  # (B,)
+    rows = torch.arange(B, device=device)
+    n = depth[rows, last]
+    D = tree.max_depth
+    slots = torch.where(anc[rows, last], depth, D + 1)  # depth d -> path[d]; others to a spare column
+    path = torch.full((B, D + 2), -1, dtype=torch.long, device=device)
+    path.scatter_(1, slots, torch.arange(N1, device=device).expand(B, N1))
+    return path[:, : D + 1], n, last
 
 
 def check_chain(draft: DraftTree) -> None:
@@ -208,15 +267,5 @@ class GreedyMatch(SpeculativeSampling):
         best_tok = argmax_ids(p_all)  # (B, N+1): the target's token after every node
         ok = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=device),
                         tokens == best_tok.gather(1, tree.parents)], 1)  # (B, N+1)
-        anc = tree.ancestor_mask  # (B, N+1, N+1): [b, i, j] j is i or an ancestor of i
-        accepted = ~(anc & ~ok[:, None, :]).any(-1)
-        depth = anc.sum(-1) - 1
-        best = torch.where(accepted, depth, -1).argmax(-1)  # (B,) deepest accepted node, first wins
-        rows = torch.arange(B, device=device)
-        n = depth[rows, best]
-        D = tree.max_depth
-        on_path = anc[rows, best]  # (B, N+1): the best node's ancestors and itself
-        slots = torch.where(on_path, depth, D + 1)  # depth d -> path[d]; others to a spare column
-        path = torch.full((B, D + 2), -1, dtype=torch.long, device=device)
-        path.scatter_(1, slots, torch.arange(N1, device=device).expand(B, N1))
-        return Acceptance(path=path[:, : D + 1], num_accepted=n, next_token=best_tok[rows, best])
+        path, n, last = _deepest(tree, ok)
+        return Acceptance(path=path, num_accepted=n, next_token=best_tok[torch.arange(B, device=device), last])
