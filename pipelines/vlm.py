@@ -24,6 +24,7 @@ from ..core import LogitsPipeline
 from . import checks
 from .base import SpeculativePipeline
 # diffusers loads components only from modules already imported: name them here
+from ..models import medusa as _medusa  # noqa: F401
 from ..models import vlm_draft as _vlm_draft  # noqa: F401
 from .vlm_inputs import StreamerFeed, VLMInputs, check_streamer, prepare_vlm_inputs, sampling_from_generation_config
 
@@ -45,18 +46,19 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
     """A VLM (``target``: ``LlavaForConditionalGeneration``, ``Qwen2VLForConditionalGeneration`` or
     ``Qwen2_5_VLForConditionalGeneration``; ``processor``: its processor, with a chat template)
     plus optional drafts: ``draft_model`` (a small VLM with the same
-    tokenizer, for ``sd``) and ``eagle_head`` / ``specvlm_head`` / ``vispec_head``
-    (``VLMDraftHead``s). Methods: ``mmspec.methods.names("vlm")``."""
+    tokenizer, for ``sd``), ``eagle_head`` / ``specvlm_head`` / ``vispec_head``
+    (``VLMDraftHead``s) and ``medusa_head`` (``MedusaHeads``). Methods: ``mmspec.methods.names("vlm")``."""
 
     modality = "vlm"
-    model_cpu_offload_seq = "target->draft_model->eagle_head->specvlm_head->vispec_head"
-    _optional_components = ["draft_model", "eagle_head", "specvlm_head", "vispec_head"]
+    model_cpu_offload_seq = "target->draft_model->eagle_head->specvlm_head->vispec_head->medusa_head"
+    _optional_components = ["draft_model", "eagle_head", "specvlm_head", "vispec_head", "medusa_head"]
     _method_components = {"draft": "draft_model"}
 
-    def __init__(self, target, processor, draft_model=None, eagle_head=None, specvlm_head=None, vispec_head=None):
+    def __init__(self, target, processor, draft_model=None, eagle_head=None, specvlm_head=None, vispec_head=None,
+                 medusa_head=None):
         super().__init__()
         self.register_modules(target=target, processor=processor, draft_model=draft_model, eagle_head=eagle_head,
-                              specvlm_head=specvlm_head, vispec_head=vispec_head)
+                              specvlm_head=specvlm_head, vispec_head=vispec_head, medusa_head=medusa_head)
         self._views = None
 
     def views(self) -> tuple[VLMTarget, VLMTarget | None]:
@@ -69,7 +71,7 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
 
     def method_components(self) -> dict:
         target, draft = self.views()
-        return {"target": target, "draft": draft} | {f"{h}_head": getattr(self, f"{h}_head") for h in HEADS}
+        return {"target": target, "draft": draft} | {f"{h}_head": getattr(self, f"{h}_head") for h in HEADS + ("medusa",)}
 
     def prepare_inputs(self, images, prompts) -> VLMInputs:
         """``(input_ids, vision)``: per prompt its token ids (the processor's chat template around
@@ -109,7 +111,8 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
                 template frames each (``[{"role": "user", "content": [image, question]}]``).
             max_new_tokens: the answer's length limit; a row stops at an EOS id of the target's
                 ``generation_config`` (an int or a list).
-            method: ``"none"``, ``"sd"``, ``"lookup"``, ``"eagle"``, ``"specvlm"`` or ``"vispec"``.
+            method: ``"none"``, ``"sd"``, ``"lookup"``, ``"eagle"``, ``"specvlm"``, ``"vispec"`` or
+                ``"medusa"``.
                 Every method is lossless: greedy answers equal ``method="none"``'s, sampled
                 answers follow the same distribution.
             temperature: 0 is greedy, > 0 samples; ``None``: from the target's

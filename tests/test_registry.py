@@ -192,7 +192,7 @@ def test_names_per_modality():
     ar = ("none", "sd", "eagle", "lantern", "sjd", "gsd", "zipar", "zipar+sjd", "zipar+gsd", "sjd+lantern",
           "zipar+sjd+lantern")  # the methods the AR bench has always run, in its order (others may join)
     assert [m for m in methods.names("ar-image") if m in ar] == list(ar)
-    assert methods.names("vlm") == ("none", "sd", "lookup", "eagle", "specvlm", "vispec")
+    assert methods.names("vlm") == ("none", "sd", "lookup", "eagle", "specvlm", "vispec", "medusa")
     assert methods.names("text") == ("none", "sd", "tree", "tree-sampled", "jacobi")
 
 
@@ -249,7 +249,8 @@ AR_METHODS = ", ".join(repr(m) for m in methods.names("ar-image"))
     ("ar-image", "sjd+", None, "got 'sjd+'"),
     ("ar-image", "none+sjd", None, "got 'none+sjd'"),
     ("vlm", "zipar", None, "method must be one of the vlm methods ('none', 'sd', 'lookup', 'eagle', 'specvlm', "
-                           "'vispec') or a '+' composition of its parts (sd, lookup, eagle, specvlm, vispec)"),
+                           "'vispec', 'medusa') or a '+' composition of its parts (sd, lookup, eagle, specvlm, "
+                           "vispec, medusa)"),
     ("ar-image", "sjd+sjd", None, "method must be a composition naming each part at most once, got 'sjd+sjd'"),
     ("ar-image", "gsd+lantern", None, "method must be a composition with at most one rule (gsd or lantern)"),
     ("ar-image", "sd+eagle", None, "method must be a composition with at most one drafter (sd or eagle)"),
@@ -299,7 +300,7 @@ def test_build_refuses_missing_and_unknown_components():
     with pytest.raises(ValueError, match=re.escape("codebook must be given for method 'sjd+lantern'")):
         methods.build(methods.resolve("ar-image", "sjd+lantern"), {"target": target, "codebook": None})
     with pytest.raises(ValueError, match=re.escape("components must be names among target, draft, eagle_head, "
-                                                   "specvlm_head, vispec_head for 'vlm', got ['draft_model']")):
+                                                   "specvlm_head, vispec_head, medusa_head for 'vlm', got ['draft_model']")):
         methods.build(methods.resolve("vlm", "sd"), {"target": target, "draft_model": target})
     with pytest.raises(ValueError, match="target must be the target model"):
         methods.build(methods.resolve("text", "none"), {})

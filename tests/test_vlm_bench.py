@@ -11,14 +11,14 @@ from mmspec.cli import main
 
 @pytest.fixture(scope="module")
 def result():
-    cfg = vlm.VLMBenchConfig(prompts=2, max_new_tokens=24, rows=vlm.DEFAULT_ROWS[:9] + (("eagle-d3", "eagle", {"tree_depth": 3}),))
+    cfg = vlm.VLMBenchConfig(prompts=2, max_new_tokens=24, rows=vlm.DEFAULT_ROWS[:10] + (("eagle-d3", "eagle", {"tree_depth": 3}),))
     return vlm.run(cfg)
 
 
 def test_every_row_is_measured_and_lossless(result):
     rows = {r["method"]: r for r in result["rows"]}
     assert set(rows) == {"none", "hf-generate", "hf-assisted", "hf-lookup", "sd", "lookup", "eagle", "specvlm",
-                         "vispec", "eagle-d3"}
+                         "vispec", "medusa", "eagle-d3"}
     for name, r in rows.items():
         if name == "hf-lookup":  # transformers' prompt lookup copies <image> placeholders: reported, not hidden
             assert r["greedy_identical"] == "failed" and "Image features" in r["error"]
@@ -30,6 +30,8 @@ def test_every_row_is_measured_and_lossless(result):
     assert rows["none"]["tau"] == 1.0
     assert rows["eagle"]["tau"] > 2 and rows["eagle"]["draft_params"] > 0 and rows["eagle"]["draft_train_s"] > 0
     assert rows["eagle-d3"]["tau"] <= 5  # depth 3: 4 levels, so at most 4 drafts + 1 per pass
+    assert rows["medusa"]["tau"] > 2 and rows["medusa"]["draft_params"] > 0
+    assert rows["medusa"]["draft_nfe"] == rows["medusa"]["nfe"] - 1  # one heads call per verification
     assert rows["hf-assisted"]["assistant_sees_image"] is False  # transformers 5.x drops pixel_values
     assert max(rows["none"]["wall_speedup"], rows["hf-generate"]["wall_speedup"]) == 1.0
     assert rows["hf-assisted"]["wall_speedup_vs_peer"] == 1.0

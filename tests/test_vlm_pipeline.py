@@ -119,7 +119,7 @@ def _sample(pipe, method, case, rule=None, n=2000, rows=250, seed=0):
     ids, pixels, logits, joint = case
     target, draft = pipe.views()
     images = target.vision_inputs(pixels.expand(rows, -1, -1, -1))
-    heads = {m: getattr(pipe, f"{m}_head") for m in ("eagle", "specvlm", "vispec")}
+    heads = {m: getattr(pipe, f"{m}_head") for m in ("eagle", "specvlm", "vispec", "medusa")}
     gen = torch.Generator().manual_seed(seed)
     samples = []
     for _ in range(n // rows):
@@ -142,13 +142,16 @@ def test_sampled_methods_follow_the_targets_distribution(pipe, sampling_case, me
 
 
 def test_a_broken_rule_fails_the_distribution_test(pipe, sampling_case):
-    assert _sample(pipe, "eagle", sampling_case, rule=NoResidual()) < P_THRESHOLD
+    """The control at twice the samples (4,000, seed 0): on this 5-cell case the broken rule's
+    p-value at 2,000 samples fell from 4e-7 to 1.4e-3 over seeds 0-2 (above the threshold once);
+    at 4,000 it was 2e-7 to 3e-5 over seeds 0-3 (measured)."""
+    assert _sample(pipe, "eagle", sampling_case, rule=NoResidual(), n=4000) < P_THRESHOLD
 
 
 def test_save_and_load_round_trip(pipe, heldout, reference, tmp_path):
     pipe.save_pretrained(tmp_path / "copy")
     again = SpeculativeVLMPipeline.from_pretrained(tmp_path / "copy")
-    assert {"eagle_head", "specvlm_head", "vispec_head", "draft_model"} <= set(again.components)
+    assert {"eagle_head", "specvlm_head", "vispec_head", "medusa_head", "draft_model"} <= set(again.components)
     images, questions = heldout
     out = again(images=images[:2], prompts=questions[:2], method="vispec", max_new_tokens=NEW_TOKENS)
     assert out.tokens == reference[:2]
@@ -159,7 +162,7 @@ def test_save_and_load_round_trip(pipe, heldout, reference, tmp_path):
     (dict(images=None, prompts=["describe the image ."]), "images"),
     (dict(prompts=["a", "b"]), "images"),  # one image for two prompts
     (dict(prompts=[]), "prompts"),
-    (dict(method="medusa"), "method"),
+    (dict(method="hydra"), "method"),
     (dict(method="eagle", method_knobs={"tree_width": 3}), "method_knobs"),
     (dict(method="eagle", method_knobs={"tree_depth": 0}), "tree_depth"),
     (dict(method="lookup", method_knobs={"tree_depth": 3}), "method_knobs"),

@@ -6,7 +6,7 @@ or sink+window rolling caches. Adapters turn model families into its ``Target`` 
 Continuous tokens run through the same loop: per-position ``TokenDist``s from a
 ``DensityPipeline`` instead of probabilities (``mmspec.core.distributions``).
 
-The seams (``Target``, ``Drafter`` with ``DrafterBase``'s defaults, ``FeatureHead``,
+The seams (``Target``, ``Drafter`` with ``DrafterBase``'s defaults, ``FeatureHead``, ``ParallelHeads``,
 ``AcceptanceRule``, ``DecodingSchedule`` -> ``SchedulePlan``, ``KVCache``) are typed in one place,
 ``mmspec.core.types``; imports inside the core point one way (``tests/test_core_protocols.py``).
 """
@@ -16,7 +16,8 @@ from .cache import SinkWindowCache, SlotKVCache, StaticKVCache
 from .decoder import DecodeOutput, DecodeState, SpeculativeDecoder
 from .distributions import DensityPipeline, Draw, HeadMeter, Residual, TokenDist
 from .lookup import PromptLookupDrafter
-from .drafters import EagleTreeDrafter, JacobiDrafter, ModelChainDrafter, ModelTreeDrafter, NullDrafter
+from .drafters import (EagleTreeDrafter, JacobiDrafter, ModelChainDrafter, ModelTreeDrafter, NullDrafter,
+                       ParallelHeadsDrafter)
 from .logits import LogitsPipeline
 from .relaxed import (GroupedAcceptance, GroupedAcceptanceConfig, LatentProximityAcceptance,
                       LatentProximityConfig, latent_neighbours)
@@ -24,14 +25,14 @@ from .schedule import NextSetSchedule, RasterSchedule
 from .stats import Stats
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
 from .types import (Acceptance, AcceptanceRule, DecodingSchedule, Drafter, DrafterBase, FeatureHead, KVCache,
-                    ModelOutput, SchedulePlan, Target, TokenHead)
+                    ModelOutput, ParallelHeads, SchedulePlan, Target, TokenHead)
 
 __all__ = [
     "Acceptance", "AcceptanceRule", "DecodeOutput", "DecodeState", "DecodingSchedule", "DensityPipeline", "Draw",
     "DraftTree", "Drafter", "DrafterBase", "EagleTreeDrafter", "FeatureHead", "GreedyMatch", "HeadMeter",
     "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDrafter", "KVCache", "LatentProximityAcceptance",
     "LatentProximityConfig", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter",
-    "NextSetSchedule", "NullDrafter", "PromptLookupDrafter", "RasterSchedule", "Residual", "SchedulePlan",
+    "NextSetSchedule", "NullDrafter", "ParallelHeads", "ParallelHeadsDrafter", "PromptLookupDrafter", "RasterSchedule", "Residual", "SchedulePlan",
     "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder",
     "SpeculativeSampling", "StaticKVCache", "Stats", "Target", "TokenDist", "TokenHead", "Tree", "dynamic_tree",
     "latent_neighbours", "sampled_tree",

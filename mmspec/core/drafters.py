@@ -6,6 +6,8 @@
   nodes) or a sampled tree (nodes drawn without replacement).
 - ``EagleTreeDrafter``: EAGLE's feature head grows the same EAGLE-2 trees from the target's own
   features (any head meeting the small ``FeatureHead`` protocol).
+- ``ParallelHeadsDrafter``: parallel heads on the target's features (Medusa) score every level of
+  an EAGLE-2 tree in one pass.
 - ``JacobiDrafter``: the previous iteration's samples and the distributions they came from
   (Speculative Jacobi Decoding, Teng et al., 2025), optionally maximally coupled with the
   previous drafts (MC-SJD, So et al., 2025); no draft model at all.
@@ -22,10 +24,10 @@ from .distributions import Draw
 from .errors import check, check_choice
 from .sampling import rand, randint, sample
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
-from .types import DecodeState, DrafterBase, FeatureHead, ModelOutput
+from .types import DecodeState, DrafterBase, FeatureHead, ModelOutput, ParallelHeads
 
 __all__ = ["DrafterBase", "NullDrafter", "ModelChainDrafter", "ModelTreeDrafter", "EagleTreeDrafter",
-           "FeatureHead", "JacobiDrafter", "maximal_coupling"]
+           "FeatureHead", "JacobiDrafter", "ParallelHeads", "ParallelHeadsDrafter", "maximal_coupling"]
 
 
 class NullDrafter(DrafterBase):
@@ -343,6 +345,67 @@ class EagleTreeDrafter(DrafterBase):
         positions = (state.lengths - 1)[:, None] + torch.arange(path.shape[1], device=path.device)
         positions = positions.clamp(max=self.features.shape[1] - 1)
         self.features.scatter_(1, positions[..., None].expand(-1, -1, H), on_path.to(self.features.dtype))
+
+
+class ParallelHeadsDrafter(DrafterBase):
+    """A whole EAGLE-2 tree from one pass of parallel draft heads (Medusa, Cai et al., 2024).
+
+    The heads (``ParallelHeads``: ``mmspec.models.medusa``) read the target's feature before the
+    root, whose LM-head output the root was drawn from, and score the K tokens after the root at
+    once. The tree is EAGLE-2's dynamic tree over those K distributions (``dynamic_tree``: every
+    frontier node at depth d proposes head d's ``top_k`` tokens, ranked by the product of head
+    probabilities along the path, ``total_tokens`` kept): a node's children do not depend on its
+    token, since the heads do not read drafts (only the root). Deterministic nodes, verified with
+    q = 1, so lossless under ``SpeculativeSampling`` and ``GreedyMatch``.
+
+    One head call per verification (``forwards`` counts them), where ``EagleTreeDrafter`` makes
+    one per tree level. After each verification ``update`` keeps the target's feature at the last
+    accepted node, the one the next root comes from.
+
+    Args:
+        heads: the parallel heads (K = ``heads.num_heads`` levels below the root).
+        top_k: children per frontier node and frontier width.
+        total_tokens: nodes verified, root included.
+        depth: levels used (default K, at most K).
+    """
+
+    def __init__(self, heads: ParallelHeads, top_k: int = 4, total_tokens: int = 16, depth: int | None = None):
+        K = heads.num_heads
+        depth = K if depth is None else depth
+        check(isinstance(depth, int) and 1 <= depth <= K, "depth", f"an int in [1, {K}] (the heads' count)", depth)
+        self.heads = heads
+        self.vocab_size = heads.vocab_size
+        self.top_k, self.depth, self.total_tokens, self.mode = top_k, depth, total_tokens, "topk"
+        self.max_block = _tree_block(heads.vocab_size, top_k, depth - 1, total_tokens, "topk")
+        self.forwards = 0
+        self.features = self.inputs = None
+
+    def start(self, state: DecodeState) -> None:
+        out = state.prefill
+        if out is None or out.hidden is None:
+            raise ValueError("ParallelHeadsDrafter needs the target's features: its forward must return "
+                             "ModelOutput.hidden (and the decoder must set state.prefill)")
+        rows = torch.arange(out.hidden.shape[0], device=out.hidden.device)
+        self.features = out.hidden[rows, state.lengths - 2]  # (R, H): the root came from this feature
+        self.inputs = self.heads.start(state)
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        root = state.tokens.gather(1, (state.lengths - 1)[:, None]).squeeze(1)  # (R,)
+        logp = _node_scores(state, self.heads(self.features, root, self.inputs), self.mode)  # (B, K, V)
+        self.forwards += 1
+
+        def step(tokens, depth, mask):  # head ``depth`` for every frontier node alike
+            return logp[:, depth, None].expand(-1, tokens.shape[1], -1)
+
+        return dynamic_tree(logp[:, 0], step, self.top_k, self.depth - 1, self.total_tokens)
+
+    def update(self, state, draft, acceptance, target_probs, target_out):
+        if target_out.hidden is None:
+            raise ValueError("ParallelHeadsDrafter needs the target's features (ModelOutput.hidden)")
+        last = acceptance.path.gather(1, acceptance.num_accepted[:, None])  # (B, 1) the last accepted node
+        hidden = target_out.hidden  # (R, T, H), root first
+        last = state.expand(last)
+        self.features = hidden.gather(1, last[..., None].expand(-1, -1, hidden.shape[-1])).squeeze(1)
 
 
 def _parent_slot(mask: torch.Tensor, k: int) -> torch.Tensor:

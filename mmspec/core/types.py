@@ -244,6 +244,24 @@ class FeatureHead(Protocol):
 
 
 @runtime_checkable
+class ParallelHeads(Protocol):
+    """What ``ParallelHeadsDrafter`` needs of parallel draft heads (``mmspec.models.medusa``).
+
+    ``heads(features, root, image)``: the target's feature (R, H) before each row's root, the
+    root tokens (R,) and what ``heads.start(state)`` returned (per-row inputs such as an image
+    feature, or None) -> (R, K, V) logits, head k for the token k + 1 after the root. All K
+    heads run in that one call.
+    """
+
+    vocab_size: int
+    num_heads: int
+
+    def start(self, state: DecodeState) -> Any: ...
+
+    def __call__(self, features: torch.Tensor, root: torch.Tensor, image: Any = None) -> torch.Tensor: ...
+
+
+@runtime_checkable
 class TokenHead(Protocol):
     """A continuous model's per-token head (``ModelOutput.heads``): features -> ``TokenDist``.
 

@@ -8,11 +8,14 @@ lookup   prompt lookup: n-gram matches in the context (Saxena, 2023; transformer
 eagle    EAGLE-2 dynamic tree from a draft head that sees every image token (SpecVLM's EagleVLM)
 specvlm  the same tree, the head's image through SpecVLM's elastic visual compressor
 vispec   the same tree, the head's image through ViSpec's vision adaptor + global feature
+medusa   parallel heads (Medusa) score the whole tree in one pass, reading the root token and
+         the image's mean embedding
 ======== =====================================================================================
 
 Components: ``target`` (a ``VLMTarget``), ``draft`` (the ``VLMTarget`` of the draft VLM),
-``eagle_head`` / ``specvlm_head`` / ``vispec_head`` (``VLMDraftHead``s, bound to the target here).
-The three head methods share the ``tree_*`` knobs.
+``eagle_head`` / ``specvlm_head`` / ``vispec_head`` (``VLMDraftHead``s, bound to the target here),
+``medusa_head`` (``MedusaHeads``). The three EAGLE head methods share the ``tree_*`` knobs;
+``medusa`` has its own ``medusa_*`` (its depth is bounded by its head count).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from .registry import register_method, register_modality, register_part
 
 MODALITY = "vlm"
 HEADS = ("eagle", "specvlm", "vispec")
-register_modality(MODALITY, components=("target", "draft") + tuple(f"{h}_head" for h in HEADS),
+register_modality(MODALITY, components=("target", "draft") + tuple(f"{h}_head" for h in HEADS) + ("medusa_head",),
                   doc="answers about an image from a LLaVA-style VLM")
 
 
@@ -49,6 +52,24 @@ class TreeConfig:
     top_k: int = knob(8, min=1)
     depth: int = knob(6, min=1)
     total_tokens: int = knob(24, min=1)
+
+    def __post_init__(self):
+        check_config(self)
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    """The tree of the parallel heads: EAGLE-2's dynamic tree over the K heads' distributions.
+
+    Args:
+        top_k: children per frontier node (and frontier width).
+        total_tokens: nodes kept for verification.
+        depth: levels below the root, at most the heads' count (None: all of them).
+    """
+
+    top_k: int = knob(4, min=1)
+    total_tokens: int = knob(16, min=2)
+    depth: int | None = knob(None, min=1)
 
     def __post_init__(self):
         check_config(self)
@@ -100,6 +121,13 @@ for _h in HEADS:
     register_part(name=_h, kind="drafter", config=TreeConfig, prefix="tree", requires=(f"{_h}_head",),
                   build=_head_part(_h), doc=_HEAD_DOCS[_h], modalities=(MODALITY,))
 
+register_part(
+    name="medusa", kind="drafter", config=MedusaConfig, prefix="medusa", requires=("medusa_head",),
+    build=lambda cfg, c: core.ParallelHeadsDrafter(c["medusa_head"].bind(c["target"]), top_k=cfg.top_k,
+                                                   total_tokens=cfg.total_tokens, depth=cfg.depth),
+    doc="parallel heads (Medusa) on the target's features score a whole EAGLE-2 tree in one pass; they also "
+        "read the root token and the image's mean embedding", modalities=(MODALITY,))
+
 register_method("none", "", doc="the target alone (the baseline)", modalities=(MODALITY,))
-for _name in ("sd", "lookup") + HEADS:
+for _name in ("sd", "lookup") + HEADS + ("medusa",):
     register_method(_name, modalities=(MODALITY,))
