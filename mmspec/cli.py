@@ -12,6 +12,9 @@
                                      speed-up over window recompute, judge accuracy, prompt switches
     mmspec bench continuous [--json PATH]
                                      continuous-token methods (sd, path, cspd, warm-up): NFE, alpha, wall, FD, exactness
+    mmspec bench cost [--json PATH] [--gpu-curve FILE]
+                                     forward cost curves of every bundled target; each method's ceiling,
+                                     predicted and measured speed-up (and a labelled projection for FILE)
     mmspec generate ar-image --method gsd --prompt "a red circle" --out DIR
                                      write PNGs from the bundled AR image pipeline
     mmspec generate continuous --method sd --prompt "a red circle" --out DIR
@@ -31,7 +34,7 @@
                                      rebuild the AR image bench's classifier (about 3 min)
     mmspec train vlm [--size target|draft] --out DIR
                                      rebuild the tiny LLaVA-style VLM (about 26 min) or its draft VLM
-    mmspec train vlm-draft --method eagle|specvlm|vispec --target DIR --out DIR
+    mmspec train vlm-draft --method eagle|specvlm|vispec|medusa --target DIR --out DIR
                                      train a VLM draft head by online-logit distillation; also runs as
                                      accelerate launch --num_processes 2 -m mmspec train vlm-draft ...
     mmspec train video-ae --out DIR  rebuild the streaming video model's frame autoencoder (about 6 min)
@@ -55,7 +58,7 @@ import os
 import sys
 from pathlib import Path
 
-BENCHES = ("core", "ar-image", "vlm", "video", "kernels", "continuous")
+BENCHES = ("core", "ar-image", "vlm", "video", "kernels", "continuous", "cost")
 
 
 class UsageError(ValueError):
@@ -106,7 +109,12 @@ def cmd_bench(args) -> int:
     result.setdefault("setup", {})["machine"] = monitor.record()
     if args.json:
         report.write_json(args.json, result)
-    print(report.format_table(result["rows"], columns))
+    if args.name == "cost":  # a curve table per target, then the method table
+        from .bench import cost
+
+        print(cost.format_report(result))
+    else:
+        print(report.format_table(result["rows"], columns))
     footer = monitor.footer()
     print("\n" + "\n".join(footer))
     if monitor.quiet is False:
@@ -144,6 +152,13 @@ def _run_bench(args) -> tuple[dict, list]:
         cfg = continuous.ContinuousBenchConfig.quick() if args.quick else continuous.ContinuousBenchConfig()
         result = continuous.public(continuous.run(cfg, progress=None if args.quiet else _progress))
         columns = continuous.CONTINUOUS_COLUMNS
+    elif args.name == "cost":
+        from .bench import cost
+
+        cfg = cost.CostBenchConfig.quick() if args.quick else cost.CostBenchConfig()
+        cfg.gpu_curve = args.gpu_curve  # checked and loaded by check_args
+        result = cost.public(cost.run(cfg, progress=None if args.quiet else _progress))
+        columns = cost.columns(result)
     elif args.name == "kernels":
         from .bench import kernels
 
@@ -436,9 +451,12 @@ def cmd_train(args) -> int:
               f"{record['wall_time_s']:.0f} s")
     elif args.recipe == "vlm-draft":
         record = recipes.train_vlm_draft(args.out, method=args.method, target_dir=args.target,
-                                         rollout_steps=args.rollout_steps, **common)
+                                         rollout_steps=args.rollout_steps,
+                                         medusa_heads=args.heads or 6, **common)
         if record is not None:  # None on the other processes of an accelerate launch
-            print(f"saved {args.out}: held-out top-1 agreement {record['heldout_top1']:.4f}, "
+            top1 = record["heldout_top1"]
+            top1 = ", ".join(f"{x:.4f}" for x in top1) if isinstance(top1, list) else f"{top1:.4f}"
+            print(f"saved {args.out}: held-out top-1 agreement {top1}, "
                   f"{record['wall_time_s']:.0f} s on {record['processes']} process(es)")
     elif args.recipe == "video-ae":
         record = recipes.train_video_ae(args.out, **common)
@@ -628,13 +646,16 @@ def _add_train_parser(sub) -> None:
                            help="target: the model the VLM methods accelerate; draft: the small VLM of "
                                 "'sd' and the transformers peer (default target)")
         if name == "vlm-draft":
-            p.add_argument("--method", required=True, choices=("eagle", "specvlm", "vispec"),
+            p.add_argument("--method", required=True, choices=("eagle", "specvlm", "vispec", "medusa"),
                            help="eagle: all image tokens; specvlm: elastic visual compressor; "
-                                "vispec: vision adaptor + global image feature")
+                                "vispec: vision adaptor + global image feature; medusa: parallel heads "
+                                "(root token + global image feature)")
             p.add_argument("--target", required=True, type=_existing_dir, metavar="DIR",
                            help="folder written by 'mmspec train vlm' (the VLM it drafts for)")
             p.add_argument("--rollout-steps", type=_positive_int, default=None,
                            help="anti-shortcut rollout steps (default: 2 for vispec, 1 otherwise)")
+            p.add_argument("--heads", type=_positive_int, default=None,
+                           help="medusa only: parallel heads, the tree's depth below the root (default 6)")
         if name == "video":
             p.add_argument("--ae", required=True, type=_existing_dir, metavar="DIR",
                            help="folder written by 'mmspec train video-ae'")
@@ -823,6 +844,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--frames", type=_positive_int, nargs="+", metavar="N",
                        help="video only: stream lengths of the per-method rows (default 100 1000 10000, "
                             "100 300 with --quick)")
+    bench.add_argument("--gpu-curve", type=_existing_file, metavar="FILE",
+                       help="cost only: a JSON cost curve of another machine (verify cost ratio by T, draft/target "
+                            "cost ratios; see assets/cost_curves/); adds a projected column, labelled as not measured")
     showcase.add_argument("--out", default="outputs/showcase", type=_output_dir, metavar="DIR",
                           help="where the sample grids go (default outputs/showcase)")
     _add_generate_parser(sub)
@@ -839,6 +863,8 @@ def check_args(args) -> None:
             args.method_knobs = _knobs(args.knob, args.kind, args.method)
         elif args.command == "train" and args.recipe == "ar-draft" and args.kind == "eagle" and args.target is None:
             raise ValueError("--kind eagle needs --target DIR (the AR model it drafts for)")
+        elif args.command == "train" and args.recipe == "vlm-draft" and args.heads is not None and args.method != "medusa":
+            raise ValueError(f"--heads is for --method medusa only, got --method {args.method}")
         elif args.command == "train" and args.recipe == "continuous-draft" and args.distill > 0 and args.target is None:
             raise ValueError("--distill needs --target DIR (the continuous AR model it distills from)")
         elif args.command == "bench" and args.pipeline is not None and args.name != "vlm":
@@ -847,6 +873,12 @@ def check_args(args) -> None:
             raise ValueError(f"--frames is for 'bench video' only, got 'bench {args.name}'")
         elif args.command == "bench" and args.images is not None and args.name != "ar-image":
             raise ValueError(f"--images is for 'bench ar-image' only, got 'bench {args.name}'")
+        elif args.command == "bench" and args.gpu_curve is not None and args.name != "cost":
+            raise ValueError(f"--gpu-curve is for 'bench cost' only, got 'bench {args.name}'")
+        elif args.command == "bench" and args.gpu_curve is not None:  # last: the checks above still apply
+            from .bench import cost
+
+            args.gpu_curve = cost.load_gpu_curve(args.gpu_curve, "--gpu-curve", cost.CostBenchConfig().drafters())
     except UsageError:
         raise
     except ValueError as err:

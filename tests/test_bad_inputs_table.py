@@ -202,7 +202,7 @@ VLM_CASES = [
      "prompts must be a non-empty string or a non-empty list of non-empty strings, got []"),
     ("prompt of the wrong type", dict(prompts=[3]), "prompts[0] must be a non-empty string, got 3"),
     ("blank prompt", dict(prompts="   "), "prompts must be a non-empty string"),
-    ("unknown method", dict(method="medusa"), f"method must be one of the vlm methods ({VLM_METHODS})"),
+    ("unknown method", dict(method="hydra"), f"method must be one of the vlm methods ({VLM_METHODS})"),
     ("knob of the wrong type", dict(method="eagle", method_knobs={"tree_depth": "5"}),
      "tree_depth must be an int >= 1, got '5'"),
     ("float for an int knob", dict(method="eagle", method_knobs={"tree_depth": 2.5}),
@@ -249,13 +249,13 @@ def test_the_hooks_see_a_real_call(ar_pipe, vlm_pipe):
 @pytest.fixture
 def no_loading(monkeypatch):
     """Loading a pipeline, running a bench or a recipe fails the test when reached."""
-    from mmspec.bench import continuous, core, kernels, video
+    from mmspec.bench import continuous, core, cost, kernels, video
     from mmspec.pipelines import SpeculativeContinuousARPipeline, StreamingVideoPipeline
 
     for cls in (SpeculativeARImagePipeline, SpeculativeVLMPipeline, StreamingVideoPipeline,
                 SpeculativeContinuousARPipeline):
         monkeypatch.setattr(cls, "from_pretrained", classmethod(lambda *a, **k: pytest.fail("a pipeline loaded")))
-    for bench in (core, video, kernels, continuous):
+    for bench in (core, video, kernels, continuous, cost):
         forbid(monkeypatch, bench, ["run"])
     forbid(monkeypatch, recipes, recipes.__all__)
 
@@ -273,8 +273,8 @@ CLI_CASES = [
      "mmspec generate vlm", "argument --image: 'not_an_image.png' is not a readable image"),
     ("unknown ar-image method", AR_ARGS + ["--method", "medusa"],
      "mmspec generate ar-image", f"method must be one of the ar-image methods ({AR_METHODS})"),
-    ("unknown vlm method", VLM_ARGS + ["--method", "medusa"],
-     "mmspec generate vlm", "argument --method: invalid choice: 'medusa' (choose from"),
+    ("unknown vlm method", VLM_ARGS + ["--method", "hydra"],
+     "mmspec generate vlm", "argument --method: invalid choice: 'hydra' (choose from"),
     ("knob value of the wrong type", AR_ARGS + ["--method", "sjd", "--knob", "sjd_window=abc"],
      "mmspec generate ar-image", "sjd_window must be an int >= 2, got 'abc'"),
     ("knob out of range", VLM_ARGS + ["--method", "eagle", "--knob", "tree_depth=0"],
@@ -294,7 +294,7 @@ CLI_CASES = [
     ("--model not a folder", AR_ARGS + ["--model", "missing_dir"],
      "mmspec generate ar-image", "argument --model: no such folder: 'missing_dir'"),
     ("unknown bench", ["bench", "audio"],
-     "mmspec bench", "argument name: invalid choice: 'audio' (choose from 'core', 'ar-image', 'vlm', 'video', 'kernels', 'continuous')"),
+     "mmspec bench", "argument name: invalid choice: 'audio' (choose from 'core', 'ar-image', 'vlm', 'video', 'kernels', 'continuous', 'cost')"),
     ("bench --json names a folder", ["bench", "core", "--json", "empty_dir"],
      "mmspec bench", "argument --json: must be a file path, got the existing folder 'empty_dir'"),
     ("bench --json under a file", ["bench", "core", "--json", "a_file/core.json"],
@@ -305,16 +305,25 @@ CLI_CASES = [
      "mmspec bench", "argument --pipeline: no such folder: 'missing_dir'"),
     ("bench --threads 0", ["bench", "core", "--threads", "0"],
      "mmspec bench", "argument --threads: must be an int >= 1, got 0"),
+    ("bench --gpu-curve for vlm", ["bench", "vlm", "--gpu-curve", "a_file"],
+     "mmspec bench", "--gpu-curve is for 'bench cost' only, got 'bench vlm'"),
+    ("bench --gpu-curve missing", ["bench", "cost", "--gpu-curve", "missing.json"],
+     "mmspec bench", "argument --gpu-curve: no such file: 'missing.json'"),
+    ("bench --gpu-curve not JSON", ["bench", "cost", "--gpu-curve", "a_file"],
+     "mmspec bench", "--gpu-curve must be a readable JSON file, got 'a_file'"),
     ("train --out names a file", ["train", "vq", "--out", "a_file"],
      "mmspec train vq", "argument --out: must be a folder, got the existing file 'a_file'"),
     ("train --steps 0", ["train", "vq", "--out", "ckpt", "--steps", "0"],
      "mmspec train vq", "argument --steps: must be an int >= 1, got 0"),
     ("train --lr nan", ["train", "vq", "--out", "ckpt", "--lr", "nan"],
      "mmspec train vq", "argument --lr: must be a number > 0, got nan"),
-    ("train unknown vlm-draft method", ["train", "vlm-draft", "--method", "medusa", "--target", "vlm_target",
+    ("train unknown vlm-draft method", ["train", "vlm-draft", "--method", "hydra", "--target", "vlm_target",
                                         "--out", "ckpt"],
      "mmspec train vlm-draft",
-     "argument --method: invalid choice: 'medusa' (choose from 'eagle', 'specvlm', 'vispec')"),
+     "argument --method: invalid choice: 'hydra' (choose from 'eagle', 'specvlm', 'vispec', 'medusa')"),
+    ("--heads for an EAGLE head", ["train", "vlm-draft", "--method", "eagle", "--heads", "6", "--target", "vlm_target",
+                                   "--out", "ckpt"],
+     "mmspec train vlm-draft", "--heads is for --method medusa only, got --method eagle"),
     ("eagle draft without --target", ["train", "ar-draft", "--kind", "eagle", "--vq", "vq", "--out", "ckpt"],
      "mmspec train ar-draft", "--kind eagle needs --target DIR (the AR model it drafts for)"),
     ("no command", [], "mmspec", "the following arguments are required: command"),
@@ -395,8 +404,8 @@ RECIPE_CASES = [
     ("truncated VQ for a classifier", "classifier", dict(vq_dir="vq_truncated"),
      "vq_dir: vq_truncated/diffusion_pytorch_model.safetensors is not a readable safetensors file"),
     ("unknown VLM size", "vlm", dict(size="huge"), "size must be one of 'target', 'draft', got 'huge'"),
-    ("unknown VLM draft method", "vlm-draft", dict(method="medusa", target_dir="vlm_target"),
-     "method must be one of 'eagle', 'specvlm', 'vispec', got 'medusa'"),
+    ("unknown VLM draft method", "vlm-draft", dict(method="hydra", target_dir="vlm_target"),
+     "method must be one of 'eagle', 'specvlm', 'vispec', 'medusa', got 'hydra'"),
     ("VLM target without its tokenizer", "vlm-draft", dict(method="eagle", target_dir="vlm_target_no_tokenizer"),
      "target_dir must be a folder written by 'mmspec train vlm' (with tokenizer.json or tokenizer_config.json)"),
 ]
