@@ -8,7 +8,8 @@ distribution there; when all children are rejected (or a leaf is reached) the wa
 ``next_token`` is drawn from ``p``: the correction or the bonus token.
 
 Chains take a vectorised path with the same semantics (all accept tests at once, the first
-rejection ends the chain). A new rule (LANTERN's relaxed test, GSD's groups) overrides
+rejection ends the chain), and so do trees: every node's sibling tests at once, then a path
+search (``SpeculativeSampling._walk``, ``accepted_path``). A new rule (LANTERN's relaxed test, GSD's groups) overrides
 ``accept_prob`` / ``reject``; the walk, the batching and the bookkeeping stay here.
 
 Continuous tokens (``p_all`` a ``TokenDist``) take the same chain path on densities: accept with
