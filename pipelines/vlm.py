@@ -28,7 +28,7 @@ from ..models import medusa as _medusa  # noqa: F401
 from ..models import vlm_draft as _vlm_draft  # noqa: F401
 from .vlm_inputs import StreamerFeed, VLMInputs, check_streamer, prepare_vlm_inputs, sampling_from_generation_config
 
-HEADS = ("eagle", "specvlm", "vispec")
+HEADS = ("eagle", "specvlm", "vispec", "medusa")  # the ``{name}_head`` components
 
 
 @dataclass
@@ -71,7 +71,7 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
 
     def method_components(self) -> dict:
         target, draft = self.views()
-        return {"target": target, "draft": draft} | {f"{h}_head": getattr(self, f"{h}_head") for h in HEADS + ("medusa",)}
+        return {"target": target, "draft": draft} | {f"{h}_head": getattr(self, f"{h}_head") for h in HEADS}
 
     def prepare_inputs(self, images, prompts) -> VLMInputs:
         """``(input_ids, vision)``: per prompt its token ids (the processor's chat template around

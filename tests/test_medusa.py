@@ -21,6 +21,7 @@ from mmspec.adapters.vlm import VLMTarget
 from mmspec.core import LogitsPipeline, ParallelHeadsDrafter, SpeculativeDecoder, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue
 from mmspec.models.medusa import MedusaHeads
+from mmspec.training.recipes.vlm_draft import answer_mask
 from test_vlm_adapter import llava_inputs, tiny_llava
 from test_vlm_draft import NEW_TOKENS, teacher_batch
 from tiny import spread
@@ -53,7 +54,7 @@ def overfit(medusa, target, reference, steps=200):
     ids, P, L, feats, embeds, logits = teacher_batch(target, reference[2].tolist())
     opt = torch.optim.Adam(medusa.parameters(), lr=1e-2)
     for _ in range(steps):
-        logs = medusa.distill_loss(feats, ids, embeds, logits, L, P)
+        logs = medusa.distill_loss(feats, ids, embeds, logits, L, answer_mask(ids, P.tolist(), L))
         opt.zero_grad()
         logs["loss"].backward()
         opt.step()
@@ -148,6 +149,9 @@ def test_bad_knobs(target):
         ParallelHeadsDrafter(heads(target), depth=4)
     with pytest.raises(ValueError, match="num_heads"):
         MedusaHeads(num_heads=0)
+    ids, P, L, feats, embeds, logits = teacher_batch(target)
+    with pytest.raises(ValueError, match="rollout_steps"):
+        heads(target).distill_loss(feats, ids, embeds, logits, L, answer_mask(ids, P.tolist(), L), rollout_steps=2)
     with pytest.raises(RuntimeError, match="bind"):
         MedusaHeads(hidden_size=32, vocab_size=64)(torch.zeros(1, 32), torch.zeros(1, dtype=torch.long))
 
@@ -203,6 +207,7 @@ def test_distill_loss_weights_heads_by_decay(target, reference):
     for decay, later_trained in ((0.0, False), (0.8, True)):
         medusa = spread(heads(target), std=0.3, seed=2).train()
         medusa.zero_grad()
-        medusa.distill_loss(feats, ids, embeds, logits, L, P, decay=decay)["loss"].backward()
+        mask = answer_mask(ids, P.tolist(), L)
+        medusa.distill_loss(feats, ids, embeds, logits, L, mask, decay=decay)["loss"].backward()
         grads = [float(medusa.blocks[k][0].weight.grad.abs().sum()) for k in range(medusa.num_heads)]
         assert grads[0] > 0 and all((g > 0) == later_trained for g in grads[1:]), (decay, grads)

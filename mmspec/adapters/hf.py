@@ -109,7 +109,8 @@ class HFCacheAdapter:
             layer.keys = layer.keys.gather(2, index)
             layer.values = layer.values.gather(2, index)
         self.valid = self.valid.gather(1, order)
-        longest, shortest = torch.stack([self.next_positions().max(), self.next_positions().min()]).tolist()
+        ends = self.next_positions()
+        longest, shortest = torch.stack([ends.max(), ends.min()]).tolist()
         self._crop(S - longest)
         self.holes = shortest < longest  # every row's valid slots are a prefix now
 

@@ -265,6 +265,7 @@ def row_figures(records: list[CallRecord], curves: Mapping, target_prompt_s: flo
     target = [p for p in passes if p.role == TARGET]
     decode = [p for p in target if not p.prompt]
     drafts = [p for p in passes if p.role != TARGET]
+    draft_decode = [p for p in drafts if not p.prompt]
     wall = sum(r.wall for r in records)
     tokens = sum(r.tokens for r in records)
     target_s, draft_s = sum(p.seconds for p in target), sum(p.seconds for p in drafts)
@@ -277,9 +278,8 @@ def row_figures(records: list[CallRecord], curves: Mapping, target_prompt_s: flo
         "verify_t_mean": statistics.fmean(p.width for p in decode) if decode else None,
         "verify_widths": {"chain": _counts(decode, False), "tree": _counts(decode, True)},
         "draft_passes_per_pass": len(drafts) / max(1, len(decode)),
-        "draft_widths": {role: {"chain": _counts([p for p in drafts if p.role == role and not p.prompt], False),
-                                "tree": _counts([p for p in drafts if p.role == role and not p.prompt], True)}
-                         for role in roles},
+        "draft_widths": {role: {variant: _counts([p for p in draft_decode if p.role == role], variant == "tree")
+                                for variant in ("chain", "tree")} for role in roles},
         "wall_s": wall, "target_s": target_s, "draft_s": draft_s, "rest_s": rest_s,
         "target_ms_per_pass": 1000 * target_s / len(target), "draft_ms_per_pass": 1000 * draft_s / len(target),
         "overhead_ms_per_pass": 1000 * rest_s / len(target),

@@ -9,8 +9,9 @@ distribution there; when all children are rejected (or a leaf is reached) the wa
 
 Chains take a vectorised path with the same semantics (all accept tests at once, the first
 rejection ends the chain), and so do trees: every node's sibling tests at once, then a path
-search (``SpeculativeSampling._walk``, ``accepted_path``). A new rule (LANTERN's relaxed test, GSD's groups) overrides
-``accept_prob`` / ``reject``; the walk, the batching and the bookkeeping stay here.
+search (``SpeculativeSampling._walk``, ``accepted_path``). A new rule (LANTERN's relaxed test,
+GSD's groups) overrides ``accept_prob`` / ``reject``; the walk, the batching and the bookkeeping
+stay here.
 
 Continuous tokens (``p_all`` a ``TokenDist``) take the same chain path on densities: accept with
 ``exp(min(0, log p(x) - log q(x)))``, on rejection draw from ``p.residual(q)``.
@@ -177,7 +178,10 @@ class SpeculativeSampling:
         chosen = torch.full((B, N1), -1, dtype=torch.long, device=device)
         q_all = None if draft.q is None else torch.cat([draft.q.new_zeros(B, 1, V), draft.q], 1)
         for s in range(K):
-            # the nodes with an s-th child whose earlier children were all rejected
+            # the nodes with an s-th child whose earlier children were all rejected. Finding them
+            # syncs once per round; running every round on all nodes with children instead (one
+            # sync per pass) measured slower here, 1.53 against 1.02 ms per pass on captured AR
+            # eagle trees, since accepted siblings end most nodes' rounds early
             live = ((children[..., s] >= 0) & (chosen < 0)).reshape(-1).nonzero().squeeze(1)
             if live.numel() == 0:
                 break

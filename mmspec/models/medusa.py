@@ -135,26 +135,32 @@ class MedusaHeads(ModelMixin, ConfigMixin):
         return F.linear(hidden.to(head.weight.dtype), head.weight).float()
 
     def distill_loss(self, features: torch.Tensor, ids: torch.Tensor, embeds: torch.Tensor, logits: torch.Tensor,
-                     lengths: torch.Tensor, prompt_lengths: torch.Tensor, decay: float = 0.8) -> dict:
-        """Online-logit distillation on a teacher-forced batch: at every position t whose root
-        t + 1 is an answer token, head k's cross-entropy to the target's own distribution of the
-        token at t + 2 + k (its logits at t + 1 + k), weighted ``decay ** k`` (Medusa's 0.8).
+                     lengths: torch.Tensor, mask: torch.Tensor, rollout_steps: int = 1, decay: float = 0.8) -> dict:
+        """Online-logit distillation on a teacher-forced batch, called as ``VLMDraftHead``'s: at
+        every drafted position t (``mask``: the next token is an answer token, so the root t + 1
+        is one), head k's cross-entropy to the target's own distribution of the token at
+        t + 2 + k (its logits at t + 1 + k, a drafted position too), weighted ``decay ** k``
+        (Medusa's 0.8).
 
         features (R, S, H), ids (R, S), embeds (R, S, H), logits (R, S, V): the frozen target's
-        on the batch; lengths (R,) valid tokens; prompt_lengths (R,) where answers start.
-        Returns ``loss``, per-head teacher top-1 agreement ``top1`` (K,) on those positions and
-        their number ``count`` (K,)."""
+        on the batch; lengths (R,) valid tokens (image placeholders are read within them);
+        mask (R, S) the drafted positions (``vlm_draft.answer_mask``). The heads read the target's
+        features only, so ``rollout_steps`` must be 1. Returns ``loss``, per-head teacher top-1
+        agreement ``top1`` (K,) on those positions, their number ``count`` (K,) and head 0's
+        agreement as ``step0_top1``."""
+        check(rollout_steps == 1, "rollout_steps", "1 (parallel heads read the target's features only)",
+              rollout_steps)
         R, S, _ = features.shape
         K = self.num_heads
         image = None
         if self.image_in is not None:
-            image = self.image_feature(ids, embeds, prompt_lengths)[:, None].expand(-1, S - 1, -1)
+            image = self.image_feature(ids, embeds, lengths)[:, None].expand(-1, S - 1, -1)
         out = self(features[:, :-1], ids[:, 1:], image)  # (R, S-1, K, V): roots at 1 .. S-1
         t = torch.arange(S - 1, device=ids.device)
         total, weight, top1, count = 0.0, 0.0, [], []
         for k in range(K):
             src = t + 1 + k  # the teacher's position for head k's token
-            ok = (t[None] >= prompt_lengths[:, None] - 1) & (src[None] <= lengths[:, None] - 2)  # (R, S-1)
+            ok = mask[:, :-1] & mask.gather(1, src.clamp(max=S - 1).expand(R, -1)) & (src < S)  # (R, S-1)
             count.append(ok.sum())
             if not ok.any():
                 top1.append(torch.tensor(float("nan")))
@@ -165,5 +171,5 @@ class MedusaHeads(ModelMixin, ConfigMixin):
             total = total + decay ** k * (ce * ok).sum() / ok.sum()
             weight += decay ** k
             top1.append(((out[:, :, k].argmax(-1) == teach.argmax(-1)) & ok).sum() / ok.sum())
-        return {"loss": total / max(weight, 1e-12), "top1": torch.stack([x.detach().float() for x in top1]),
-                "count": torch.stack(count)}
+        top1 = torch.stack([x.detach().float() for x in top1])
+        return {"loss": total / max(weight, 1e-12), "top1": top1, "count": torch.stack(count), "step0_top1": top1[0]}

@@ -67,9 +67,6 @@ def distill(head: VLMDraftHead | MedusaHeads, ids, mask, pixels, prompt_lens, ro
     """The head's ``distill_loss`` on a batch, its teacher (the frozen target) run on the fly."""
     feats, embeds, logits = teacher(head.target, ids, mask, pixels)
     lengths = mask.sum(1)
-    if isinstance(head, MedusaHeads):
-        logs = head.distill_loss(feats, ids, embeds, logits, lengths, torch.as_tensor(prompt_lens))
-        return {**logs, "step0_top1": logs["top1"][0], "branches": []}
     return head.distill_loss(feats, ids, embeds, logits, lengths, answer_mask(ids, prompt_lens, lengths),
                              rollout_steps=rollout_steps)
 
@@ -99,7 +96,7 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
                     lr: float, seed: int = 0, dataset_size: int, heldout_size: int = 64, log_every: int = 50,
                     warmup: int = 50, rollout_steps: int | None = None, medusa_heads: int = 6,
                     log: Callable[[str], None] = print) -> dict:
-    """Train ``VLMDraftHead(method)`` for the VLM in ``target_dir`` on ``SceneQADataset(dataset_size,
+    """Train ``VLMDraftHead(method)`` (``MedusaHeads`` for ``"medusa"``) for the VLM in ``target_dir`` on ``SceneQADataset(dataset_size,
     seed)`` and save it to ``out_dir`` (fp16 safetensors, atomically) with ``train_log.json``, whose
     dict is returned: ``recipe``, ``method``, ``seed``, ``steps``, ``config``, ``train``,
     ``final_loss``, ``heldout_top1`` (teacher-forced agreement with the target's next token on
