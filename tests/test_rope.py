@@ -223,9 +223,12 @@ def test_wrong_head_dim_or_coordinates():
         rope(x, torch.zeros(2, 3, 37, dtype=torch.long))
 
 
-def test_models_compute_the_angles_once_per_forward(monkeypatch):
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_models_compute_the_angles_once_per_forward(monkeypatch, mode):
     """A 3-layer model: one angle computation per forward, with or without a cache (the cache's
-    per-layer calls hit the tables); a rolling cache rotates keys at their own positions: two."""
+    per-layer calls hit the tables); a rolling cache rotates keys at their own positions: two.
+    Also under ``inference_mode`` (the decoder's), where the tables cannot be remembered by tensor
+    version and the cache step keeps them."""
     from tiny import tiny_lm
 
     from mmspec.models.llamagen import LlamaGenModel
@@ -240,6 +243,6 @@ def test_models_compute_the_angles_once_per_forward(monkeypatch):
     for model, cache in [(lm, None), (lm, lm.new_cache(2, 16)), (gen, None), (gen, gen.new_cache(2, 16)),
                          (lm, lm.new_cache(2, 16, sink=1, window=4))]:
         calls.clear()
-        with torch.no_grad():
+        with mode():
             model(tokens, cache=cache)
         assert len(calls) == (2 if cache is not None and hasattr(cache, "window") else 1), (type(model), cache)

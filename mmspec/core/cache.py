@@ -69,6 +69,22 @@ class CacheStep:
         self.mask = mask  # (B, 1, T, S)
         self.key_positions = key_positions  # (B, S) for caches that rotate keys on read
         self.tree_mask = tree_mask  # (B, T, W) the mask's block part (None: causal), for the kernels
+        self.rope_tables: dict = {}  # id(positions) -> (positions, tables): every layer reuses them
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``cache.rope(x, positions)`` with the rope's tables computed once per step and positions
+        tensor (``positions`` is this step's ``positions`` or ``key_positions``), so every layer's
+        q and k share them also under ``torch.inference_mode``, where ``RotaryEmbedding.tables``
+        cannot tell an unchanged tensor (inference tensors have no version counter)."""
+        rope = self.cache.rope
+        if rope is None:
+            return x
+        if not hasattr(rope, "tables"):  # a plain ``Rope`` callable
+            return rope(x, positions)
+        seen = self.rope_tables.get(id(positions))
+        if seen is None:  # keep the tensor alive with its tables, so its id is not reused
+            seen = self.rope_tables[id(positions)] = (positions, rope.tables(positions))
+        return rope.apply(x, seen[1])
 
     def update(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store this block's k, v (B, H, T, D) for ``layer``; return rotated q and all keys/values."""
@@ -134,9 +150,6 @@ class StaticKVCache:
     def _key_positions(self, slots, positions, S):
         return None
 
-    def _rotate(self, x, positions):
-        return x if self.rope is None else self.rope(x, positions)
-
     def _write(self, layer, step, k, v):
         B, H, T, D = k.shape
         index = step.slots[:, None, :, None].expand(B, H, T, D)
@@ -145,8 +158,8 @@ class StaticKVCache:
 
     def _update(self, step, layer, q, k, v):
         S = step.mask.shape[-1]
-        self._write(layer, step, self._rotate(k, step.positions), v)
-        return self._rotate(q, step.positions), self.k[layer, :, :, :S], self.v[layer, :, :, :S]
+        self._write(layer, step, step.rotate(k, step.positions), v)
+        return step.rotate(q, step.positions), self.k[layer, :, :, :S], self.v[layer, :, :, :S]
 
     def _kernel_attention(self, step, layer, q, k, v) -> torch.Tensor | None:
         """The tree-verify attention kernel's output where the kernels' dispatch picks it, else None
@@ -387,8 +400,8 @@ class SinkWindowCache(StaticKVCache):
     def _update(self, step, layer, q, k, v):
         S = step.mask.shape[-1]
         self._write(layer, step, k, v)
-        keys = self._rotate(self.k[layer, :, :, :S], step.key_positions)
-        return self._rotate(q, step.positions), keys, self.v[layer, :, :, :S]
+        keys = step.rotate(self.k[layer, :, :, :S], step.key_positions)
+        return step.rotate(q, step.positions), keys, self.v[layer, :, :, :S]
 
     def _kernel_attention(self, step, layer, q, k, v) -> torch.Tensor | None:
         """The rolling attention kernel (keys rotated as they are read, nothing re-rotated in memory)
@@ -481,12 +494,12 @@ class SlotKVCache(StaticKVCache):
 
     def _update(self, step, layer, q, k, v):
         S = self.max_len
-        k = self._rotate(k, step.positions)
+        k = step.rotate(k, step.positions)
         _, pk, pv = self._pending
         pk[layer], pv[layer] = k, v
         keys = torch.cat([self.k[layer, :, :, :S], k.to(self.k.dtype)], 2)
         values = torch.cat([self.v[layer, :, :, :S], v.to(self.v.dtype)], 2)
-        return self._rotate(q, step.positions), keys, values
+        return step.rotate(q, step.positions), keys, values
 
     def commit(self, keep: torch.Tensor) -> None:
         """Write the pending block's entries where ``keep`` (B, T) is True into their slots."""
