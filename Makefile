@@ -51,6 +51,7 @@ assets: $(STAMP)
 	$(BIN)/mmspec train ar-image --vq $(AR)/vqvae --out $(AR)/transformer
 	$(BIN)/mmspec train ar-draft --kind chain --vq $(AR)/vqvae --out $(AR)/draft_model
 	$(BIN)/mmspec train ar-draft --kind eagle --target $(AR)/transformer --vq $(AR)/vqvae --out $(AR)/eagle_head
+	$(BIN)/mmspec train ar-draft --kind medusa --target $(AR)/transformer --vq $(AR)/vqvae --out $(AR)/medusa_head --threads 1
 	$(BIN)/mmspec train classifier --out assets/classifier
 	$(BIN)/mmspec train video-ae --out assets/video/vae
 	$(BIN)/mmspec train video --ae assets/video/vae --out assets/video/transformer

@@ -28,7 +28,7 @@
     mmspec train vq --out DIR        rebuild the tiny VQ tokenizer from a seed (about 6 min on 2 cores)
     mmspec train ar-image --vq DIR --out DIR
                                      rebuild the AR image model on that tokenizer (about 20 min)
-    mmspec train ar-draft --kind eagle|chain --target DIR --vq DIR --out DIR
+    mmspec train ar-draft --kind eagle|medusa|chain --target DIR --vq DIR --out DIR
                                      train a draft for it (at most 8 min each)
     mmspec train classifier --out DIR [--vq DIR]
                                      rebuild the AR image bench's classifier (about 3 min)
@@ -440,8 +440,12 @@ def cmd_train(args) -> int:
         print(f"saved {args.out}: held-out reconstruction MSE {record['heldout_recon_mse']:.4f}, "
               f"{record['wall_time_s']:.0f} s")
     elif args.recipe == "ar-draft":
-        record = recipes.train_ar_draft(args.out, kind=args.kind, vq_dir=args.vq, target_dir=args.target, **common)
-        metric = (f"held-out top-1 agreement {record['heldout_top1']:.4f}" if args.kind == "eagle"
+        heads = {} if args.heads is None else {"medusa_heads": args.heads}
+        record = recipes.train_ar_draft(args.out, kind=args.kind, vq_dir=args.vq, target_dir=args.target, **heads,
+                                        **common)
+        top1 = record.get("heldout_top1")
+        top1 = ", ".join(f"{x:.4f}" for x in top1) if isinstance(top1, list) else f"{top1:.4f}"
+        metric = (f"held-out top-1 agreement {top1}" if args.kind != "chain"
                   else f"held-out loss {record['heldout_loss']:.4f}")
         print(f"saved {args.out}: {metric}, {record['wall_time_s']:.0f} s")
     elif args.recipe == "classifier":
@@ -621,7 +625,7 @@ def _add_train_parser(sub) -> None:
     recipes = train.add_subparsers(dest="recipe", required=True)
     helps = {"vq": "the VQ tokenizer on procedural shapes",
              "ar-image": "the class-conditional AR image model on a trained VQ's ids",
-             "ar-draft": "a draft for the AR image model: EAGLE's feature head or a small chain model",
+             "ar-draft": "a draft for the AR image model: EAGLE's feature head, Medusa heads or a small chain model",
              "classifier": "the shapes classifier whose features the AR image bench's FD uses",
              "vlm": "a tiny LLaVA-architecture VLM on procedural image/question/answer data",
              "vlm-draft": "a draft head for the VLM (eagle, specvlm, vispec) by online-logit distillation",
@@ -634,10 +638,14 @@ def _add_train_parser(sub) -> None:
     for name, defaults in TRAIN_DEFAULTS.items():
         p = recipes.add_parser(name, help=helps[name])
         if name == "ar-draft":
-            p.add_argument("--kind", required=True, choices=("eagle", "chain"),
-                           help="eagle: feature head on the target; chain: a small AR model")
+            p.add_argument("--kind", required=True, choices=("eagle", "medusa", "chain"),
+                           help="eagle: feature head on the target; medusa: parallel heads on the target's "
+                                "features (root token, token above, column); chain: a small AR model")
             p.add_argument("--target", type=_existing_dir, metavar="DIR",
-                           help="folder written by 'mmspec train ar-image' (required for --kind eagle)")
+                           help="folder written by 'mmspec train ar-image' (required for --kind eagle and medusa)")
+            p.add_argument("--heads", type=_positive_int, default=None,
+                           help="medusa only: parallel heads, the tree's depth below the root (default 4, "
+                                "less than the grid's width)")
         if name in ("ar-image", "ar-draft"):
             p.add_argument("--vq", required=True, type=_existing_dir, metavar="DIR",
                            help="folder written by 'mmspec train vq'")
@@ -861,8 +869,10 @@ def check_args(args) -> None:
     try:
         if args.command == "generate" and args.kind != "video":
             args.method_knobs = _knobs(args.knob, args.kind, args.method)
-        elif args.command == "train" and args.recipe == "ar-draft" and args.kind == "eagle" and args.target is None:
-            raise ValueError("--kind eagle needs --target DIR (the AR model it drafts for)")
+        elif args.command == "train" and args.recipe == "ar-draft" and args.kind != "chain" and args.target is None:
+            raise ValueError(f"--kind {args.kind} needs --target DIR (the AR model it drafts for)")
+        elif args.command == "train" and args.recipe == "ar-draft" and args.heads is not None and args.kind != "medusa":
+            raise ValueError(f"--heads is for --kind medusa only, got --kind {args.kind}")
         elif args.command == "train" and args.recipe == "vlm-draft" and args.heads is not None and args.method != "medusa":
             raise ValueError(f"--heads is for --method medusa only, got --method {args.method}")
         elif args.command == "train" and args.recipe == "continuous-draft" and args.distill > 0 and args.target is None:

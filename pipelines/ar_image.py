@@ -47,21 +47,24 @@ class SpeculativeARImagePipeline(SpeculativePipeline):
     """A LlamaGen-style AR transformer over a VQ tokenizer's grid, plus optional drafters.
 
     Components: ``transformer`` (``LlamaGenModel``), ``vqvae`` (``TinyVQModel``), and optionally
-    ``draft_model`` (a small ``LlamaGenModel``, for ``sd``) and ``eagle_head``
-    (``EagleDraftHead``, for ``eagle`` and ``lantern``). Class names come from the transformer's
+    ``draft_model`` (a small ``LlamaGenModel``, for ``sd``), ``eagle_head``
+    (``EagleDraftHead``, for ``eagle`` and ``lantern``) and ``medusa_head`` (``GridMedusaHeads``,
+    for ``medusa``). Class names come from the transformer's
     config (``id2label``, as diffusers' DiT keeps them): ``pipe.labels``, ``pipe.get_label_ids``.
     """
 
     modality = "ar-image"
-    model_cpu_offload_seq = "transformer->draft_model->eagle_head->vqvae"
-    _optional_components = ["draft_model", "eagle_head"]
+    model_cpu_offload_seq = "transformer->draft_model->eagle_head->medusa_head->vqvae"
+    _optional_components = ["draft_model", "eagle_head", "medusa_head"]
     _method_components = {"codebook": "vqvae"}
 
-    def __init__(self, transformer, vqvae, draft_model=None, eagle_head=None):
+    def __init__(self, transformer, vqvae, draft_model=None, eagle_head=None, medusa_head=None):
         super().__init__()
-        self.register_modules(transformer=transformer, vqvae=vqvae, draft_model=draft_model, eagle_head=eagle_head)
-        if eagle_head is not None:
-            eagle_head.bind(transformer)
+        self.register_modules(transformer=transformer, vqvae=vqvae, draft_model=draft_model, eagle_head=eagle_head,
+                              medusa_head=medusa_head)
+        for head in (eagle_head, medusa_head):
+            if head is not None:
+                head.bind(transformer)
 
     @property
     def num_classes(self) -> int:
@@ -88,7 +91,7 @@ class SpeculativeARImagePipeline(SpeculativePipeline):
 
     def method_components(self) -> dict:
         return {"target": self.transformer, "draft_model": self.draft_model, "eagle_head": self.eagle_head,
-                "codebook": self.vqvae.codebook()}
+                "medusa_head": self.medusa_head, "codebook": self.vqvae.codebook()}
 
     def check_inputs(self, prompt, class_labels, *, method, method_knobs, guidance_scale, temperature, top_k, top_p,
                      num_images_per_prompt, generator, output_type, return_dict, callback_on_step_end,

@@ -11,6 +11,7 @@ import torch
 
 from mmspec import methods
 from mmspec.models.eagle import EagleDraftHead
+from mmspec.models.medusa import GridMedusaHeads
 from mmspec.models.llamagen import LlamaGenModel
 from mmspec.models.vq import TinyVQModel
 from mmspec.pipelines import SpeculativeARImagePipeline
@@ -33,7 +34,12 @@ def pipe():
     vq = TinyVQModel().eval()
     target = _ar(1, vq, ID2LABEL)
     head = EagleDraftHead.from_target(target).eval()
-    pipe = SpeculativeARImagePipeline(transformer=target, vqvae=vq, draft_model=_ar(2, vq), eagle_head=head)
+    medusa = GridMedusaHeads.from_target(target, num_heads=3).eval()
+    with torch.no_grad():  # random heads: zero-initialised ones would all propose the root's argmax
+        for p in medusa.parameters():
+            p.normal_(0, 0.3)
+    pipe = SpeculativeARImagePipeline(transformer=target, vqvae=vq, draft_model=_ar(2, vq), eagle_head=head,
+                                      medusa_head=medusa)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
@@ -52,7 +58,7 @@ def test_every_method_makes_images(pipe, method):
         assert out.stats["tau"] > 1.0  # every method emits more than one token per pass here
 
 
-@pytest.mark.parametrize("method", ["sd", "eagle", "sjd"])
+@pytest.mark.parametrize("method", ["sd", "eagle", "medusa", "sjd"])
 def test_greedy_lossless_methods_equal_the_baseline(pipe, method):
     ref = pipe(class_labels=[3, 7], temperature=0.0, output_type="latent")
     knobs = {"sjd_init": "spatial"} if method == "sjd" else {}
@@ -91,7 +97,7 @@ def test_round_trip_through_a_local_folder(pipe, tmp_path):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(class_labels=[0], method="medusa"), "method"),
+    (dict(class_labels=[0], method="hydra"), "method"),
     (dict(class_labels=[0], method="gsd+lantern"), "method"),
     (dict(class_labels=[0], method="zipar+eagle"), "method"),
     (dict(class_labels=[0], method="sjd", method_knobs={"sjd_window": 1}), "sjd_window"),

@@ -16,13 +16,13 @@ AR = ASSETS / "ar-image"
 
 def test_weights_are_fp16_and_within_budget():
     files = sorted(AR.glob("*/diffusion_pytorch_model.safetensors"))
-    assert [f.parent.name for f in files] == ["draft_model", "eagle_head", "transformer", "vqvae"]
+    assert [f.parent.name for f in files] == ["draft_model", "eagle_head", "medusa_head", "transformer", "vqvae"]
     assert sum(f.stat().st_size for f in files) <= 50 * 2**20
     for f in files + [ASSETS / "classifier" / "diffusion_pytorch_model.safetensors"]:
         with safe_open(f, "pt") as st:
             dtypes = {st.get_tensor(k).dtype for k in st.keys()}
         assert dtypes <= {torch.float16, torch.int64, torch.long}, (f, dtypes)
-    for name in ("draft_model", "eagle_head", "transformer", "vqvae"):
+    for name in ("draft_model", "eagle_head", "medusa_head", "transformer", "vqvae"):
         log = json.loads((AR / name / "train_log.json").read_text())
         assert log["seed"] == 0 and log["wall_time_s"] > 0
 
@@ -33,6 +33,7 @@ def test_bundled_pipeline_generates_offline():
     t = pipe.transformer
     assert t.vocab_size == pipe.vqvae.config.codebook_size and t.config.grid_size == pipe.vqvae.grid_size
     assert pipe.draft_model.vocab_size == t.vocab_size and pipe.eagle_head.vocab_size == t.vocab_size
+    assert pipe.medusa_head.vocab_size == t.vocab_size and pipe.medusa_head.target is t
     out = pipe(prompt="a yellow star", method="zipar+gsd", method_knobs={"zipar_window": 4},
                generator=torch.Generator().manual_seed(0), output_type="pt")
     assert out.images.shape == (1, 3, 64, 64) and out.stats["nfe"] < 256

@@ -56,7 +56,7 @@ def test_unknown_bench_is_rejected(capsys):
                                        "(choose from 'core', 'ar-image', 'vlm', 'video', 'kernels', 'continuous', 'cost')\n")
 
 
-BAD_METHOD = ["generate", "ar-image", "--prompt", "a red circle", "--out", "pngs", "--method", "medusa"]
+BAD_METHOD = ["generate", "ar-image", "--prompt", "a red circle", "--out", "pngs", "--method", "hydra"]
 
 
 @pytest.mark.parametrize("argv", [["--debug", *BAD_METHOD], [*BAD_METHOD, "--debug"],

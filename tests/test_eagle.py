@@ -239,8 +239,8 @@ def test_chain_recipe_reuses_the_ar_recipe(tmp_path, trained_dirs):
 
 def test_ar_draft_bad_arguments(tmp_path, trained_dirs):
     vq_dir, ar_dir = trained_dirs
-    with pytest.raises(ValueError, match="kind must be one of 'eagle', 'chain'"):
-        train_ar_draft(tmp_path / "x", kind="medusa", vq_dir=vq_dir, target_dir=ar_dir, **TINY_RUN)
+    with pytest.raises(ValueError, match="kind must be one of .eagle., .medusa., .chain."):
+        train_ar_draft(tmp_path / "x", kind="hydra", vq_dir=vq_dir, target_dir=ar_dir, **TINY_RUN)
     with pytest.raises(ValueError, match="target_dir must be the folder of the AR target"):
         train_ar_draft(tmp_path / "x", kind="eagle", vq_dir=vq_dir, **TINY_RUN)
     with pytest.raises(ValueError, match="target_dir must be a folder saved by LlamaGenModel"):

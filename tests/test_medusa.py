@@ -103,6 +103,9 @@ def test_sampled_decoding_follows_the_target():
         def start(self, state):
             return None
 
+        def step_inputs(self, state, started):
+            return started
+
         def forward(self, features, root, image=None):
             return torch.einsum("rh,khv->rkv", features.float(), self.w)
 

@@ -83,7 +83,7 @@ class _Forwards:
 # -- check_inputs before any model runs -------------------------------------------------------------
 
 AR_BAD = [
-    (dict(class_labels=[0], method="medusa"), "method must be one of the ar-image methods"),
+    (dict(class_labels=[0], method="hydra"), "method must be one of the ar-image methods"),
     (dict(class_labels=[0, 1], generator=[gen(), gen(), gen()]), "generator must be a torch.Generator, None, or a list of 2"),
     (dict(class_labels=[0], num_images_per_prompt=2, generator=[gen()]), "a list of 2 torch.Generators"),
     (dict(class_labels=[0], generator=7), "generator must be a torch.Generator or None"),

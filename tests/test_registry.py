@@ -241,9 +241,9 @@ AR_METHODS = ", ".join(repr(m) for m in methods.names("ar-image"))
 
 @pytest.mark.parametrize("modality, method, knobs, message", [
     ("audio", "none", None, "modality must be one of 'ar-image', 'continuous', 'text', 'video', 'vlm', got 'audio'"),
-    ("ar-image", "medusa", None, f"method must be one of the ar-image methods ({AR_METHODS}) or a '+' composition "
-                                 "of its parts (zipar | sd, eagle, sjd"),
-    ("ar-image", "medusa", None, "| gsd, lantern), got 'medusa'"),
+    ("ar-image", "hydra", None, f"method must be one of the ar-image methods ({AR_METHODS}) or a '+' composition "
+                                 "of its parts (zipar | sd, eagle, medusa, sjd"),
+    ("ar-image", "hydra", None, "| gsd, lantern), got 'hydra'"),
     ("ar-image", "", None, "method must be one of the ar-image methods"),
     ("ar-image", 3, None, "method must be one of the ar-image methods"),
     ("ar-image", "sjd+", None, "got 'sjd+'"),

@@ -51,10 +51,11 @@ def parse_method(method: str, **knobs) -> Method:
     return Method(r.name, r.part("schedule"), r.part("drafter"), r.part("rule"), dict(r.configs), r)
 
 
-def compose(method: Method, target, *, draft_model=None, eagle_head=None, codebook: torch.Tensor | None = None
-            ) -> Composition:
+def compose(method: Method, target, *, draft_model=None, eagle_head=None, medusa_head=None,
+            codebook: torch.Tensor | None = None) -> Composition:
     """The core objects of ``method`` for a LlamaGen-style ``target`` (``methods.build``)."""
     return methods.build(method.recipe, {"target": target, "draft_model": draft_model, "eagle_head": eagle_head,
+                                         "medusa_head": medusa_head,
                                          "codebook": codebook})
 
 

@@ -391,7 +391,8 @@ class ParallelHeadsDrafter(DrafterBase):
 
     def propose(self, state: DecodeState) -> DraftTree:
         root = state.tokens.gather(1, (state.lengths - 1)[:, None]).squeeze(1)  # (R,)
-        logp = _node_scores(state, self.heads(self.features, root, self.inputs), self.mode)  # (B, K, V)
+        inputs = self.heads.step_inputs(state, self.inputs)
+        logp = _node_scores(state, self.heads(self.features, root, inputs), self.mode)  # (B, K, V)
         self.forwards += 1
 
         def step(tokens, depth, mask):  # head ``depth`` for every frontier node alike

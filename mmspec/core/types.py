@@ -247,16 +247,20 @@ class FeatureHead(Protocol):
 class ParallelHeads(Protocol):
     """What ``ParallelHeadsDrafter`` needs of parallel draft heads (``mmspec.models.medusa``).
 
-    ``heads(features, root, image)``: the target's feature (R, H) before each row's root, the
-    root tokens (R,) and what ``heads.start(state)`` returned (per-row inputs such as an image
-    feature, or None) -> (R, K, V) logits, head k for the token k + 1 after the root. All K
-    heads run in that one call.
+    ``heads(features, root, inputs)``: the target's feature (R, H) before each row's root, the
+    root tokens (R,) and the pass's inputs -> (R, K, V) logits, head k for the token k + 1 after
+    the root. All K heads run in that one call. ``heads.start(state)`` runs once after the
+    prompt pass and returns what stays per generation (an image feature, or None);
+    ``heads.step_inputs(state, started)`` turns it into each pass's ``inputs`` (the VLM heads:
+    ``started`` itself; the AR image heads: the committed tokens one grid row above the drafts).
     """
 
     vocab_size: int
     num_heads: int
 
     def start(self, state: DecodeState) -> Any: ...
+
+    def step_inputs(self, state: DecodeState, started: Any) -> Any: ...
 
     def __call__(self, features: torch.Tensor, root: torch.Tensor, image: Any = None) -> torch.Tensor: ...
 

@@ -4,15 +4,16 @@ Parts, by kind (any ``+`` of one of each that the parts allow is a method):
 
 - schedule: ``zipar`` (ZipAR's next-set decoding; raster order otherwise);
 - drafter: ``sd`` (small draft AR model, chain), ``eagle`` (EAGLE-2 tree from the target's
-  features), ``sjd`` (Jacobi window), ``mcsjd`` (Jacobi window, redrafts maximally coupled);
+  features), ``medusa`` (the same tree from parallel heads in one pass), ``sjd`` (Jacobi window),
+  ``mcsjd`` (Jacobi window, redrafts maximally coupled);
 - rule: ``gsd`` (grouped), ``lantern`` (latent proximity); exact speculative sampling otherwise.
 
 ``gsd`` implies the ``sjd`` drafter (GSD is SJD with a grouped test; ``mcsjd+gsd`` takes the
 coupled window) and ``lantern`` implies ``eagle`` (LANTERN sits on EAGLE-2) unless a Jacobi
 drafter is named; ``zipar`` runs a Jacobi window per row, never a draft model (draft models keep
 raster caches). Components: ``target`` (a
-LlamaGen-style model), ``draft_model``, ``eagle_head`` (bound to the target), ``codebook`` (the
-VQ's code vectors).
+LlamaGen-style model), ``draft_model``, ``eagle_head`` and ``medusa_head`` (bound to the target),
+``codebook`` (the VQ's code vectors).
 """
 
 from __future__ import annotations
@@ -23,17 +24,23 @@ from dataclasses import dataclass
 import torch
 
 from ..core import JacobiDrafter
-from ..core.drafters import EagleTreeDrafter
+from ..core.drafters import EagleTreeDrafter, ParallelHeadsDrafter
 from ..core.errors import check
 from ..core.relaxed import (GroupedAcceptance, GroupedAcceptanceConfig, LatentProximityAcceptance,
                             LatentProximityConfig, latent_neighbours)
 from ..core.schedule import NextSetSchedule
 from .knobs import check_config, knob
 from .registry import register_method, register_modality, register_part
-from .shared import SD, TreeConfig
+from .shared import SD, MedusaConfig, TreeConfig
 
 MODALITY = "ar-image"
-register_modality(MODALITY, components=("target", "draft_model", "eagle_head", "codebook"),
+# the AR heads' tree: small, because this CPU verifies up to about 6 tokens at one token's cost on
+# the bundled target and not much more (``mmspec bench cost``'s curve). From a quiet interleaved
+# sweep of 12 images against target-only: (top_k, total_tokens) (1, 3) 0.89x, (1, 5) 1.09x,
+# (2, 4) 1.07x, (2, 6) 1.07x, (3, 6) 1.17x, (2, 8) 1.03x, (3, 8) 1.16x, (4, 10) 1.11x
+MEDUSA_DEFAULTS = {"medusa_top_k": 3, "medusa_total_tokens": 6}
+register_modality(MODALITY, components=("target", "draft_model", "eagle_head", "medusa_head", "codebook"),
+                  defaults=MEDUSA_DEFAULTS,
                   doc="class-conditional image generation over VQ tokens (LlamaGen-style targets)")
 
 
@@ -134,6 +141,12 @@ register_part(
                                           total_tokens=cfg.total_tokens, mode=cfg.mode),
     doc="EAGLE-2 dynamic tree from the target's features (Li et al., 2024)", modalities=(MODALITY,))
 register_part(
+    name="medusa", kind="drafter", config=MedusaConfig, requires=("medusa_head",),
+    build=lambda cfg, c: ParallelHeadsDrafter(c["medusa_head"].bind(c["target"]), top_k=cfg.top_k,
+                                              total_tokens=cfg.total_tokens, depth=cfg.depth),
+    doc="parallel heads (Medusa) on the target's features score a whole EAGLE-2 tree in one pass; they also read "
+        "the root token, the token one grid row above each draft and its column", modalities=(MODALITY,))
+register_part(
     name="sjd", kind="drafter", config=SJDConfig, build=_jacobi("independent"), traits=_jacobi_traits,
     doc="a Jacobi window: the previous pass's samples are the drafts (Teng et al., 2025, SJD)",
     modalities=(MODALITY,))
@@ -166,6 +179,7 @@ for _name, _doc in (
     ("none", "target-only AR decoding (the baseline)"),
     ("sd", "a small draft AR model drafts a chain; exact speculative sampling"),
     ("eagle", "EAGLE-2 tree from the target's features; exact speculative sampling (q = 1)"),
+    ("medusa", "EAGLE-2 tree from parallel heads in one pass; exact speculative sampling (q = 1)"),
     ("lantern", "EAGLE-2 tree verified with LANTERN's relaxed test (TVD <= delta per token)"),
     ("sjd", "Speculative Jacobi Decoding: Jacobi window, exact speculative sampling"),
     ("mcsjd", "MC-SJD: Jacobi window, redrafts maximally coupled with the last drafts; exact"),

@@ -1,4 +1,5 @@
-"""Configs and parts more than one modality registers: a draft model's chain and a dynamic tree."""
+"""Configs and parts more than one modality registers: a draft model's chain, a dynamic tree and
+the parallel heads' tree."""
 
 from __future__ import annotations
 
@@ -40,6 +41,25 @@ class TreeConfig:
     depth: int = knob(4, min=0)
     total_tokens: int = knob(59, min=2)
     mode: str = knob("topk", choices=("topk", "sample"))
+
+    def __post_init__(self):
+        check_config(self)
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    """The tree of the parallel heads: EAGLE-2's dynamic tree over the K heads' distributions.
+    Modalities override the defaults (``register_modality(defaults=...)``).
+
+    Args:
+        top_k: children per frontier node (and frontier width).
+        total_tokens: nodes kept for verification.
+        depth: levels below the root, at most the heads' count (None: all of them).
+    """
+
+    top_k: int = knob(4, min=1)
+    total_tokens: int = knob(16, min=2)
+    depth: int | None = knob(None, min=1)
 
     def __post_init__(self):
         check_config(self)

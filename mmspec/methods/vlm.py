@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .. import core
 from ..core.errors import check
-from .shared import SDConfig
+from .shared import MedusaConfig, SDConfig
 from .knobs import check_config, knob
 from .registry import register_method, register_modality, register_part
 
@@ -52,24 +52,6 @@ class TreeConfig:
     top_k: int = knob(8, min=1)
     depth: int = knob(6, min=1)
     total_tokens: int = knob(24, min=1)
-
-    def __post_init__(self):
-        check_config(self)
-
-
-@dataclass(frozen=True)
-class MedusaConfig:
-    """The tree of the parallel heads: EAGLE-2's dynamic tree over the K heads' distributions.
-
-    Args:
-        top_k: children per frontier node (and frontier width).
-        total_tokens: nodes kept for verification.
-        depth: levels below the root, at most the heads' count (None: all of them).
-    """
-
-    top_k: int = knob(4, min=1)
-    total_tokens: int = knob(16, min=2)
-    depth: int | None = knob(None, min=1)
 
     def __post_init__(self):
         check_config(self)

@@ -1,4 +1,5 @@
-"""Parallel draft heads for transformers VLM targets: the whole draft tree from one pass.
+"""Parallel draft heads: the whole draft tree from one pass. ``MedusaHeads`` for transformers VLM
+targets, ``GridMedusaHeads`` for LlamaGen-style AR image targets (below).
 
 Medusa (Cai et al., 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple
 Decoding Heads"): K heads read the target's last feature ``f_t`` (the one whose LM-head output
@@ -7,7 +8,8 @@ a residual SiLU block and the target's own LM head (Medusa-1: the target frozen,
 weight zero at init so every head starts as the LM head). One pass of all heads costs a few
 (R, H) x (H, H) products, against EAGLE's one decoder layer per tree level.
 
-Two inputs Medusa does not have, both zero at init:
+Two inputs Medusa does not have, both zero at init (``MedusaHeads``; ``GridMedusaHeads`` reads
+the root token too, and the grid's neighbours in place of the image):
 - the **root token** (``root_in``: its target embedding, added to the feature). The root is the
   token the target just drew; at temperature > 0 it is often not the argmax the feature points
   at, and every later token depends on it (Hydra, Ankner et al., 2024, makes each head read all
@@ -113,6 +115,10 @@ class MedusaHeads(ModelMixin, ConfigMixin):
         check(embeds is not None, "state.prefill", "a VLMTarget's prompt pass output (with prompt_embeds)", None)
         return self.image_feature(state.tokens, embeds, state.prompt_lengths)
 
+    def step_inputs(self, state, started):
+        """``ParallelHeads.step_inputs``: the image feature ``start`` returned, every pass."""
+        return started
+
     # -- the heads -------------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, root: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         """features (..., H) the target's feature before the root, root (...) the root tokens,
@@ -173,3 +179,159 @@ class MedusaHeads(ModelMixin, ConfigMixin):
             top1.append(((out[:, :, k].argmax(-1) == teach.argmax(-1)) & ok).sum() / ok.sum())
         top1 = torch.stack([x.detach().float() for x in top1])
         return {"loss": total / max(weight, 1e-12), "top1": top1, "count": torch.stack(count), "step0_top1": top1[0]}
+
+
+class GridMedusaHeads(ModelMixin, ConfigMixin):
+    """K parallel draft heads bound to a ``LlamaGenModel`` (AR images over a VQ token grid).
+
+    Head k reads the target's feature before the root (as ``MedusaHeads``), the root token's
+    embedding, and two inputs that only a raster grid has (both zero at init, so every head
+    starts as the target's LM head, Medusa-1):
+
+    - the **token one grid row above** the token it predicts (``above_in``): raster index
+      ``i - grid_size`` for the token at raster index i, committed whenever ``k < grid_size``;
+      in the top row a zero embedding. Images are locally smooth, so the token above is the best
+      single guess the target's causal history holds for i (SJD's ``spatial`` initialisation and
+      ZipAR's next-set schedule rest on the same locality);
+    - the **column** of the token it predicts (``column``, one learned vector per head and
+      column): where a raster row wraps, the left neighbour is no neighbour at all.
+
+    The heads' weights are stacked per head (one batched product per block for all K heads).
+    The target's token embedding and LM head are borrowed at ``bind``, never saved.
+
+    Args:
+        dim, vocab_size, grid_size: the target's (checked at ``bind``).
+        num_heads: K, the tree's depth below the root (less than ``grid_size``).
+        num_layers: residual SiLU blocks per head (Medusa: 1).
+        root_token, spatial: use the root token / the token above and the column.
+    """
+
+    config_name = "config.json"
+
+    @register_to_config
+    def __init__(self, dim: int = 128, vocab_size: int = 512, grid_size: int = 16, num_heads: int = 4,
+                 num_layers: int = 1, root_token: bool = True, spatial: bool = True):
+        super().__init__()
+        for name, value in dict(dim=dim, vocab_size=vocab_size, grid_size=grid_size, num_heads=num_heads,
+                                num_layers=num_layers).items():
+            check(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+        check(num_heads < grid_size, "num_heads", f"an int in [1, {grid_size - 1}] (below the grid's width, so the "
+              "token above every drafted one is committed)", num_heads)
+        H, K, W = dim, num_heads, grid_size
+        self.block_weight = nn.Parameter(torch.zeros(num_layers, K, H, H))  # (out, in) per head, as nn.Linear
+        self.block_bias = nn.Parameter(torch.zeros(num_layers, K, H))
+        self.root_in = nn.Parameter(torch.zeros(K, H, H)) if root_token else None
+        self.above_in = nn.Parameter(torch.zeros(K, H, H)) if spatial else None
+        self.column = nn.Parameter(torch.zeros(K, W, H)) if spatial else None
+        self._bound_to = ()
+
+    # -- binding ---------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target, **overrides) -> "GridMedusaHeads":
+        """Fresh heads sized like ``target``'s (a ``LlamaGenModel``), bound to it."""
+        cfg = target.config
+        args = dict(dim=cfg.dim, vocab_size=cfg.vocab_size, grid_size=cfg.grid_size)
+        return cls(**{**args, **overrides}).bind(target)
+
+    def bind(self, target) -> "GridMedusaHeads":
+        """Use ``target``'s token embedding and LM head (shared, not copied); returns self."""
+        for key in ("dim", "vocab_size", "grid_size"):
+            value = target.config[key]
+            check(value == self.config[key], "target", f"a LlamaGenModel with {key}={self.config[key]} (the heads')",
+                  value)
+        self._bound_to = (target,)
+        return self
+
+    @property
+    def target(self):
+        if not self._bound_to:
+            raise RuntimeError("GridMedusaHeads is not bound to a target: call heads.bind(llamagen_model) first")
+        return self._bound_to[0]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+    # -- inputs ----------------------------------------------------------------------------------
+    def spatial_inputs(self, raster: torch.Tensor, image_ids: torch.Tensor) -> dict | None:
+        """(R, T) raster index of each root and (R, N') the row's image ids in raster order (every
+        one the heads read committed) -> ``above`` (R, T, K): the id one grid row above each of
+        the K tokens after the root (-1 in the top row), and their ``column`` (R, T, K); None
+        when the heads do not read them."""
+        if self.column is None:
+            return None
+        W = self.config.grid_size
+        i = raster[..., None] + 1 + torch.arange(self.num_heads, device=raster.device)  # (R, T, K) predicted
+        up = i - W
+        above = image_ids.gather(1, up.clamp(0, image_ids.shape[1] - 1).flatten(1)).view(up.shape)
+        return {"above": torch.where(up >= 0, above, -1), "column": i % W}
+
+    def start(self, state) -> None:
+        """``ParallelHeads.start``: nothing per prompt (the spatial inputs change every pass)."""
+        self.target  # noqa: B018 -- drafting needs the bound target (raises otherwise)
+
+    def step_inputs(self, state, started) -> dict | None:
+        """Per verification: ``spatial_inputs`` of every row's root (its image tokens start after
+        the row's prompt, LlamaGen's one class token)."""
+        if self.column is None:
+            return None
+        P = state.prompt_lengths if state.prompt_lengths is not None else torch.ones_like(state.lengths)
+        rows = torch.arange(state.tokens.shape[1], device=P.device)
+        image_ids = state.tokens.gather(1, (P[:, None] + rows).clamp(max=state.tokens.shape[1] - 1))
+        out = self.spatial_inputs((state.lengths - 1 - P)[:, None], image_ids)
+        return {key: value[:, 0] for key, value in out.items()}
+
+    # -- the heads -------------------------------------------------------------------------------
+    def forward(self, features: torch.Tensor, root: torch.Tensor, inputs: dict | None = None) -> torch.Tensor:
+        """features (..., H) the target's feature before the root, root (...) the root tokens,
+        inputs ``step_inputs``' dict (or None) -> (..., K, V) logits, head k for the token k + 1
+        after the root."""
+        w = self.block_weight
+        x = features.to(w.dtype)[..., None, :].expand(*features.shape[:-1], self.num_heads, w.shape[-1])
+        embed = self.target.tok_embeddings
+        if self.root_in is not None:
+            x = x + torch.einsum("...h,kgh->...kg", embed(root).to(w.dtype), self.root_in)
+        if self.column is not None and inputs is not None:
+            above = inputs["above"]
+            e = embed(above.clamp(min=0)).to(w.dtype) * (above >= 0)[..., None]
+            x = x + torch.einsum("...kh,kgh->...kg", e, self.above_in)
+            x = x + self.column[torch.arange(self.num_heads, device=x.device), inputs["column"]]
+        for layer in range(w.shape[0]):
+            x = x + F.silu(torch.einsum("...kh,kgh->...kg", x, w[layer]) + self.block_bias[layer])
+        head = self.target.output
+        return F.linear(x.to(head.weight.dtype), head.weight).float()
+
+    # -- training --------------------------------------------------------------------------------
+    def loss(self, labels: torch.Tensor, image_ids: torch.Tensor, generator: torch.Generator | None = None,
+             decay: float = 0.8) -> dict:
+        """Online-logit distillation, teacher-forced: for every root (raster index j of (B, N)
+        ``image_ids``, j < N - 1), head k's cross-entropy to the frozen target's own distribution of
+        the token at j + 1 + k (while that is in the grid), weighted ``decay ** k`` (Medusa's 0.8).
+        In training mode labels are dropped to the null class with the target's
+        ``class_dropout_prob`` first, so the unconditional half of CFG is learned too.
+
+        Returns ``loss``, per-head teacher top-1 agreement ``top1`` (K,) and ``count`` (K,)."""
+        if self.training:
+            labels = self.target.drop_labels(labels, generator)
+        B, N = image_ids.shape
+        K = self.num_heads
+        tokens = torch.cat([labels[:, None], image_ids[:, :-1]], 1)  # (B, N): logits at p give raster p
+        with torch.no_grad():
+            ref = self.target(tokens)
+        j = torch.arange(N - 1, device=image_ids.device)
+        out = self(ref.hidden[:, :-1], image_ids[:, :-1], self.spatial_inputs(j.expand(B, -1), image_ids))
+        total, weight, top1, count = 0.0, 0.0, [], []
+        for k in range(K):
+            n = N - 1 - k  # roots whose head-k token is in the grid
+            teach = ref.logits[:, 1 + k:].float().softmax(-1)  # (B, n, V)
+            logits = out[:, :n, k]
+            ce = -(teach * logits.log_softmax(-1)).sum(-1).mean()
+            total = total + decay ** k * ce
+            weight += decay ** k
+            top1.append((logits.argmax(-1) == teach.argmax(-1)).float().mean().detach())
+            count.append(torch.tensor(B * n))
+        return {"loss": total / weight, "top1": torch.stack(top1), "count": torch.stack(count)}

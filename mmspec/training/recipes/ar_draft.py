@@ -1,5 +1,6 @@
-"""Train a draft for the AR image target: EAGLE's feature head (``kind="eagle"``) or a small
-``LlamaGenModel`` (``kind="chain"``), both on a trained VQ's ids of the shapes dataset."""
+"""Train a draft for the AR image target: EAGLE's feature head (``kind="eagle"``), parallel
+Medusa heads (``kind="medusa"``) or a small ``LlamaGenModel`` (``kind="chain"``), all on a
+trained VQ's ids of the shapes dataset."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from ...core.errors import check, check_choice
 from ...models import load_checkpoint
 from ...models.eagle import EagleDraftHead
 from ...models.llamagen import LlamaGenModel
+from ...models.medusa import GridMedusaHeads
 from ...models.vq import TinyVQModel
 from ..data import NUM_CLASSES
 from ..loop import new_accelerator, train_loop
@@ -21,7 +23,8 @@ from .ar_image import AR_DATA_STYLE, token_data, train_ar_image
 from .common import (batch_indices, check_checkpoint_dir, check_run_args, json_config, save_atomically,
                      warmup_cosine, write_log)
 
-KINDS = ("eagle", "chain")
+KINDS = ("eagle", "medusa", "chain")
+MEDUSA_HEADS = 4  # the AR heads' default K: trees of 4-8 tokens, the widths this CPU verifies at one pass's cost
 # the chain draft: a quarter-width, half-depth LlamaGen (the target's recipe defaults are 128 x 4)
 CHAIN_MODEL_CONFIG = dict(dim=64, n_layers=2, n_heads=4, mlp_hidden=172, class_dropout_prob=0.1)
 # EAGLE's training setup: loss weights (regression 1, classification 0.1), AdamW betas, clipping
@@ -58,6 +61,21 @@ def heldout_agreement(head: EagleDraftHead, labels: torch.Tensor, ids: torch.Ten
 
 
 @torch.no_grad()
+def heldout_head_agreement(heads: GridMedusaHeads, labels: torch.Tensor, ids: torch.Tensor,
+                           batch_size: int = 32) -> tuple[list[float], float]:
+    """Per head, teacher-forced top-1 agreement with the target's argmax over every held-out root
+    whose head-k token is in the grid, and the held-out loss (mean over batches)."""
+    heads.eval()
+    hits, counts, loss = 0.0, 0.0, 0.0
+    for y, x in zip(labels.split(batch_size), ids.split(batch_size)):
+        out = heads.loss(y, x)
+        hits = hits + out["top1"] * out["count"]
+        counts = counts + out["count"]
+        loss += out["loss"].item() * len(y)
+    return (hits / counts).tolist(), loss / len(labels)
+
+
+@torch.no_grad()
 def _heldout_loss(head: EagleDraftHead, labels, ids, batch_size: int = 32) -> float:
     head.eval()
     total = sum(head.loss(y, x, cls_weight=CLS_WEIGHT).item() * len(y)
@@ -68,7 +86,7 @@ def _heldout_loss(head: EagleDraftHead, labels, ids, batch_size: int = 32) -> fl
 def train_ar_draft(out_dir: str | Path, *, kind: str, vq_dir: str | Path, target_dir: str | Path | None = None,
                    steps: int, batch_size: int, lr: float, seed: int = 0, dataset_size: int,
                    model_config: dict | None = None, heldout_size: int = 64, log_every: int = 50,
-                   warmup: int = 100, log: Callable[[str], None] = print) -> dict:
+                   warmup: int = 100, log: Callable[[str], None] = print, medusa_heads: int = MEDUSA_HEADS) -> dict:
     """Train a draft for the AR image target in ``target_dir`` on ``ShapesDataset(dataset_size,
     seed)`` tokenized by the VQ in ``vq_dir``, and save it to ``out_dir`` with ``train_log.json``
     (written atomically), whose dict is returned.
@@ -82,6 +100,12 @@ def train_ar_draft(out_dir: str | Path, *, kind: str, vq_dir: str | Path, target
     ``heldout_top1`` (``heldout_agreement`` with the labels kept), ``heldout_top1_uncond`` (null
     labels) and ``heldout_loss``.
 
+    ``kind="medusa"``: ``GridMedusaHeads`` with ``medusa_heads`` heads (``model_config`` overrides
+    its arguments), trained on the frozen target's features by ``GridMedusaHeads.loss`` (each
+    head's cross-entropy to the target's own distribution, weighted 0.8 ** k; labels dropped as
+    for eagle), AdamW as for eagle. The log holds ``heldout_top1`` (one agreement per head, labels
+    kept), ``heldout_top1_uncond`` (null labels) and ``heldout_loss``.
+
     ``kind="chain"``: ``train_ar_image`` with ``CHAIN_MODEL_CONFIG`` (overridden by
     ``model_config``): a small ``LlamaGenModel`` on the same ids, its log holds ``heldout_loss``.
     ``target_dir`` is optional here (the draft only needs the VQ); when given it is checked
@@ -94,7 +118,8 @@ def train_ar_draft(out_dir: str | Path, *, kind: str, vq_dir: str | Path, target
     model_config = dict(model_config or {})
     vq_path = _checkpoint_dir(vq_dir, "vq_dir", "TinyVQModel.save_pretrained (e.g. by train_vq)")
     check(kind == "chain" or target_dir is not None, "target_dir",
-          "the folder of the AR target (kind='eagle' drafts from its features)", target_dir)
+          f"the folder of the AR target (kind='{kind}' drafts from its features)", target_dir)
+    check(isinstance(medusa_heads, int) and medusa_heads >= 1, "medusa_heads", "an int >= 1", medusa_heads)
     target_path = None if target_dir is None else _checkpoint_dir(
         target_dir, "target_dir", "LlamaGenModel.save_pretrained (e.g. by train_ar_image)")
     if kind == "chain":
@@ -110,30 +135,45 @@ def train_ar_draft(out_dir: str | Path, *, kind: str, vq_dir: str | Path, target
     vq = load_checkpoint(TinyVQModel, vq_path)
     target = _load_target(target_path, vq)
     labels, ids, held_labels, held_ids, held_seed = token_data(vq, dataset_size, heldout_size, seed)
-    log(f"ar-draft (eagle) tokenized {dataset_size} + {heldout_size} images into {ids.shape[1]} ids each")
+    log(f"ar-draft ({kind}) tokenized {dataset_size} + {heldout_size} images into {ids.shape[1]} ids each")
 
     torch.manual_seed(seed)
-    head = EagleDraftHead.from_target(target, **model_config)
+    if kind == "medusa":
+        head = GridMedusaHeads.from_target(target, **{"num_heads": medusa_heads, **model_config})
+    else:
+        head = EagleDraftHead.from_target(target, **model_config)
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=BETAS)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, steps=steps))
     order = torch.Generator().manual_seed(seed)
     dropout = torch.Generator().manual_seed(seed + 1)
     batches = ((labels[idx], ids[idx]) for idx in batch_indices(dataset_size, batch_size, steps, order))
-    final_loss = train_loop(head, optimizer, batches, lambda h, b: h.loss(*b, generator=dropout, cls_weight=CLS_WEIGHT),
-                            steps=steps, accelerator=accelerator, schedule=schedule, grad_clip=GRAD_CLIP,
-                            name="ar-draft (eagle)", log=log, log_every=log_every)
+    if kind == "medusa":
+        step_loss = lambda h, b: h.loss(*b, generator=dropout)["loss"]  # noqa: E731
+        loss_text = "soft cross-entropy(target's head) per head, weighted 0.8 ** k"
+    else:
+        step_loss = lambda h, b: h.loss(*b, generator=dropout, cls_weight=CLS_WEIGHT)  # noqa: E731
+        loss_text = f"smooth_l1(features) + {CLS_WEIGHT} x soft cross-entropy(target's head)"
+    final_loss = train_loop(head, optimizer, batches, step_loss, steps=steps, accelerator=accelerator,
+                            schedule=schedule, grad_clip=GRAD_CLIP, name=f"ar-draft ({kind})", log=log,
+                            log_every=log_every)
 
-    top1 = heldout_agreement(head, held_labels, held_ids)
-    top1_uncond = heldout_agreement(head, torch.full_like(held_labels, target.null_class), held_ids)
-    held_loss = _heldout_loss(head, held_labels, held_ids)
-    log(f"ar-draft (eagle) held-out top-1 agreement {top1:.4f} (uncond {top1_uncond:.4f}), "
-        f"loss {held_loss:.4f} ({heldout_size} images)")
+    nulls = torch.full_like(held_labels, target.null_class)
+    if kind == "medusa":
+        top1, held_loss = heldout_head_agreement(head, held_labels, held_ids)
+        top1_uncond, _ = heldout_head_agreement(head, nulls, held_ids)
+        shown = f"{', '.join(f'{x:.4f}' for x in top1)} (uncond {', '.join(f'{x:.4f}' for x in top1_uncond)})"
+    else:
+        top1 = heldout_agreement(head, held_labels, held_ids)
+        top1_uncond = heldout_agreement(head, nulls, held_ids)
+        held_loss = _heldout_loss(head, held_labels, held_ids)
+        shown = f"{top1:.4f} (uncond {top1_uncond:.4f})"
+    log(f"ar-draft ({kind}) held-out top-1 agreement {shown}, loss {held_loss:.4f} ({heldout_size} images)")
     record = {
-        "recipe": "ar-draft", "kind": "eagle", "seed": seed, "steps": steps, "config": json_config(head),
+        "recipe": "ar-draft", "kind": kind, "seed": seed, "steps": steps, "config": json_config(head),
         "train": {"batch_size": batch_size, "lr": lr, "dataset_size": dataset_size, "data_style": AR_DATA_STYLE,
                   "optimizer": "AdamW", "schedule": f"linear warmup {warmup} steps, cosine to 10%", "betas": list(BETAS),
                   "weight_decay": optimizer.defaults["weight_decay"], "grad_clip": GRAD_CLIP,
-                  "loss": f"smooth_l1(features) + {CLS_WEIGHT} x soft cross-entropy(target's head)",
+                  "loss": loss_text,
                   "label_dropout": target.config.class_dropout_prob},
         "target_dir": str(target_path.resolve()), "vq_dir": str(vq_path.resolve()),
         "final_loss": final_loss, "heldout_top1": top1, "heldout_top1_uncond": top1_uncond,
