@@ -18,6 +18,7 @@ from mmspec.core import LogitsPipeline, ModelChainDrafter, ModelOutput, Speculat
 from mmspec.core.cache import StaticKVCache
 from mmspec.models.continuous_tokenizer import PatchPCATokenizer
 from mmspec.models.eagle import EagleDraftHead
+from mmspec.models.medusa import GridMedusaHeads
 from mmspec.models.llamagen import LlamaGenModel
 from mmspec.models.vq import TinyVQModel
 from mmspec.pipelines import SpeculativeARImagePipeline, SpeculativeContinuousARPipeline
@@ -172,7 +173,8 @@ def bench(tmp_path_factory):
               initializer_range=0.3)
     target = LlamaGenModel(**ar).eval()
     SpeculativeARImagePipeline(transformer=target, vqvae=vq, draft_model=LlamaGenModel(**ar).eval(),
-                               eagle_head=EagleDraftHead.from_target(target)).save_pretrained(root / "ar")
+                               eagle_head=EagleDraftHead.from_target(target),
+                               medusa_head=GridMedusaHeads.from_target(target, num_heads=2)).save_pretrained(root / "ar")
     tokenizer = PatchPCATokenizer(sample_size=16, patch_size=4, latent_dim=3).fit(torch.rand(8, 3, 16, 16) * 2 - 1)
     SpeculativeContinuousARPipeline(tokenizer=tokenizer, transformer=tiny_model(1, 24, 2),
                                     draft_model=tiny_model(2)).save_pretrained(root / "continuous")
@@ -210,6 +212,9 @@ def test_every_target_has_its_curves_and_rows(bench):
     assert by["ar-image", "eagle"]["verify_widths"]["tree"] and not by["ar-image", "sd"]["verify_widths"]["tree"]
     assert by["vlm", "specvlm"]["draft_widths"]["specvlm_head"]["tree"]  # the head's tree levels carry masks
     assert by["ar-image", "eagle-small"]["verify_t_mean"] == 3.0  # top_k 2, depth 1, 3 tokens per verify
+    for target in ("ar-image", "vlm"):  # parallel heads: one call per verification
+        row = by[target, "medusa"]
+        assert row["draft_role"] == "medusa_head" and row["draft_passes_per_pass"] == 1.0, row
 
 
 def test_figures_are_the_documented_arithmetic_on_the_json(bench):

@@ -68,7 +68,7 @@ TARGETS = ("ar-image", "vlm", "continuous")
 SMALL_EAGLE = {"eagle_top_k": 2, "eagle_depth": 1, "eagle_total_tokens": 3}
 DEFAULT_ROWS = {  # (label, method, knobs) per target; "none" first, the baseline of the ratios
     "ar-image": (("none", "none", {}), ("sd", "sd", {}), ("eagle", "eagle", {}),
-                 ("eagle-small", "eagle", SMALL_EAGLE)),
+                 ("eagle-small", "eagle", SMALL_EAGLE), ("medusa", "medusa", {})),
     "vlm": (("none", "none", {}), ("sd", "sd", {}), ("eagle", "eagle", {}), ("specvlm", "specvlm", {}),
             ("medusa", "medusa", {})),
     "continuous": (("none", "none", {}), ("sd", "sd", {})),
@@ -515,11 +515,27 @@ class _ARImage:
             timer.watch("draft_model", self.pipe.draft_model, 0, 3)
         if "eagle_head" in roles:
             timer.watch("eagle_head", self.pipe.eagle_head, 1, 4)
+        if "medusa_head" in roles:
+            timer.watch_heads("medusa_head", self.pipe.medusa_head)
 
     def probes(self, roles: set[str], width: int) -> tuple[int, dict[str, Probe]]:
         model = self.pipe.transformer
-        return _native_probes(model, {TARGET: model, "draft_model": self.pipe.draft_model}, self.pipe.eagle_head,
-                              roles, width, prefix=1 + model.num_image_tokens // 2, seed=self.cfg.seed)
+        prefix, probes = _native_probes(model, {TARGET: model, "draft_model": self.pipe.draft_model},
+                                        self.pipe.eagle_head, roles, width, prefix=1 + model.num_image_tokens // 2,
+                                        seed=self.cfg.seed)
+        if "medusa_head" in roles:  # no cache: one call on T features, two rows (a CFG pair) when drafting
+            heads = self.pipe.medusa_head
+            g = torch.Generator().manual_seed(self.cfg.seed)
+            H, K = heads.config.dim, heads.num_heads
+
+            def call(T, tree):
+                inputs = {"above": torch.randint(model.vocab_size, (2, T, K), generator=g),
+                          "column": torch.randint(model.config.grid_size, (2, T, K), generator=g)}
+                return heads(torch.randn(2, T, H, generator=g), torch.randint(model.vocab_size, (2, T), generator=g),
+                             inputs)
+
+            probes["medusa_head"] = call
+        return prefix, probes
 
 
 def _native_probes(model, models: dict, head, roles: set[str], width: int, prefix: int, seed: int):
