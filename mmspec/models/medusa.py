@@ -291,17 +291,23 @@ class GridMedusaHeads(ModelMixin, ConfigMixin):
         inputs ``step_inputs``' dict (or None) -> (..., K, V) logits, head k for the token k + 1
         after the root."""
         w = self.block_weight
-        x = features.to(w.dtype)[..., None, :].expand(*features.shape[:-1], self.num_heads, w.shape[-1])
+        K, H = self.num_heads, w.shape[-1]
+        lead = features.shape[:-1]
+        x = features.to(w.dtype).reshape(-1, 1, H)  # (N, 1, H): N = every leading index
         embed = self.target.tok_embeddings
-        if self.root_in is not None:
-            x = x + torch.einsum("...h,kgh->...kg", embed(root).to(w.dtype), self.root_in)
+        if self.root_in is not None:  # one product for all heads: (N, H) x (H, K * H)
+            e = embed(root).to(w.dtype).reshape(-1, H)
+            x = x + (e @ self.root_in.permute(2, 0, 1).reshape(H, K * H)).view(-1, K, H)
+        else:
+            x = x.expand(-1, K, H)
         if self.column is not None and inputs is not None:
-            above = inputs["above"]
-            e = embed(above.clamp(min=0)).to(w.dtype) * (above >= 0)[..., None]
-            x = x + torch.einsum("...kh,kgh->...kg", e, self.above_in)
-            x = x + self.column[torch.arange(self.num_heads, device=x.device), inputs["column"]]
+            above = inputs["above"].reshape(-1, K)
+            e = embed(above.clamp(min=0)).to(w.dtype) * (above >= 0)[..., None]  # (N, K, H)
+            x = x + _per_head(e, self.above_in)
+            x = x + self.column[torch.arange(K, device=x.device), inputs["column"].reshape(-1, K)]
         for layer in range(w.shape[0]):
-            x = x + F.silu(torch.einsum("...kh,kgh->...kg", x, w[layer]) + self.block_bias[layer])
+            x = x + F.silu(_per_head(x, w[layer]) + self.block_bias[layer])
+        x = x.view(*lead, K, H)
         head = self.target.output
         return F.linear(x.to(head.weight.dtype), head.weight).float()
 
@@ -335,3 +341,9 @@ class GridMedusaHeads(ModelMixin, ConfigMixin):
             top1.append((logits.argmax(-1) == teach.argmax(-1)).float().mean().detach())
             count.append(torch.tensor(B * n))
         return {"loss": total / weight, "top1": torch.stack(top1), "count": torch.stack(count)}
+
+
+def _per_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(N, K, H) inputs, (K, G, H) per-head weights (nn.Linear's (out, in)) -> (N, K, G): head k's
+    rows times its own matrix, one batched product."""
+    return torch.bmm(x.transpose(0, 1), weight.transpose(1, 2)).transpose(0, 1)
