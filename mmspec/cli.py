@@ -15,6 +15,9 @@
     mmspec bench cost [--json PATH] [--gpu-curve FILE]
                                      forward cost curves of every bundled target; each method's ceiling,
                                      predicted and measured speed-up (and a labelled projection for FILE)
+    mmspec bench compile [--json PATH]
+                                     torch.compile on the bundled AR target per method: eager vs compiled wall,
+                                     first-call (compile) time
     mmspec generate ar-image --method gsd --prompt "a red circle" --out DIR
                                      write PNGs from the bundled AR image pipeline
     mmspec generate continuous --method sd --prompt "a red circle" --out DIR
@@ -58,7 +61,7 @@ import os
 import sys
 from pathlib import Path
 
-BENCHES = ("core", "ar-image", "vlm", "video", "kernels", "continuous", "cost")
+BENCHES = ("core", "ar-image", "vlm", "video", "kernels", "continuous", "cost", "compile")
 
 
 class UsageError(ValueError):
@@ -159,6 +162,12 @@ def _run_bench(args) -> tuple[dict, list]:
         cfg.gpu_curve = args.gpu_curve  # checked and loaded by check_args
         result = cost.public(cost.run(cfg, progress=None if args.quiet else _progress))
         columns = cost.columns(result)
+    elif args.name == "compile":
+        from .bench import compile as compiled
+
+        cfg = compiled.CompileBenchConfig.quick() if args.quick else compiled.CompileBenchConfig()
+        result = compiled.run(cfg, progress=None if args.quiet else _progress)
+        columns = compiled.COMPILE_COLUMNS
     elif args.name == "kernels":
         from .bench import kernels
 

@@ -66,7 +66,7 @@ VARIANTS = {
 DEFAULT_METHODS = tuple(row for m in methods.names(MODALITY)
                         for row in ((m, m, BENCH_KNOBS.get(m, {})),) + VARIANTS.get(m, ()))
 
-SHOWCASE_METHODS = tuple(m for m in DEFAULT_METHODS if m[0] in ("none", "sjd", "gsd", "lantern", "zipar+gsd"))
+SHOWCASE_METHODS = tuple(m for m in DEFAULT_METHODS if m[0] in ("none", "medusa", "sjd", "gsd", "lantern", "zipar+gsd"))
 
 
 @dataclass

@@ -64,10 +64,13 @@ class Tree:
     def ancestor_mask(self) -> torch.Tensor:
         """(B, N+1, N+1) bool: ``[b, i, j]`` is True when j is i or an ancestor of i."""
         B, N = self.parents.shape
-        mask = torch.eye(N + 1, dtype=torch.bool, device=self.parents.device).repeat(B, 1, 1)
-        rows = torch.arange(B, device=self.parents.device)
-        for i in range(1, N + 1):  # parents come first, so one pass in index order suffices
-            mask[:, i] |= mask[rows, self.parents[:, i - 1]]
+        device = self.parents.device
+        mask = torch.eye(N + 1, dtype=torch.bool, device=device).repeat(B, 1, 1)
+        up = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=device), self.parents], 1)  # the root's is itself
+        above = up
+        for _ in range(self.max_depth):  # level by level (not node by node): above[i] is i's ancestor d up
+            mask.scatter_(2, above[..., None], True)
+            above = up.gather(1, above)
         return mask
 
     @cached_property
