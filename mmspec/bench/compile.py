@@ -12,7 +12,8 @@ and per way of compiling the target (``LlamaGenModel``), against the same target
 each new width and length would compile again. Rows are interleaved: images outer, then every
 (way, method) pair, switching the target's forward between its eager and compiled versions per
 call, after one call per pair that compiles (its time is ``first call s``: compilation plus one
-image; a later method's first call reuses graphs an earlier one compiled). ``gain x`` = eager
+image; a later pair's first call reuses what earlier ones compiled: dynamo compiles each layer's
+frame after a graph break once, for both ways). ``gain x`` = eager
 seconds per image / compiled seconds per image, both from this run; ``same tokens`` says whether
 the compiled call drew the same tokens as the eager call with the same seed (compiled kernels may
 sum in another order, and a sampled token can then differ; nothing here is claimed exact).
