@@ -398,7 +398,7 @@ class ParallelHeadsDrafter(DrafterBase):
         def step(tokens, depth, mask):  # head ``depth`` for every frontier node alike
             return logp[:, depth, None].expand(-1, tokens.shape[1], -1)
 
-        return dynamic_tree(logp[:, 0], step, self.top_k, self.depth - 1, self.total_tokens)
+        return dynamic_tree(logp[:, 0], step, self.top_k, self.depth - 1, self.total_tokens, masks=False)
 
     def update(self, state, draft, acceptance, target_probs, target_out):
         if target_out.hidden is None:

@@ -97,12 +97,13 @@ class Tree:
         return torch.where(present, order, -1)
 
 
-StepFn = Callable[[torch.Tensor, int, torch.Tensor], torch.Tensor]
+StepFn = Callable[[torch.Tensor, int, torch.Tensor | None], torch.Tensor]
 """``step(tokens (B, k), depth, mask (B, k, R + k)) -> scores source (B, k, V)``.
 
 Runs the draft on the k frontier nodes at tree depth ``depth`` (all siblings of one level share
 it), where ``mask`` tells which of the R earlier-fed tree nodes plus the k new ones each frontier
-node may attend to, and returns its log-probabilities over the vocabulary."""
+node may attend to (None when the tree builder was told the draft reads no tree: ``masks=False``),
+and returns its log-probabilities over the vocabulary."""
 
 
 @dataclass
@@ -134,7 +135,7 @@ def _frontier_mask(fed_anc: torch.Tensor | None, parent_slot: torch.Tensor | Non
 
 
 def dynamic_tree(root_logp: torch.Tensor, step: StepFn, top_k: int, depth: int,
-                 total_tokens: int) -> DraftTree:
+                 total_tokens: int, masks: bool = True) -> DraftTree:
     """EAGLE-2's dynamic draft tree (Li et al., 2024, "EAGLE-2"), deterministic form.
 
     Expand: at every level each frontier node proposes its ``top_k`` children; the ``top_k``
@@ -147,6 +148,8 @@ def dynamic_tree(root_logp: torch.Tensor, step: StepFn, top_k: int, depth: int,
         root_logp: (B, V) draft log-probabilities for the root's children.
         step: runs the draft on a frontier; see ``StepFn``.
         top_k, depth, total_tokens: EAGLE-2's knobs; the tree has ``depth + 1`` levels at most.
+        masks: build the frontier masks ``step`` receives (False: it gets None, for drafts that
+            read no tree, such as parallel heads; the tree is the same).
     """
     B, V = root_logp.shape
     device = root_logp.device
@@ -156,10 +159,11 @@ def dynamic_tree(root_logp: torch.Tensor, step: StepFn, top_k: int, depth: int,
     frontier_ids = torch.arange(top_k, device=device).expand(B, top_k)
     fed_anc, parent_slot, fed = None, None, 0
     for level in range(depth):
-        anc = _frontier_mask(fed_anc, parent_slot, top_k, B, device)  # (B, k, fed + k)
+        anc = _frontier_mask(fed_anc, parent_slot, top_k, B, device) if masks else None  # (B, k, fed + k)
         logp = step(tokens, level + 1, anc)  # (B, k, V)
-        fed_anc = anc if fed_anc is None else torch.cat(
-            [torch.nn.functional.pad(fed_anc, (0, top_k)), anc], dim=1)
+        if masks:
+            fed_anc = anc if fed_anc is None else torch.cat(
+                [torch.nn.functional.pad(fed_anc, (0, top_k)), anc], dim=1)
         child_logp, child_tok = logp.topk(top_k, dim=-1)  # (B, k, k)
         child_scores = (scores.unsqueeze(-1) + child_logp).flatten(1)  # (B, k*k)
         base = sum(t.shape[1] for t in cand_tokens)

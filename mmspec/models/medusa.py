@@ -280,10 +280,11 @@ class GridMedusaHeads(ModelMixin, ConfigMixin):
         if self.column is None:
             return None
         P = state.prompt_lengths if state.prompt_lengths is not None else torch.ones_like(state.lengths)
-        rows = torch.arange(state.tokens.shape[1], device=P.device)
-        image_ids = state.tokens.gather(1, (P[:, None] + rows).clamp(max=state.tokens.shape[1] - 1))
-        out = self.spatial_inputs((state.lengths - 1 - P)[:, None], image_ids)
-        return {key: value[:, 0] for key, value in out.items()}
+        W = self.config.grid_size
+        i = (state.lengths - P)[:, None] + torch.arange(self.num_heads, device=P.device)  # (R, K) raster indices
+        up = i - W  # ``spatial_inputs``' rule, read from the history in place
+        above = state.tokens.gather(1, (P[:, None] + up).clamp(0, state.tokens.shape[1] - 1))
+        return {"above": torch.where(up >= 0, above, -1), "column": i % W}
 
     # -- the heads -------------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, root: torch.Tensor, inputs: dict | None = None) -> torch.Tensor:
