@@ -214,3 +214,20 @@ def test_distill_loss_weights_heads_by_decay(target, reference):
         medusa.distill_loss(feats, ids, embeds, logits, L, mask, decay=decay)["loss"].backward()
         grads = [float(medusa.blocks[k][0].weight.grad.abs().sum()) for k in range(medusa.num_heads)]
         assert grads[0] > 0 and all((g > 0) == later_trained for g in grads[1:]), (decay, grads)
+
+
+def test_stacked_heads_equal_head_by_head(target):
+    """Decoding (no gradients) runs the heads as batched products over stacked weights; training
+    runs them head by head. Same logits (to float rounding), and the stack follows weight changes."""
+    ids, P, L, feats, embeds, logits = teacher_batch(target)
+    medusa = spread(heads(target), std=0.3, seed=2)
+    image = medusa.image_feature(ids, embeds, P)[:, None].expand(-1, ids.shape[1] - 1, -1)
+    args = (feats[:, :-1], ids[:, 1:], image)
+    for _ in range(2):
+        with torch.no_grad():
+            stacked = medusa(*args)
+        looped = medusa(*args).detach()  # gradients on: head by head
+        torch.testing.assert_close(stacked, looped, rtol=1e-5, atol=1e-5)
+        with torch.no_grad():  # a weight change must reach the stacked path
+            medusa.blocks[1][0].weight.add_(0.5)
+            medusa.root_in[0].weight.mul_(-1)

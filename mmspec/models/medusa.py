@@ -122,7 +122,13 @@ class MedusaHeads(ModelMixin, ConfigMixin):
     # -- the heads -------------------------------------------------------------------------------
     def forward(self, features: torch.Tensor, root: torch.Tensor, image: torch.Tensor | None = None) -> torch.Tensor:
         """features (..., H) the target's feature before the root, root (...) the root tokens,
-        image (..., H) or None -> (..., K, V) logits, head k for the token k + 1 after the root."""
+        image (..., H) or None -> (..., K, V) logits, head k for the token k + 1 after the root.
+
+        Without gradients (decoding) all K heads run as batched products over weights stacked
+        once (``_stacked``, rebuilt whenever a weight changes); with gradients (training) head by
+        head. Both compute the same function (``tests/test_medusa.py`` compares them)."""
+        if not torch.is_grad_enabled():
+            return self._forward_stacked(features, root, image)
         dtype = self.blocks[0][0].weight.dtype
         f = features.to(dtype)
         e = self.target.model.get_input_embeddings()(root).to(dtype) if self.root_in is not None else None
@@ -136,9 +142,45 @@ class MedusaHeads(ModelMixin, ConfigMixin):
             for layer in layers:
                 x = x + F.silu(layer(x))
             outs.append(x)
-        hidden = torch.stack(outs, -2)  # (..., K, H)
+        return self._logits(torch.stack(outs, -2))  # (..., K, H) -> (..., K, V)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         head = self.target.model.lm_head
         return F.linear(hidden.to(head.weight.dtype), head.weight).float()
+
+    def _stacked(self) -> dict:
+        """The heads' weights stacked per kind: each block layer's (K, H, H) and (K, H), the root's
+        and the image's inputs as one (H, K * H) product each."""
+        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        cached = getattr(self, "_stack", None)
+        if cached is None or cached[0] != key:
+            K, H = self.num_heads, self.config.hidden_size
+            layers = range(self.config.num_layers)
+            wide = (lambda mods: torch.stack([m.weight for m in mods]).permute(2, 0, 1).reshape(H, K * H))
+            stack = {"weight": [torch.stack([b[i].weight for b in self.blocks]) for i in layers],
+                     "bias": [torch.stack([b[i].bias for b in self.blocks]) for i in layers],
+                     "root": None if self.root_in is None else wide(self.root_in),
+                     "image": None if self.image_in is None else wide(self.image_in)}
+            object.__setattr__(self, "_stack", (key, stack))  # a plain attribute, not a submodule
+        return self._stack[1]
+
+    def _forward_stacked(self, features, root, image):
+        w = self._stacked()
+        K, H = self.num_heads, self.config.hidden_size
+        dtype = w["weight"][0].dtype
+        lead = features.shape[:-1]
+        x = features.to(dtype).reshape(-1, 1, H)
+        extra = None
+        if w["root"] is not None:
+            e = self.target.model.get_input_embeddings()(root).to(dtype).reshape(-1, H)
+            extra = e @ w["root"]
+        if w["image"] is not None and image is not None:
+            g = image.to(dtype).expand(*lead, H).reshape(-1, H) @ w["image"]
+            extra = g if extra is None else extra + g
+        x = x.expand(-1, K, H) if extra is None else x + extra.view(-1, K, H)
+        for weight, bias in zip(w["weight"], w["bias"]):
+            x = x + F.silu(_per_head(x, weight) + bias)
+        return self._logits(x.view(*lead, K, H))
 
     def distill_loss(self, features: torch.Tensor, ids: torch.Tensor, embeds: torch.Tensor, logits: torch.Tensor,
                      lengths: torch.Tensor, mask: torch.Tensor, rollout_steps: int = 1, decay: float = 0.8) -> dict:
