@@ -23,13 +23,13 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from ..core.cache import StaticKVCache
-from ..core.errors import check
 from ..core.rope import RotaryEmbedding
 from ..core.types import ModelOutput
+from .binding import BoundToTarget
 from .llamagen import LlamaGenBlock
 
 
-class EagleHead(ModelMixin, ConfigMixin):
+class EagleHead(BoundToTarget, ModelMixin, ConfigMixin):
     """The EAGLE structure: ``fc`` (2 dim -> dim), one ``LlamaGenBlock`` as the decoder layer, a
     RoPE, a binding to the target, a one-layer cache, and the plain ``forward`` of the core's
     ``FeatureHead`` (``mmspec.core.types``).
@@ -43,8 +43,6 @@ class EagleHead(ModelMixin, ConfigMixin):
 
     config_name = "config.json"
     cache_class = StaticKVCache
-    target_kind = "target"  # what ``bind`` expects, in its error message
-    bind_hint = "target"  # the argument name in "call head.bind(...) first"
 
     def __init__(self, dim: int, n_heads: int, mlp_hidden: int, norm_eps: float, rope: RotaryEmbedding,
                  input_norm: bool, initializer_range: float):
@@ -57,33 +55,9 @@ class EagleHead(ModelMixin, ConfigMixin):
             if p.dim() == 2:
                 nn.init.normal_(p, std=initializer_range)
         self.rope = rope
-        self._bound_to = ()  # (target,): a tuple keeps the target out of the head's modules
+        self._bound_to = ()
 
-    # -- binding ---------------------------------------------------------------------------------
-    def _target_config(self, target) -> dict:
-        """``{key: target's value}`` for every config key the head must share with its target."""
-        raise NotImplementedError
-
-    def bind(self, target):
-        """Use ``target``'s token embedding and LM head (shared, not copied); returns self."""
-        for key, value in self._target_config(target).items():
-            check(value == self.config[key], "target", f"a {self.target_kind} with {key}={self.config[key]} (the head's)",
-                  value)
-        self._bound_to = (target,)
-        return self
-
-    @property
-    def target(self):
-        """The bound target, whose embedding and LM head the head uses."""
-        if not self._bound_to:
-            raise RuntimeError(f"{type(self).__name__} is not bound to a target: "
-                               f"call head.bind({self.bind_hint}) first")
-        return self._bound_to[0]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
+    # -- binding: ``BoundToTarget`` (``_target_config`` from the subclass) --------------------------
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """(R, T) tokens -> (R, T, dim) through the target's embedding."""
         raise NotImplementedError

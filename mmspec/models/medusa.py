@@ -32,9 +32,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..core.errors import check
+from .binding import BoundToTarget
 
 
-class MedusaHeads(ModelMixin, ConfigMixin):
+class MedusaHeads(BoundToTarget, ModelMixin, ConfigMixin):
     """K parallel draft heads bound to a ``VLMTarget`` (see the module docstring).
 
     Build with ``MedusaHeads.from_target(vlm_target)``, or load a trained one with
@@ -48,6 +49,7 @@ class MedusaHeads(ModelMixin, ConfigMixin):
     """
 
     config_name = "config.json"
+    target_kind, bind_hint, whose = "VLM", "vlm_target", "the heads'"
 
     @register_to_config
     def __init__(self, hidden_size: int = 192, vocab_size: int = 128, image_token_id: int = 4, num_heads: int = 6,
@@ -68,28 +70,12 @@ class MedusaHeads(ModelMixin, ConfigMixin):
     @classmethod
     def from_target(cls, target, **overrides) -> "MedusaHeads":
         """Fresh heads sized like ``target``'s (a ``VLMTarget``) language model, bound to it."""
+        return cls(**{**cls._target_config(target), **overrides}).bind(target)
+
+    @staticmethod
+    def _target_config(target) -> dict:
         text = target.model.config.text_config
-        args = dict(hidden_size=text.hidden_size, vocab_size=text.vocab_size, image_token_id=target.image_token_id)
-        return cls(**{**args, **overrides}).bind(target)
-
-    def bind(self, target) -> "MedusaHeads":
-        """Use ``target``'s token embedding and LM head (shared, not copied); returns self."""
-        text = target.model.config.text_config
-        for key, value in dict(hidden_size=text.hidden_size, vocab_size=text.vocab_size,
-                               image_token_id=target.image_token_id).items():
-            check(value == self.config[key], "target", f"a VLM with {key}={self.config[key]} (the heads')", value)
-        self._bound_to = (target,)
-        return self
-
-    @property
-    def target(self):
-        if not self._bound_to:
-            raise RuntimeError("MedusaHeads is not bound to a target: call heads.bind(vlm_target) first")
-        return self._bound_to[0]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
+        return dict(hidden_size=text.hidden_size, vocab_size=text.vocab_size, image_token_id=target.image_token_id)
 
     @property
     def num_heads(self) -> int:
@@ -223,7 +209,7 @@ class MedusaHeads(ModelMixin, ConfigMixin):
         return {"loss": total / max(weight, 1e-12), "top1": top1, "count": torch.stack(count), "step0_top1": top1[0]}
 
 
-class GridMedusaHeads(ModelMixin, ConfigMixin):
+class GridMedusaHeads(BoundToTarget, ModelMixin, ConfigMixin):
     """K parallel draft heads bound to a ``LlamaGenModel`` (AR images over a VQ token grid).
 
     Head k reads the target's feature before the root (as ``MedusaHeads``), the root token's
@@ -249,6 +235,7 @@ class GridMedusaHeads(ModelMixin, ConfigMixin):
     """
 
     config_name = "config.json"
+    target_kind, bind_hint, whose = "LlamaGenModel", "llamagen_model", "the heads'"
 
     @register_to_config
     def __init__(self, dim: int = 128, vocab_size: int = 512, grid_size: int = 16, num_heads: int = 4,
@@ -271,28 +258,11 @@ class GridMedusaHeads(ModelMixin, ConfigMixin):
     @classmethod
     def from_target(cls, target, **overrides) -> "GridMedusaHeads":
         """Fresh heads sized like ``target``'s (a ``LlamaGenModel``), bound to it."""
-        cfg = target.config
-        args = dict(dim=cfg.dim, vocab_size=cfg.vocab_size, grid_size=cfg.grid_size)
-        return cls(**{**args, **overrides}).bind(target)
+        return cls(**{**cls._target_config(target), **overrides}).bind(target)
 
-    def bind(self, target) -> "GridMedusaHeads":
-        """Use ``target``'s token embedding and LM head (shared, not copied); returns self."""
-        for key in ("dim", "vocab_size", "grid_size"):
-            value = target.config[key]
-            check(value == self.config[key], "target", f"a LlamaGenModel with {key}={self.config[key]} (the heads')",
-                  value)
-        self._bound_to = (target,)
-        return self
-
-    @property
-    def target(self):
-        if not self._bound_to:
-            raise RuntimeError("GridMedusaHeads is not bound to a target: call heads.bind(llamagen_model) first")
-        return self._bound_to[0]
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
+    @staticmethod
+    def _target_config(target) -> dict:
+        return {key: target.config[key] for key in ("dim", "vocab_size", "grid_size")}
 
     @property
     def num_heads(self) -> int:
