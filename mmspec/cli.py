@@ -449,12 +449,9 @@ def cmd_train(args) -> int:
         print(f"saved {args.out}: held-out reconstruction MSE {record['heldout_recon_mse']:.4f}, "
               f"{record['wall_time_s']:.0f} s")
     elif args.recipe == "ar-draft":
-        heads = {} if args.heads is None else {"medusa_heads": args.heads}
-        record = recipes.train_ar_draft(args.out, kind=args.kind, vq_dir=args.vq, target_dir=args.target, **heads,
-                                        **common)
-        top1 = record.get("heldout_top1")
-        top1 = ", ".join(f"{x:.4f}" for x in top1) if isinstance(top1, list) else f"{top1:.4f}"
-        metric = (f"held-out top-1 agreement {top1}" if args.kind != "chain"
+        record = recipes.train_ar_draft(args.out, kind=args.kind, vq_dir=args.vq, target_dir=args.target,
+                                        **({} if args.heads is None else {"medusa_heads": args.heads}), **common)
+        metric = (f"held-out top-1 agreement {_agreement(record['heldout_top1'])}" if args.kind != "chain"
                   else f"held-out loss {record['heldout_loss']:.4f}")
         print(f"saved {args.out}: {metric}, {record['wall_time_s']:.0f} s")
     elif args.recipe == "classifier":
@@ -465,11 +462,9 @@ def cmd_train(args) -> int:
     elif args.recipe == "vlm-draft":
         record = recipes.train_vlm_draft(args.out, method=args.method, target_dir=args.target,
                                          rollout_steps=args.rollout_steps,
-                                         medusa_heads=args.heads or 6, **common)
+                                         **({} if args.heads is None else {"medusa_heads": args.heads}), **common)
         if record is not None:  # None on the other processes of an accelerate launch
-            top1 = record["heldout_top1"]
-            top1 = ", ".join(f"{x:.4f}" for x in top1) if isinstance(top1, list) else f"{top1:.4f}"
-            print(f"saved {args.out}: held-out top-1 agreement {top1}, "
+            print(f"saved {args.out}: held-out top-1 agreement {_agreement(record['heldout_top1'])}, "
                   f"{record['wall_time_s']:.0f} s on {record['processes']} process(es)")
     elif args.recipe == "video-ae":
         record = recipes.train_video_ae(args.out, **common)
@@ -503,6 +498,11 @@ def cmd_train(args) -> int:
         record = recipes.train_ar_image(args.out, vq_dir=args.vq, **common)
         print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f}, {record['wall_time_s']:.0f} s")
     return 0
+
+
+def _agreement(top1) -> str:
+    """A recipe's held-out top-1 agreement: one figure, or one per parallel head."""
+    return ", ".join(f"{x:.4f}" for x in top1) if isinstance(top1, list) else f"{top1:.4f}"
 
 
 def _number(cast, low, strict: bool, high=None):
@@ -637,7 +637,7 @@ def _add_train_parser(sub) -> None:
              "ar-draft": "a draft for the AR image model: EAGLE's feature head, Medusa heads or a small chain model",
              "classifier": "the shapes classifier whose features the AR image bench's FD uses",
              "vlm": "a tiny LLaVA-architecture VLM on procedural image/question/answer data",
-             "vlm-draft": "a draft head for the VLM (eagle, specvlm, vispec) by online-logit distillation",
+             "vlm-draft": "a draft head for the VLM (eagle, specvlm, vispec, medusa) by online-logit distillation",
              "video-ae": "the streaming video model's per-frame autoencoder on procedural moving shapes",
              "video": "the chunk-causal video transformer on a trained frame autoencoder's latents",
              "video-judge": "the video bench's frame judge (colour and shape) on rendered frames",

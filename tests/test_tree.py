@@ -318,3 +318,23 @@ def test_node_path_rejects_cycles():
     assert Tree(torch.tensor([[0, 0, 1, 1, 2, 4]]), 4, 2).path(0, 6) == [0, 1, 4, 6]
     with pytest.raises(ValueError, match="node 2 has parent 2: parents must precede children"):
         node_path([0, 2], 2)
+
+
+def test_dynamic_tree_without_masks_is_the_same_tree():
+    """``masks=False`` (drafts that read no tree: parallel heads) hands ``step`` None and grows
+    the same tree as with masks, for a step that ignores them (seed 0, 3 rows, vocab 20)."""
+    g = torch.Generator().manual_seed(0)
+    levels = torch.randn(3, 4, 20, generator=g).log_softmax(-1)  # one distribution per depth
+    seen = []
+
+    def step(tokens, depth, mask):
+        seen.append(mask)
+        return levels[:, depth, None].expand(-1, tokens.shape[1], -1)
+
+    with_masks = dynamic_tree(levels[:, 0], step, top_k=3, depth=3, total_tokens=10)
+    assert all(m is not None for m in seen)
+    seen.clear()
+    without = dynamic_tree(levels[:, 0], step, top_k=3, depth=3, total_tokens=10, masks=False)
+    assert seen == [None, None, None]
+    assert torch.equal(without.tokens, with_masks.tokens)
+    assert torch.equal(without.tree.parents, with_masks.tree.parents)

@@ -8,8 +8,8 @@ and per way of compiling the target (``LlamaGenModel``), against the same target
 - ``layers``: every decoder layer compiled on its own (``layer.compile(dynamic=True)``), the
   cache calls inside each.
 
-``dynamic=True`` because block widths and cache lengths change every pass; with static shapes
-each new width and length would compile again. Rows are interleaved: images outer, then every
+``dynamic=True`` because block widths and cache lengths change every pass, and dynamo specialises
+on static shapes. Rows are interleaved: images outer, then every
 (way, method) pair, switching the target's forward between its eager and compiled versions per
 call, after one call per pair that compiles (its time is ``first call s``: compilation plus one
 image; a later pair's first call reuses what earlier ones compiled: dynamo compiles each layer's

@@ -35,7 +35,24 @@ from ..core.errors import check
 from .binding import BoundToTarget
 
 
-class MedusaHeads(BoundToTarget, ModelMixin, ConfigMixin):
+class _ParallelHeads(BoundToTarget, ModelMixin, ConfigMixin):
+    """What both head families share: the config file, ``from_target`` (the target's sizes from
+    ``_target_config``, then bound to it) and ``num_heads``."""
+
+    config_name = "config.json"
+    whose = "the heads'"
+
+    @classmethod
+    def from_target(cls, target, **overrides):
+        """Fresh heads sized like ``target``'s, bound to it (``overrides`` change any argument)."""
+        return cls(**{**cls._target_config(target), **overrides}).bind(target)
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_heads
+
+
+class MedusaHeads(_ParallelHeads):
     """K parallel draft heads bound to a ``VLMTarget`` (see the module docstring).
 
     Build with ``MedusaHeads.from_target(vlm_target)``, or load a trained one with
@@ -48,8 +65,7 @@ class MedusaHeads(BoundToTarget, ModelMixin, ConfigMixin):
         root_token, image: use the root token / the image (both on by default).
     """
 
-    config_name = "config.json"
-    target_kind, bind_hint, whose = "VLM", "vlm_target", "the heads'"
+    target_kind, bind_hint = "VLM", "vlm_target"
 
     @register_to_config
     def __init__(self, hidden_size: int = 192, vocab_size: int = 128, image_token_id: int = 4, num_heads: int = 6,
@@ -66,20 +82,10 @@ class MedusaHeads(BoundToTarget, ModelMixin, ConfigMixin):
             nn.init.zeros_(p)
         self._bound_to = ()
 
-    # -- binding ---------------------------------------------------------------------------------
-    @classmethod
-    def from_target(cls, target, **overrides) -> "MedusaHeads":
-        """Fresh heads sized like ``target``'s (a ``VLMTarget``) language model, bound to it."""
-        return cls(**{**cls._target_config(target), **overrides}).bind(target)
-
     @staticmethod
-    def _target_config(target) -> dict:
+    def _target_config(target) -> dict:  # a ``VLMTarget``'s language model
         text = target.model.config.text_config
         return dict(hidden_size=text.hidden_size, vocab_size=text.vocab_size, image_token_id=target.image_token_id)
-
-    @property
-    def num_heads(self) -> int:
-        return self.config.num_heads
 
     # -- inputs ----------------------------------------------------------------------------------
     def image_feature(self, tokens: torch.Tensor, embeds: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -209,7 +215,7 @@ class MedusaHeads(BoundToTarget, ModelMixin, ConfigMixin):
         return {"loss": total / max(weight, 1e-12), "top1": top1, "count": torch.stack(count), "step0_top1": top1[0]}
 
 
-class GridMedusaHeads(BoundToTarget, ModelMixin, ConfigMixin):
+class GridMedusaHeads(_ParallelHeads):
     """K parallel draft heads bound to a ``LlamaGenModel`` (AR images over a VQ token grid).
 
     Head k reads the target's feature before the root (as ``MedusaHeads``), the root token's
@@ -218,9 +224,9 @@ class GridMedusaHeads(BoundToTarget, ModelMixin, ConfigMixin):
 
     - the **token one grid row above** the token it predicts (``above_in``): raster index
       ``i - grid_size`` for the token at raster index i, committed whenever ``k < grid_size``;
-      in the top row a zero embedding. Images are locally smooth, so the token above is the best
-      single guess the target's causal history holds for i (SJD's ``spatial`` initialisation and
-      ZipAR's next-set schedule rest on the same locality);
+      in the top row a zero embedding. Images are locally smooth, so the token above is a strong
+      guess from the target's causal history (SJD's ``spatial`` initialisation and ZipAR's
+      next-set schedule rest on the same locality; the README measures what it adds);
     - the **column** of the token it predicts (``column``, one learned vector per head and
       column): where a raster row wraps, the left neighbour is no neighbour at all.
 
@@ -234,8 +240,7 @@ class GridMedusaHeads(BoundToTarget, ModelMixin, ConfigMixin):
         root_token, spatial: use the root token / the token above and the column.
     """
 
-    config_name = "config.json"
-    target_kind, bind_hint, whose = "LlamaGenModel", "llamagen_model", "the heads'"
+    target_kind, bind_hint = "LlamaGenModel", "llamagen_model"
 
     @register_to_config
     def __init__(self, dim: int = 128, vocab_size: int = 512, grid_size: int = 16, num_heads: int = 4,
@@ -254,19 +259,9 @@ class GridMedusaHeads(BoundToTarget, ModelMixin, ConfigMixin):
         self.column = nn.Parameter(torch.zeros(K, W, H)) if spatial else None
         self._bound_to = ()
 
-    # -- binding ---------------------------------------------------------------------------------
-    @classmethod
-    def from_target(cls, target, **overrides) -> "GridMedusaHeads":
-        """Fresh heads sized like ``target``'s (a ``LlamaGenModel``), bound to it."""
-        return cls(**{**cls._target_config(target), **overrides}).bind(target)
-
     @staticmethod
-    def _target_config(target) -> dict:
+    def _target_config(target) -> dict:  # a ``LlamaGenModel``
         return {key: target.config[key] for key in ("dim", "vocab_size", "grid_size")}
-
-    @property
-    def num_heads(self) -> int:
-        return self.config.num_heads
 
     # -- inputs ----------------------------------------------------------------------------------
     def spatial_inputs(self, raster: torch.Tensor, image_ids: torch.Tensor) -> dict | None:
@@ -276,26 +271,29 @@ class GridMedusaHeads(BoundToTarget, ModelMixin, ConfigMixin):
         when the heads do not read them."""
         if self.column is None:
             return None
-        W = self.config.grid_size
-        i = raster[..., None] + 1 + torch.arange(self.num_heads, device=raster.device)  # (R, T, K) predicted
-        up = i - W
-        above = image_ids.gather(1, up.clamp(0, image_ids.shape[1] - 1).flatten(1)).view(up.shape)
-        return {"above": torch.where(up >= 0, above, -1), "column": i % W}
+        return self._spatial(raster + 1, image_ids, 0)
 
     def start(self, state) -> None:
         """``ParallelHeads.start``: nothing per prompt (the spatial inputs change every pass)."""
         self.target  # noqa: B018 -- drafting needs the bound target (raises otherwise)
 
     def step_inputs(self, state, started) -> dict | None:
-        """Per verification: ``spatial_inputs`` of every row's root (its image tokens start after
-        the row's prompt, LlamaGen's one class token)."""
+        """Per verification: ``spatial_inputs`` of every row's root, read from the decode history
+        in place (a row's image tokens start after its prompt, LlamaGen's one class token)."""
         if self.column is None:
             return None
         P = state.prompt_lengths if state.prompt_lengths is not None else torch.ones_like(state.lengths)
+        out = self._spatial((state.lengths - P)[:, None], state.tokens, P[:, None, None])
+        return {key: value[:, 0] for key, value in out.items()}  # (R, K)
+
+    def _spatial(self, first: torch.Tensor, ids: torch.Tensor, offset) -> dict:
+        """``first`` (R, T) the raster index of each head-0 token; ``ids`` (R, S) holds raster index
+        r at column ``offset + r`` (an int, or (R, 1, 1) per row) -> ``above`` and ``column`` (R, T, K)."""
         W = self.config.grid_size
-        i = (state.lengths - P)[:, None] + torch.arange(self.num_heads, device=P.device)  # (R, K) raster indices
-        up = i - W  # ``spatial_inputs``' rule, read from the history in place
-        above = state.tokens.gather(1, (P[:, None] + up).clamp(0, state.tokens.shape[1] - 1))
+        i = first[..., None] + torch.arange(self.num_heads, device=first.device)  # raster index of head k's token
+        up = i - W
+        cols = (up + offset).clamp(0, ids.shape[1] - 1)
+        above = ids.gather(1, cols.flatten(1)).view(up.shape)
         return {"above": torch.where(up >= 0, above, -1), "column": i % W}
 
     # -- the heads -------------------------------------------------------------------------------

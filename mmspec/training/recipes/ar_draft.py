@@ -24,7 +24,7 @@ from .common import (batch_indices, check_checkpoint_dir, check_run_args, json_c
                      warmup_cosine, write_log)
 
 KINDS = ("eagle", "medusa", "chain")
-MEDUSA_HEADS = 4  # the AR heads' default K: trees of 4-8 tokens, the widths this CPU verifies at one pass's cost
+MEDUSA_HEADS = 4  # the AR heads' default K: trees of 4-8 tokens (`mmspec bench cost`: c(8) about 1.1 c(1) here)
 # the chain draft: a quarter-width, half-depth LlamaGen (the target's recipe defaults are 128 x 4)
 CHAIN_MODEL_CONFIG = dict(dim=64, n_layers=2, n_heads=4, mlp_hidden=172, class_dropout_prob=0.1)
 # EAGLE's training setup: loss weights (regression 1, classification 0.1), AdamW betas, clipping
