@@ -369,12 +369,14 @@ if TRITON_AVAILABLE:
         offs_g = tl.arange(0, BLOCK_G)
         g_ok = offs_g < G
         a = tl.load(A + b * G + offs_g, mask=g_ok, other=0.0)
+        # not named ``ok``: the loops below use that name for their (BLOCK,) column masks, and the
+        # compiler (not the interpreter) refuses a name whose shape changes inside a loop
         if GREEDY:
-            ok = a > 0.0
+            accepted = a > 0.0
         else:
             u = tl.load(UA + b * sub + offs_g, mask=g_ok, other=1.0)
-            ok = u < a
-        n = tl.min(tl.where(g_ok & ~ok, offs_g, G), 0).to(tl.int64)  # the first rejection, or G
+            accepted = u < a
+        n = tl.min(tl.where(g_ok & ~accepted, offs_g, G), 0).to(tl.int64)  # the first rejection, or G
         tl.store(N_OUT + b, n)
         if GREEDY:
             tl.store(NEXT_OUT + b, tl.load(BEST + b * (G + 1) + n).to(tl.int64))

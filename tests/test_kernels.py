@@ -14,6 +14,7 @@ from mmspec.kernels import residual
 from mmspec.kernels.residual import residual_distribution, residual_distribution_reference
 
 needs_triton = pytest.mark.skipif(not residual._TRITON_AVAILABLE, reason="triton is not installed (torch's CPU-only wheels, e.g. on aarch64, come without it)")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel needs CUDA")
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # V = 4099 is one full BLOCK of 4096 plus a ragged tail; V = 1 always falls back to p
@@ -134,8 +135,9 @@ def test_kernel_selection(monkeypatch):
     assert not residual._kernel_enabled(cuda)
 
 
+@pytest.mark.cuda
 @needs_triton
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernel needs CUDA")
+@needs_cuda
 def test_dispatcher_on_cuda(monkeypatch):
     """The compiled kernel, chosen for CUDA tensors but float64 and unless MMSPEC_DISABLE_KERNELS=1."""
     calls = []
@@ -154,3 +156,16 @@ def test_dispatcher_on_cuda(monkeypatch):
     monkeypatch.setenv("MMSPEC_DISABLE_KERNELS", "1")
     assert torch.equal(residual_distribution(p, q), residual_distribution_reference(p, q))
     assert len(calls) == len(inputs)
+
+
+@pytest.mark.cuda
+@needs_triton
+@needs_cuda
+@pytest.mark.parametrize("case", list(CASES))
+def test_kernel_on_cuda_matches_reference(case):
+    """Every interpreter case compiled: each dtype, V from 1 to a ragged 4099, strided rows. The
+    GPU rounds fp32 -> bf16 to nearest even, so no interpreter slack; torch's own error is taken on
+    the GPU too."""
+    # the same strides on the GPU (``.cuda()`` would make the strided case's rows contiguous)
+    p, q = (torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="cuda").copy_(x) for x in CASES[case])
+    _assert_matches_reference(residual.residual_distribution_triton(p, q), p, q)

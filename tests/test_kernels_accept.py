@@ -325,20 +325,67 @@ def test_fused_acceptance_forced_refuses_what_the_kernel_cannot_take(monkeypatch
 
 
 # -- compiled kernels on a GPU --------------------------------------------------------------------
+# The kernels take fp32, fp16 or bf16 logits and compute in fp32, so the reference on the same
+# (rounded) logits is the truth for every dtype, with one tolerance: the GPU's fast exp and another
+# summation order move accept probabilities by ulps, which 1e-5 covers; a decision may flip only
+# where a uniform sits within that of a threshold, so at most one row may differ.
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _on_cuda(kwargs: dict) -> dict:
+    return {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+
+
+@pytest.mark.cuda
 @needs_triton
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("knobs", [dict(guidance=4.0), dict(guidance=4.0, top_k=1000),
                                    dict(guidance=4.0, temperature=0)])
 def test_kernel_on_cuda_at_image_vocabulary(monkeypatch, dtype, knobs):
-    """A 16k image vocabulary (4 tiles of 4096), bf16 logits (upcast on load): GPU rounding (FMA,
+    """A 16k image vocabulary (4 tiles of 4096), logits upcast on load: GPU rounding (FMA,
     fast exp, fp32 cumsum in torch's CUDA reference) may flip a decision whose uniform sits on a
     threshold, so at most 1 row in 128 may differ; accept probabilities within 1e-5."""
     monkeypatch.setenv(dispatch.ENV, "triton")
     case = _case(128, 6, 16384, **knobs, dtype=dtype, seed=12)
-    kw = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in _kwargs(case).items()}
-    got = guided_accept(**kw)
+    got = guided_accept(**_on_cuda(_kwargs(case)))
     ref = guided_accept_reference(**_kwargs(case))
     differ = (got.num_accepted.cpu() != ref.num_accepted) | (got.next_token.cpu() != ref.next_token)
     assert int(differ.sum()) <= 1
     torch.testing.assert_close(got.accept_prob.cpu(), ref.accept_prob, atol=1e-5, rtol=0)
+
+
+@pytest.mark.cuda
+@needs_triton
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_on_cuda_at_the_interpreter_cases(monkeypatch, name, dtype):
+    """The interpreter's cases compiled (exact, top-k with ties, GSD groups, greedy, no drafts, two
+    vocabulary blocks), logits in each dtype."""
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    kw = dict(_kwargs(CASES[name]), logits=CASES[name]["logits"].to(dtype))
+    got = guided_accept(**_on_cuda(kw))
+    ref = guided_accept_reference(**kw)
+    differ = (got.num_accepted.cpu() != ref.num_accepted) | (got.next_token.cpu() != ref.next_token)
+    assert int(differ.sum()) <= 1
+    torch.testing.assert_close(got.accept_prob.cpu(), ref.accept_prob, atol=1e-5, rtol=0)
+
+
+@pytest.mark.cuda
+@needs_triton
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", list(PROBS))
+def test_fused_probabilities_on_cuda(monkeypatch, name, dtype):
+    """The probabilities kernel compiled, logits in each dtype: greedy one-hots exact, otherwise
+    within 1e-5 of the logits pipeline on the same logits."""
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    logits, knobs = PROBS[name]
+    logits = logits.to(dtype)
+    got = guided_probs(logits.cuda(), **knobs).cpu()
+    expected = process_logits(logits, **knobs)
+    if knobs.get("temperature") == 0:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

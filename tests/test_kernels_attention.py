@@ -28,6 +28,8 @@ rolling_mod = importlib.import_module("mmspec.kernels.rolling_attention")
 needs_triton = pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed (torch's CPU-only wheels, e.g. on aarch64, come without it)")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels need a CUDA GPU")
 FLOOR = {torch.float16: 2.5e-4, torch.bfloat16: 2e-3}
+# compiled fp32 runs IEEE dots (no tf32): its error against the CPU reference is summation order only
+CUDA_FP32_SLACK = 1e-5
 
 
 def _random_tree(B: int, T: int, g: torch.Generator) -> Tree:
@@ -437,6 +439,7 @@ def test_rolling_bad_input(bad, message):
 # 8 and 24 and one-query tiles below make the launcher's padding matter), and bf16 arithmetic,
 # which the interpreter gets wrong and the GPU path runs natively (no upcast). Shapes are realistic
 # so that several key tiles, query tiles and ragged ends are crossed.
+@pytest.mark.cuda
 @needs_triton
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -447,22 +450,41 @@ def test_tree_kernel_on_cuda(monkeypatch, dtype, D, T, Hq, Hkv):
     q, k, v = _qkv(2, Hq, Hkv, T, 4096 + T, D, g)
     kw = dict(q=q, k=k, v=v, prefix_lens=torch.tensor([4096, 1000]), tree_mask=_random_tree(2, T, g).ancestor_mask)
     out = tree_attention(**_cast({**kw, **{n: kw[n].cuda() for n in kw if kw[n] is not None}}, dtype))
-    # fp32 runs IEEE dots (no tf32); its error is summation order only
-    _assert_close(out.cpu(), tree_attention_reference, kw, dtype, slack=1e-5 if dtype == torch.float32 else 0.0)
+    _assert_close(out.cpu(), tree_attention_reference, kw, dtype, slack=CUDA_FP32_SLACK if dtype == torch.float32
+                  else 0.0)
 
 
+@pytest.mark.cuda
 @needs_triton
 @needs_cuda
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("name", list(ROLLING_CASES))
 def test_rolling_kernel_on_cuda(monkeypatch, dtype, name):
     monkeypatch.setenv(dispatch.ENV, "triton")
     kw = ROLLING_CASES[name][0]
     moved = {n: x.cuda() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
     out = rolling_attention(**_cast(moved, dtype))
-    _assert_close(out.cpu(), rolling_attention_reference, kw, dtype)
+    _assert_close(out.cpu(), rolling_attention_reference, kw, dtype, slack=CUDA_FP32_SLACK if dtype == torch.float32
+                  else 0.0)
 
 
+@pytest.mark.cuda
+@needs_triton
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("name", list(TREE_CASES))
+def test_tree_kernel_on_cuda_at_the_interpreter_cases(monkeypatch, dtype, name):
+    """The interpreter's tree cases compiled: among them the causal block (no tree mask), the only
+    one that takes the kernel's HAS_TREE=False path, and a mask wider than the block."""
+    monkeypatch.setenv(dispatch.ENV, "triton")
+    kw = TREE_CASES[name]
+    moved = {n: x.cuda() if isinstance(x, torch.Tensor) else x for n, x in kw.items()}
+    out = tree_attention(**_cast(moved, dtype))
+    _assert_close(out.cpu(), tree_attention_reference, kw, dtype, slack=CUDA_FP32_SLACK if dtype == torch.float32
+                  else 0.0)
+
+
+@pytest.mark.cuda
 @needs_triton
 @needs_cuda
 def test_rolling_kernel_on_cuda_at_video_scale(monkeypatch):

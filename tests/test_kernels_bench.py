@@ -1,8 +1,11 @@
-"""``mmspec bench kernels``: the JSON rows' schema, correctness from the interpreter, and the
-projected rows' arithmetic."""
+"""``mmspec bench kernels``: the JSON rows' schema, correctness from the interpreter, the projected
+rows' arithmetic, and the compiled (GPU) path's rows, assembled on the CPU with a stand-in timer
+and the torch references standing in for the launchers."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import json
 
 import pytest
@@ -12,7 +15,7 @@ from mmspec import cli
 from mmspec.bench import kernels as bench
 from mmspec.kernels import dispatch
 
-ROW_KEYS = {"kernel", "shape", "dtype", "max_abs_err", "tolerance", "correct", "reference_ms", "projected"}
+ROW_KEYS = {"kernel", "shape", "dtype", "max_abs_err", "tolerance", "correct", "reference_ms", "projected", "measured"}
 
 
 def test_projected_tree_attention_is_the_stated_arithmetic():
@@ -62,6 +65,10 @@ def test_cli_writes_measured_and_projected_rows(tmp_path, monkeypatch, capsys):
     projected = [r for r in rows if r["projected"]]
     assert {r["kernel"] for r in projected} == {"tree_attention", "rolling_attention", "guided_accept"}
     assert all(r["inputs"] and r["h100_us"] > 0 and r["reference_ms"] is None for r in projected)
+    assert not any(r["measured"] for r in rows) and not any("measured_kernel_us" in r for r in rows)
+    setup = result["setup"]
+    assert setup["kernels_ran"] == "Triton's CPU interpreter" and setup["timer"].startswith("time.perf_counter")
+    assert setup["gpu_name"] is None and setup["torch"] == torch.__version__ and setup["triton"]
     assert "tree_attention" in capsys.readouterr().out
 
 
@@ -74,3 +81,163 @@ def test_attention_tolerance_follows_the_tests():
     tol = bench._attention_tolerance(ref, case["inputs"], exact, torch.float16)
     torch_err = (ref(**bench._cast(case["inputs"], torch.float16)).float() - exact).abs().max().item()
     assert tol == pytest.approx(2 * torch_err + 2.5e-4 * exact.abs().max().item())
+
+
+# -- the compiled path, on the CPU -----------------------------------------------------------------
+def _small_projections():
+    """The four projected rows at toy sizes (the measured path builds inputs at a row's shape)."""
+    return [bench.project_tree_attention(H=2, Hkv=1, D=16, T=5, prefix=20),
+            bench.project_rolling_tokens(H=2, D=16, T=3, sink=2, window=9),
+            bench.project_rolling_video(H=2, D=24, frame_shape=(2, 3), chunk=1, window_frames=4),
+            bench.project_guided_accept(G=3, V=64)]
+
+
+@pytest.fixture
+def compiled_on_cpu(monkeypatch):
+    """The compiled path made to run here: the references stand in for the launchers (through a log
+    of which side each call ran), a timer that calls once and says 2 ms for kernels and 3 ms for
+    anything else, two small cases and the toy projections. Yields the log of timed sides."""
+    kernels = importlib.import_module("mmspec.kernels")
+    called = []
+    for fn in ("tree_attention", "rolling_attention", "guided_accept"):
+        reference = getattr(kernels, fn + "_reference")
+        monkeypatch.setattr(kernels, fn + "_triton",
+                            lambda *a, _r=reference, **k: called.append("kernel") or _r(*a, **k))
+        monkeypatch.setattr(kernels, fn + "_reference",
+                            lambda *a, _r=reference, **k: called.append("reference") or _r(*a, **k))
+    timed = []
+
+    def timer(fn, warmup_ms, rep_ms):
+        before = len(called)
+        fn()
+        timed.append(called[before] if len(called) > before else "sdpa")
+        ms = 2.0 if timed[-1] == "kernel" else 3.0
+        return ms, 0.9 * ms, 1.1 * ms
+
+    full = bench.measured_cases
+    monkeypatch.setattr(bench, "measured_cases", lambda seed: [full(seed)[0], full(seed)[4]])
+    monkeypatch.setattr(bench, "projected_rows", _small_projections)
+    monkeypatch.setattr(bench, "gpu_time", timer)
+    return timed
+
+
+def test_compiled_rows_carry_times_speedups_and_checks(compiled_on_cpu):
+    result = bench.run(bench.KernelBenchConfig(), device="cpu")
+    rows = [r for r in result["rows"] if not r["projected"]]
+    assert [(r["kernel"], r["dtype"]) for r in rows] == [
+        ("tree_attention", "float32"), ("tree_attention", "float16"), ("tree_attention", "bfloat16"),
+        ("guided_accept", "float32"), ("guided_accept", "bfloat16")]
+    for row in rows:
+        assert ROW_KEYS <= set(row) and row["measured"] is True and row["correct"] is True, row
+        assert row["kernel_ms"] == 2.0 and row["reference_ms"] == 3.0 and row["speedup"] == 1.5
+        assert row["kernel_ms_p20_p80"] == pytest.approx([1.8, 2.2]) and "note" not in row
+    assert all(r["sdpa_ms"] == 3.0 and r["sdpa_speedup"] == 1.5 for r in rows[:3])
+    assert all("sdpa_ms" not in r and r["decisions_equal"] is True for r in rows[3:])
+    # the fp32 tolerance of a compiled kernel is the CUDA tests' (plus their 1e-5 slack)
+    assert rows[0]["tolerance"] == pytest.approx(2e-6 + 1e-5)
+    setup = result["setup"]
+    assert setup["timer"] == "triton.testing.do_bench" and setup["warmup_ms"] == 10.0 and setup["rep_ms"] == 40.0
+    assert setup["torch"] == torch.__version__ and "triton" in setup and setup["gpu_name"] is None
+
+
+def test_sides_are_timed_one_after_another_per_row(compiled_on_cpu):
+    """Projected shapes first (the GPU run's point), then the small shapes; within a row the
+    kernel, its reference and (attention) the per-layer SDPA path, one after the other."""
+    bench.run(bench.KernelBenchConfig(), device="cpu")
+    attention, accept = ["kernel", "reference", "sdpa"], ["kernel", "reference"]
+    assert compiled_on_cpu == 3 * attention + accept + 3 * attention + 2 * accept
+
+
+def test_projected_rows_gain_measurements_beside_their_projection(compiled_on_cpu):
+    rows = [r for r in bench.run(bench.KernelBenchConfig(), device="cpu")["rows"] if r["projected"]]
+    assert [r["kernel"] for r in rows] == ["tree_attention", "rolling_attention", "rolling_attention",
+                                           "guided_accept"]
+    for row in rows:
+        assert row["measured"] is True and row["correct"] is True, row
+        assert row["measured_kernel_us"] == 2000.0 and row["measured_torch_us"] == 3000.0
+        assert row["measured_speedup"] == 1.5 and row["measured_max_abs_err"] <= row["measured_tolerance"]
+        assert row["h100_us"] > 0 and row["projected_speedup"] > 0  # the projection stays
+        assert row["reference_ms"] is None and row["max_abs_err"] is None
+    assert all(r["measured_sdpa_us"] == 3000.0 for r in rows[:3]) and "measured_sdpa_us" not in rows[3]
+
+
+def test_a_failing_kernel_gives_an_incorrect_row_and_the_bench_goes_on(compiled_on_cpu, monkeypatch):
+    """A kernel that does not compile: its rows say so (the error's last line in ``note``), its
+    reference is still timed, and the other kernel's rows are measured as usual."""
+    kernels = importlib.import_module("mmspec.kernels")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("at 12:8:\n        s = tl.dot(q, tl.trans(k))\nAssertionError: K must be >= 16")
+
+    monkeypatch.setattr(kernels, "tree_attention_triton", broken)
+    rows = bench.run(bench.KernelBenchConfig(), device="cpu")["rows"]
+    tree = [r for r in rows if r["kernel"] == "tree_attention"]
+    assert len(tree) == 4  # three dtypes and the projected shape
+    for row in tree:
+        assert row["correct"] is False and row["measured"] is False and "K must be >= 16" in row["note"]
+        assert "kernel_ms" not in row and "measured_kernel_us" not in row
+        assert row.get("reference_ms") == 3.0 or row.get("measured_torch_us") == 3000.0
+    others = [r for r in rows if r["kernel"] != "tree_attention"]
+    assert len(others) == 5 and all(r["measured"] and r["correct"] for r in others)
+
+
+def test_a_failing_timer_is_a_note_not_a_lost_row(compiled_on_cpu, monkeypatch):
+    def timer(fn, warmup_ms, rep_ms):
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(bench, "gpu_time", timer)
+    rows = bench.run(bench.KernelBenchConfig(), device="cpu")["rows"]
+    assert len(rows) == 9
+    for row in rows:
+        assert row["correct"] is True and row["measured"] is False and "timing the kernel failed" in row["note"]
+        assert "out of memory" in row["note"]
+
+
+def test_rows_past_the_budget_are_reported_unmeasured(compiled_on_cpu):
+    rows = bench.run(bench.KernelBenchConfig(budget_s=0.0), device="cpu")["rows"]
+    assert len(rows) == 9 and compiled_on_cpu == []
+    assert all(r["measured"] is False and r["correct"] is None and "budget" in r["note"] for r in rows)
+
+
+def test_projected_cases_are_built_at_the_rows_shapes():
+    g = torch.Generator().manual_seed(0)
+    tree, tokens, video, accept = _small_projections()
+    _, kw = bench.projected_case(tree, g)
+    assert kw["q"].shape == (1, 2, 5, 16) and kw["k"].shape == (1, 1, 25, 16) and kw["prefix_lens"].tolist() == [20]
+    _, kw = bench.projected_case(tokens, g)
+    assert kw["k"].shape == (1, 2, 2 + 9 + 3, 16) and (kw["sink"], kw["window"]) == (2, 9)
+    assert kw["ring_start"].tolist() == [3] and type(kw["rope"]).__name__ == "Rope1D"
+    assert not kw["tree_mask"].all()  # a tree's ancestor mask
+    _, kw = bench.projected_case(video, g)
+    assert kw["q"].shape == (1, 2, 6, 24) and (kw["sink"], kw["window"]) == (6, 18)
+    assert kw["rope"].frame_shape == (2, 3) and kw["ring_start"].tolist() == [6] and kw["tree_mask"].all()
+    _, kw = bench.projected_case(accept, g)
+    assert kw["logits"].shape == (2, 4, 64) and kw["tokens"].shape == (1, 3) and kw["guidance_scale"] == 3.0
+    # the default video row: one 1,560-token sink frame and a 20-frame window
+    inputs = bench.project_rolling_video()["inputs"]
+    assert (inputs["sink"], inputs["window"], inputs["frame_tokens"]) == (1560, 20 * 1560, 1560)
+
+
+def test_gpu_time_is_do_bench_by_time_with_quantiles(monkeypatch):
+    """The call the GPU run makes, bound against the installed ``triton.testing.do_bench``."""
+    testing = pytest.importorskip("triton.testing")
+    real, calls = testing.do_bench, []
+    monkeypatch.setattr(testing, "do_bench", lambda fn, **kw: calls.append(kw) or [1.0, 0.8, 1.3])
+    assert bench.gpu_time(lambda: None, 10.0, 40.0) == (1.0, 0.8, 1.3)
+    assert calls == [dict(warmup=10.0, rep=40.0, quantiles=[0.5, 0.2, 0.8])]
+    inspect.signature(real).bind(lambda: None, **calls[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels need a CUDA GPU")
+def test_compiled_bench_on_cuda(monkeypatch):
+    """Two small cases and the toy projections compiled and timed by do_bench (short windows)."""
+    full = bench.measured_cases
+    monkeypatch.setattr(bench, "measured_cases", lambda seed: [full(seed)[0], full(seed)[4]])
+    monkeypatch.setattr(bench, "projected_rows", _small_projections)
+    result = bench.run(bench.KernelBenchConfig(warmup_ms=2.0, rep_ms=5.0))
+    assert result["setup"]["gpu_name"] == torch.cuda.get_device_name()
+    for row in result["rows"]:
+        assert row["measured"] is True and row["correct"] is True, row
+        assert (row.get("kernel_ms") or row["measured_kernel_us"]) > 0
