@@ -54,9 +54,12 @@ class SpeculativeARImagePipeline(SpeculativePipeline):
     """
 
     modality = "ar-image"
-    model_cpu_offload_seq = "transformer->draft_model->eagle_head->medusa_head->vqvae"
+    # model offload chains the main flow only: the drafts and heads run between the target's passes
+    # (chained, each would offload the target every pass), so they get unchained hooks instead of
+    # _exclude_from_cpu_offload, which would keep every head on the device even when unused
+    model_cpu_offload_seq = "transformer->vqvae"
     _optional_components = ["draft_model", "eagle_head", "medusa_head"]
-    _method_components = {"codebook": "vqvae"}
+    _method_components = {"target": "transformer", "codebook": "vqvae"}
 
     def __init__(self, transformer, vqvae, draft_model=None, eagle_head=None, medusa_head=None):
         super().__init__()
@@ -89,9 +92,11 @@ class SpeculativeARImagePipeline(SpeculativePipeline):
             check(_normal(text) in table, name, f"one of the class prompts: {', '.join(first)}", text)
         return [table[_normal(text)] for text in labels]
 
-    def method_components(self) -> dict:
+    def method_components(self, requires: tuple[str, ...]) -> dict:
+        # the codebook only when used: reading it onloads the VQ, which would then sit on the device
+        codebook = self.vqvae.codebook() if "codebook" in requires else None
         return {"target": self.transformer, "draft_model": self.draft_model, "eagle_head": self.eagle_head,
-                "medusa_head": self.medusa_head, "codebook": self.vqvae.codebook()}
+                "medusa_head": self.medusa_head, "codebook": codebook}
 
     def check_inputs(self, prompt, class_labels, *, method, method_knobs, guidance_scale, temperature, top_k, top_p,
                      num_images_per_prompt, generator, output_type, return_dict, callback_on_step_end,

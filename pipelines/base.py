@@ -1,10 +1,11 @@
 """``SpeculativePipeline``: the diffusers contract, written once for every modality's pipeline.
 
 A modality subclasses it with its components, a ``modality`` name from the method registry, the
-registry's component names mapped to its attributes (``_method_components``), ``method_components()``
-(the objects ``methods.build`` takes), a ``check_inputs`` that calls ``check_shared_inputs`` and its
-own checks, and a ``__call__``: check inputs, encode the conditioning, one ``self.decode(...)``
-(one ``SpeculativeDecoder.generate``), decode the outputs. The base gives it:
+registry's component names, ``"target"`` among them, mapped to its attributes
+(``_method_components``), ``method_components(requires)`` (the objects ``methods.build`` takes), a
+``check_inputs`` that calls ``check_shared_inputs`` and its own checks, and a ``__call__``: check
+inputs, encode the conditioning, one ``self.decode(...)`` (one ``SpeculativeDecoder.generate``),
+decode the outputs. The base gives it:
 
 - ``from_pretrained``: ``check_pipeline_folder`` first, then diffusers' loader in float32
   (checkpoints ship as fp16);
@@ -28,6 +29,16 @@ decode pass; ``step`` counts passes from 0, ``timestep`` is the tokens decoded s
 
 The returned dict must be a dict (``{}`` to change nothing). Tensor inputs need a raster schedule
 (ZipAR decodes several lanes per image; ``method="zipar..."`` refuses them).
+
+Model offload (``pipe.enable_model_cpu_offload()``): ``model_cpu_offload_seq`` chains the main
+flow only, the target and then the model that turns its tokens into pixels
+(``"transformer->vqvae"``); drafts and heads, which run between the target's passes, get unchained
+hooks. ``decode`` first moves the target and the models the method uses to the execution device
+(``onload_models``) and builds the decoder there, so caches, history and the heads' reads of the
+target's weights happen there and the target stays for the whole decode. Decoding pixels
+(``decode`` under ``apply_forward_hook``) offloads the target; ``maybe_free_model_hooks`` offloads
+the rest. Models the method does not use stay on the CPU. Greedy outputs equal those without
+offload (``tests/test_offload.py``).
 """
 
 from __future__ import annotations
@@ -73,9 +84,20 @@ class SpeculativePipeline(DiffusionPipeline):
         return getattr(self, "_interrupt", False)
 
     # -- inputs -----------------------------------------------------------------------------------
-    def method_components(self) -> dict[str, Any]:
-        """The components ``methods.build`` takes (``"target"`` first); ``None`` where missing."""
+    def method_components(self, requires: tuple[str, ...]) -> dict[str, Any]:
+        """The components ``methods.build`` takes (``"target"`` first) for a recipe that needs
+        ``requires`` (``Recipe.requires``); ``None`` where missing or not needed."""
         raise NotImplementedError
+
+    def onload_models(self, recipe: methods.Recipe) -> None:
+        """Under model offload, move the target and the models ``recipe`` uses to the execution
+        device now, before anything reads them outside ``forward`` (``new_cache``, heads reading
+        the target's embedding and LM head, a VLM target's embeddings); without offload hooks
+        nothing happens. The target comes last: it leads ``model_cpu_offload_seq``, so its hook
+        offloads nothing, while a later chain member's hook (the VQ's, for its codebook) offloads
+        its predecessor, the target."""
+        names = (*recipe.requires, "target")
+        onload(*(getattr(self, self._method_components.get(name, name)) for name in names))
 
     def check_method(self, method, method_knobs) -> methods.Recipe:
         """``method`` and its knobs through the registry; a part that needs a component this
@@ -113,10 +135,11 @@ class SpeculativePipeline(DiffusionPipeline):
         ``tokens_done(state)``: the progress, in tokens per output (at most ``max_new_tokens``);
         ``on_step(state)``: the subclass's own per-pass hook (a streamer); ``generate_kwargs``
         go to ``generate`` (``generator``, ``conditioning``, ``eos_token_id``, ...)."""
-        components = self.method_components()
+        components = self.method_components(recipe.requires)  # before the onload: a getter may fire a hook
+        self.onload_models(recipe)
         parts = methods.build(recipe, components)
         decoder = SpeculativeDecoder(components["target"], parts.drafter, rule=parts.rule, logits=logits,
-                                     schedule=parts.schedule)
+                                     schedule=parts.schedule, device=self._execution_device)
         self._interrupt = False
         vocab = getattr(components["target"], "vocab_size", None)
         with self.progress_bar(total=max_new_tokens) as bar:
@@ -151,6 +174,17 @@ class SpeculativePipeline(DiffusionPipeline):
         """(N, 3, H, W) pixels in [-1, 1] -> PIL images, an (N, H, W, 3) array or an (N, 3, H, W)
         tensor in [0, 1] (``VaeImageProcessor.postprocess``)."""
         return self.image_processor.postprocess(pixels.float(), output_type=output_type)
+
+
+def onload(*modules) -> None:
+    """Run each module's offload hook now, as a call of its ``forward`` would (what diffusers'
+    ``apply_forward_hook`` does for ``decode``): under model offload the module moves to the
+    execution device, a chained hook first offloading its predecessor. Modules without a hook
+    (and ``None``) are left as they are."""
+    for module in modules:
+        hook = getattr(module, "_hf_hook", None)
+        if hook is not None:
+            hook.pre_forward(module)
 
 
 def _tensor_input(name: str, state: DecodeState) -> torch.Tensor:

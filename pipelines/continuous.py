@@ -64,7 +64,9 @@ class SpeculativeContinuousARPipeline(SpeculativePipeline):
     """
 
     modality = "continuous"
-    model_cpu_offload_seq = "transformer->draft_model->tokenizer"
+    # the main flow only; the draft runs between the target's passes and gets an unchained hook
+    # (pipelines.base, SpeculativeARImagePipeline say why)
+    model_cpu_offload_seq = "transformer->tokenizer"
     _optional_components = ["draft_model"]
     _method_components = {"target": "transformer"}
     _callback_tensor_inputs = ["latents"]
@@ -97,7 +99,7 @@ class SpeculativeContinuousARPipeline(SpeculativePipeline):
             check(_normal(text) in table, name, f"one of the class prompts: {', '.join(first)}", text)
         return [table[_normal(text)] for text in labels]
 
-    def method_components(self) -> dict:
+    def method_components(self, requires: tuple[str, ...]) -> dict:
         return {"target": self.transformer, "draft_model": self.draft_model}
 
     def check_inputs(self, prompt, class_labels, *, method, method_knobs, guidance_scale, guidance_schedule,

@@ -61,6 +61,7 @@ from diffusers.video_processor import VideoProcessor
 
 from ..core.errors import check, check_choice
 from . import checks
+from .base import onload
 # diffusers loads components only from modules already imported: name them here
 from ..models import video_ae as _video_ae  # noqa: F401
 from ..models.video_dit import (VideoDiTModel, denoise_chunk, flow_timesteps, recache,
@@ -238,7 +239,10 @@ class StreamingVideoPipeline(DiffusionPipeline):
     loop, the cache modes and the prompt switch.
     """
 
-    model_cpu_offload_seq = "transformer->vae"
+    # the transformer alone: the VAE decodes every chunk between the transformer's chunks, so chained
+    # it would send the transformer out and back every chunk; unchained, it joins at its first decode
+    # and both leave when the stream ends
+    model_cpu_offload_seq = "transformer"
     _callback_tensor_inputs = ["latents"]
 
     def __init__(self, vae, transformer):
@@ -381,9 +385,18 @@ class StreamingVideoPipeline(DiffusionPipeline):
 
     @torch.no_grad()
     def _stream(self, s: _Setup) -> Iterator[VideoChunk]:
+        try:
+            yield from self._chunks(s)
+        finally:  # exhausted, interrupted, failed or closed early: offload what the stream onloaded
+            self.maybe_free_model_hooks()
+
+    def _chunks(self, s: _Setup) -> Iterator[VideoChunk]:
         model = self.transformer
         cfg, C = model.config, self.chunk_frames
         device = self._execution_device
+        # under model offload: on the device before its cache is made and its dtype read, for the stream
+        onload(model)
+        schedule = [(start, ids.to(device), texts) for start, ids, texts in s.schedule]
         B = s.batch_size
         guided = s.guidance_scale != 1.0
         rows = 2 * B if guided else B
@@ -424,7 +437,7 @@ class StreamingVideoPipeline(DiffusionPipeline):
             for c in chunks:
                 begin = time.perf_counter()
                 start = c * C
-                ids, texts = _prompt_at(s.schedule, start)
+                ids, texts = _prompt_at(schedule, start)
                 switched = current is not None and not torch.equal(ids, current)
                 nfe = 0
                 if switched:
@@ -469,7 +482,7 @@ class StreamingVideoPipeline(DiffusionPipeline):
         s = self.check_inputs(prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps, sink_frames,
                               window_frames, cache_mode, recache_sink, output_type, callback_on_step_end,
                               callback_on_step_end_tensor_inputs)
-        chunks = list(self._stream(s))  # what stream() yields
+        chunks = list(self._stream(s))  # what stream() yields; it ends with maybe_free_model_hooks
         parts = [c.frames for c in chunks]
         if output_type == "pil":
             frames = [sum((p[r] for p in parts), []) for r in range(len(parts[0]))]
@@ -477,7 +490,6 @@ class StreamingVideoPipeline(DiffusionPipeline):
             frames = np.concatenate(parts, axis=1)
         else:
             frames = torch.cat(parts, 1)
-        self.maybe_free_model_hooks()
         if not return_dict:
             return (frames,)
         latency = [c.stats["latency_s"] for c in chunks]

@@ -50,7 +50,9 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
     (``VLMDraftHead``s) and ``medusa_head`` (``MedusaHeads``). Methods: ``mmspec.methods.names("vlm")``."""
 
     modality = "vlm"
-    model_cpu_offload_seq = "target->draft_model->eagle_head->specvlm_head->vispec_head->medusa_head"
+    # the target alone: the draft VLM and the heads run between its passes and get unchained hooks
+    # (SpeculativeARImagePipeline says why); the answers' decode is the processor's, no model
+    model_cpu_offload_seq = "target"
     _optional_components = ["draft_model", "eagle_head", "specvlm_head", "vispec_head", "medusa_head"]
     _method_components = {"draft": "draft_model"}
 
@@ -69,7 +71,7 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
             self._views = (VLMTarget(self.target), draft)
         return self._views
 
-    def method_components(self) -> dict:
+    def method_components(self, requires: tuple[str, ...]) -> dict:
         target, draft = self.views()
         return {"target": target, "draft": draft} | {f"{h}_head": getattr(self, f"{h}_head") for h in HEADS}
 
@@ -143,6 +145,7 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
 
         # 2. the conditioning: chat-framed prompt ids, the images as the prefill's vision inputs
         ids, vision = self.prepare_inputs(images, prompts)
+        self.onload_models(recipe)  # vision_inputs puts the pixels on the target's device, in its dtype
         sampling = sampling_from_generation_config(self.target.generation_config, temperature, top_k, top_p)
         eos = sampling.pop("eos_token_id")
         target, _ = self.views()

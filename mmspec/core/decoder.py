@@ -64,6 +64,9 @@ class SpeculativeDecoder:
         schedule: which positions each pass decodes (``DecodingSchedule``, see
             ``mmspec.core.schedule``); default raster next-token order. Drafters and rules see the
             schedule's lanes as rows. A schedule keeps no per-call state, so decoders may share one.
+        device: where the prompts, the history and the positions live; default the target's
+            (its ``device``, else its first parameter's). A pipeline under model offload passes
+            its execution device: its models sit on the CPU between calls.
 
     Continuous tokens: a target with a non-empty ``token_shape`` (e.g. ``(2, d)``) returns
     features (``ModelOutput.cond``) and per-token heads instead of logits; ``logits`` is then a
@@ -73,8 +76,10 @@ class SpeculativeDecoder:
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, rule: AcceptanceRule | None = None,
-                 logits: LogitsPipeline | DensityPipeline | None = None, schedule: DecodingSchedule | None = None):
+                 logits: LogitsPipeline | DensityPipeline | None = None, schedule: DecodingSchedule | None = None,
+                 device: torch.device | str | None = None):
         self.target = target
+        self.device = None if device is None else torch.device(device)
         self.token_shape = tuple(getattr(target, "token_shape", ()))
         self.schedule = schedule if schedule is not None else RasterSchedule()
         self.drafter = drafter if drafter is not None else NullDrafter()
@@ -162,7 +167,7 @@ class SpeculativeDecoder:
                              f"(guidance_scale={self.logits.guidance_scale}); or set guidance_scale=None")
         if not guided and uncond_input_ids is not None:
             raise ValueError("uncond_input_ids is only used with guidance: set guidance_scale or drop it")
-        device = _device_of(self.target)
+        device = self.device if self.device is not None else _device_of(self.target)
         ids, lens = pad_prompts(input_ids, 0, device)  # padding is cut from caches, never attended
         B = ids.shape[0]
         generator = as_generators(generator, B)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
+from diffusers.utils.accelerate_utils import apply_forward_hook
 from torch import nn
 
 from ..core.errors import check
@@ -89,11 +90,14 @@ class PatchPCATokenizer(ModelMixin, ConfigMixin):
         self.scale.copy_(scale)
         return self
 
+    # encode and decode read the weights outside forward: under model offload the hook moves them first
+    @apply_forward_hook
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """(B, C, H, W) in [-1, 1] -> (B, N, d) latents (raster order, unit-scale)."""
         x = self.patches(images.to(self.basis.dtype))
         return (x - self.mean) @ self.basis.T / self.scale
 
+    @apply_forward_hook
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """(B, N, d) latents -> (B, C, H, W) pixels (not clamped)."""
         N, d = self.num_tokens, self.config.latent_dim

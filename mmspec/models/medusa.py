@@ -156,6 +156,11 @@ class MedusaHeads(_ParallelHeads):
             object.__setattr__(self, "_stack", (key, stack))  # a plain attribute, not a submodule
         return self._stack[1]
 
+    def _apply(self, fn, *args, **kwargs):
+        # moved or cast (``.to``, model offload): the stacked copies would stay where they were
+        self.__dict__.pop("_stack", None)
+        return super()._apply(fn, *args, **kwargs)
+
     def _forward_stacked(self, features, root, image):
         w = self._stacked()
         K, H = self.num_heads, self.config.hidden_size

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.modeling_utils import ModelMixin
+from diffusers.utils.accelerate_utils import apply_forward_hook
 from torch import nn
 from torch.nn import functional as F
 
@@ -108,11 +109,14 @@ class FrameAutoencoder(ModelMixin, ConfigMixin):
         self._check_frames(frames)
         return self.encoder(frames)
 
+    # encode and decode read the weights outside forward: under model offload the hook moves them first
+    @apply_forward_hook
     def encode(self, frames: torch.Tensor) -> torch.Tensor:
         """(N, 3, H, W) in [-1, 1] -> normalized latents (N, C, h, w)."""
         z = self.encode_raw(frames)
         return (z - self.latent_mean[:, None, None]) / self.latent_std[:, None, None]
 
+    @apply_forward_hook
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Normalized latents (N, C, h, w) -> frames (N, 3, H, W) (not clamped)."""
         h = self.latent_size

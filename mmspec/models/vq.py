@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import torch
 from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
+from diffusers.utils.accelerate_utils import apply_forward_hook
 from torch import nn
 from torch.nn import functional as F
 
@@ -170,6 +171,9 @@ class TinyVQModel(ModelMixin, ConfigMixin):
         """Side of the id grid of a ``sample_size`` image (16 for the default 64 px)."""
         return self.config.sample_size // self.downsample_factor
 
+    # codebook, encode and decode read the weights outside forward: under model offload the hook
+    # must move the model first
+    @apply_forward_hook
     def codebook(self) -> torch.Tensor:
         """The l2-normalised code embeddings the ids index, (K, D)."""
         return self.quantizer.codebook()
@@ -180,12 +184,14 @@ class TinyVQModel(ModelMixin, ConfigMixin):
               and images.shape[3] % f == 0, "images", f"a (B, {c}, H, W) tensor with H and W multiples of {f}",
               tuple(images.shape))
 
+    @apply_forward_hook
     @torch.no_grad()
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         """images (B, C, H, W) in [-1, 1] -> ids (B, H / f, W / f), long."""
         self._check_images(images)
         return self.quantizer(self.encoder(images))[1]
 
+    @apply_forward_hook
     def decode(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, h, w) -> images (B, C, h * f, w * f), roughly in [-1, 1] (not clamped)."""
         check(ids.dim() == 3 and not ids.is_floating_point(), "ids", "a (B, h, w) integer tensor",
