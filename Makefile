@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mmspec-installed
 
-.PHONY: run test install demo bench bench-ar-image bench-vlm bench-kernels bench-video assets clean
+.PHONY: run test install demo bench bench-ar-image bench-vlm bench-kernels bench-video assets clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +40,27 @@ bench-kernels: $(STAMP)
 # 100, 1,000 and 10,000 frames per cache mode, the window sweep and the prompt switches
 bench-video: $(STAMP)
 	$(BIN)/mmspec bench video --json bench-video.json
+
+# the prepared GPU check (at most 8 minutes on a CUDA machine; report in $(OUT) or gpu-check-out):
+#   here:             make gpu-wheels     (diffusers, transformers, importlib_metadata for Python 3.12 in .whl/)
+#   on the GPU:       make gpu-check      (python3 with its own torch and triton; installs .whl/ and mmspec)
+#   here, no GPU:     make gpu-check DRY_RUN=1   (the same driver, every CUDA step reported as skipped)
+ifeq ($(DRY_RUN),1)
+gpu-check: $(STAMP)
+	DRY_RUN=1 bash scripts/gpu_check.sh
+else
+gpu-check:
+	bash scripts/gpu_check.sh
+endif
+
+WHEEL_PLATFORMS := $(foreach n,28 27 17,--platform manylinux_2_$(n)_x86_64) --platform manylinux2014_x86_64
+gpu-wheels: $(STAMP)
+	rm -rf .whl && mkdir .whl
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+	  $(WHEEL_PLATFORMS) -d .whl $$($(BIN)/python -c "import importlib.metadata as m; \
+	  print(' '.join(f'{p}=={m.version(p)}' for p in ('diffusers', 'transformers', 'importlib_metadata')))")
+	echo "$$(git rev-parse HEAD)$$(git diff --quiet HEAD -- . ':!.whl' || echo ' dirty')" > .whl/COMMIT
+	ls -l .whl
 
 # rebuild every bundled checkpoint from its seed (about 3 h on 2 cores); model_index.json files and
 # assets/vlm/processor (a copy of the target recipe's processor files) are static

@@ -26,6 +26,9 @@
                                      answer a question about an image with the bundled VLM
     mmspec generate video --prompt "a red circle moving right" [--switch FRAME:TEXT ...] --frames 96 --out clip.mp4
                                      stream a video (MP4 or GIF) from the bundled streaming video pipeline
+    mmspec gpu-check [--out DIR] [--dry-run]
+                                     the prepared GPU check (make gpu-check): CUDA tests, compiled kernel
+                                     timings, every pipeline on the GPU with offload; report.json + summary.txt
     mmspec demo [--host H] [--port P] the Gradio demo on 127.0.0.1 (AR image and VLM tabs)
     mmspec batch JOBS.jsonl --out DIR  resumable batch generation (PNG / text per job + manifest.jsonl)
     mmspec train vq --out DIR        rebuild the tiny VQ tokenizer from a seed (about 6 min on 2 cores)
@@ -429,6 +432,12 @@ def _showcase_vlm() -> None:
     images, prompts = vlm.bench_prompts(1)
     out = pipe(images=images, prompts=prompts, method="vispec", max_new_tokens=cfg.max_new_tokens)
     print(f"\nexample (vispec, {out.stats['tau']:.2f} tokens per target pass): {prompts[0]!r}\n  -> {out.texts[0]}")
+
+
+def cmd_gpu_check(args) -> int:
+    from .bench import gpu_check
+
+    return gpu_check.cmd(args)
 
 
 def cmd_train(args) -> int:
@@ -845,6 +854,11 @@ def _add_demo_batch_parsers(sub) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="mmspec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    gpu = sub.add_parser("gpu-check", help="the prepared GPU check: CUDA tests, kernel timings, pipelines on "
+                                           "the GPU (make gpu-check; --dry-run without one)")
+    from .bench import gpu_check
+
+    gpu_check.add_arguments(gpu)
     showcase = sub.add_parser("showcase", help="run every modality's bundled default, baseline vs methods")
     bench = sub.add_parser("bench", help="benchmark one part; prints a table, --json writes the rows")
     for p in (showcase, bench):
@@ -915,7 +929,8 @@ def main(argv: list[str] | None = None) -> int:
         debug = getattr(args, "debug", False)
         check_args(args)
         handler = {"bench": cmd_bench, "showcase": cmd_showcase, "train": cmd_train,
-                   "generate": cmd_generate, "demo": cmd_demo, "batch": cmd_batch}[args.command]
+                   "generate": cmd_generate, "demo": cmd_demo, "batch": cmd_batch,
+                   "gpu-check": cmd_gpu_check}[args.command]
         return handler(args)
     except (ValueError, OSError) as err:
         if debug or (args is None and "--debug" in (sys.argv[1:] if argv is None else argv)):

@@ -381,7 +381,7 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
         prompt = prompt[:, None].expand(B, Fr, 3) if prompt.dim() == 2 else prompt
         check(prompt.shape == (B, Fr, 3), "prompt", f"({B}, 3) or ({B}, {Fr}, 3) ids", tuple(prompt.shape))
 
-        c = self.time_embed(timestep_embedding(t, 256))  # (B, F, dim)
+        c = self.time_embed(timestep_embedding(t, 256).to(self.time_embed[0].weight.dtype))  # (B, F, dim)
         for field, emb in enumerate(self.prompt_embed):
             c = c + emb(prompt[..., field])
         c = F.silu(c)  # (B, F, dim): every token of a frame alike

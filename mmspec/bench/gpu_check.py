@@ -1,0 +1,682 @@
+"""``mmspec gpu-check`` (``make gpu-check``): the prepared GPU check, one command that fits eight
+minutes of a briefly lent CUDA machine.
+
+Steps, in order, each in its own child process with its own time limit (a kernel that crashes
+the interpreter or hangs in compilation costs its step, not the report):
+
+1. ``cuda-tests``: ``pytest -m cuda`` over the test files that hold CUDA-marked tests (the
+   compiled kernels against their torch references at every tested shape and dtype).
+2. ``kernels``: ``mmspec bench kernels`` (compiled timings against the torch/SDPA reference).
+3. ``pipeline:ar-image``, ``pipeline:vlm``, ``pipeline:continuous``, ``pipeline:video``: the
+   bundled checkpoint on the device in float32 and the low precisions (``check_pipeline``):
+   greedy identity of every lossless method with the target alone, NFE and wall ratios over a
+   short interleaved run after a warm-up, and ``enable_model_cpu_offload()`` giving the outputs
+   the pipeline gives without it.
+
+The report: ``report.json`` (``validate_report`` says what it holds) and ``summary.txt`` in the
+report folder (``--out``, else ``$OUT`` when set, else ``gpu-check-out``); both are rewritten after
+every step, through a temporary file, so a run cut short leaves the steps it finished.
+
+``--dry-run`` (``make gpu-check DRY_RUN=1``, which CI's tests run) goes through the same driver
+with every CUDA step reported as skipped; it still collects the CUDA-marked tests (so the marker
+selects something and collection needs no GPU). ``check_pipeline`` itself runs on any device,
+and the tests run it on the CPU at a small size.
+
+A step's status: ``passed``; ``failed`` (it ran and something is wrong: the ``problems`` list says
+what); ``error`` (it could not run: an exception, a child that died); ``timeout``; ``skipped``
+(``reason`` says why). In a pipeline step a float32 greedy mismatch, an offload mismatch or an
+exception is a problem; a low-precision greedy mismatch is reported, not judged: a verify block
+of several tokens rounds differently from one-token passes in fp16/bf16, so a near-tie between
+two tokens can flip.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[2]
+ASSETS = ROOT / "assets"
+SCHEMA = 1
+PIPELINES = ("ar-image", "vlm", "continuous", "video")
+STEPS = ("cuda-tests", "kernels") + tuple(f"pipeline:{p}" for p in PIPELINES)
+STATUSES = ("passed", "failed", "error", "timeout", "skipped")
+STEP_SECONDS = {"cuda-tests": 120, "kernels": 100, "pipeline:ar-image": 75, "pipeline:vlm": 75,
+                "pipeline:continuous": 50, "pipeline:video": 50}
+"""Each step's time limit in seconds; together 470 s, inside the 480 s budget. A pipeline step that
+runs out keeps the parts it finished (float32 identity, offload, speed, then low precision)."""
+BUDGET_SECONDS = 480.0
+LOW_PRECISIONS = ("bfloat16", "float16")
+DEFAULT_OUT = "gpu-check-out"
+
+
+# -- the report -----------------------------------------------------------------------------------
+def machine_info() -> dict:
+    """What the check ran on: the GPU's name (None without CUDA), CUDA, torch, triton, Python."""
+    import torch
+
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    cuda = torch.cuda.is_available()
+    return {"gpu_name": torch.cuda.get_device_name(0) if cuda else None, "cuda_available": cuda,
+            "cuda_version": torch.version.cuda, "torch": torch.__version__, "triton": triton_version,
+            "python": platform.python_version(), "host": platform.node(), "cpu_count": os.cpu_count()}
+
+
+def commit_info() -> dict:
+    """The commit checked: ``git rev-parse HEAD`` (with ``dirty`` when the tree has changes), or,
+    where the repository travelled without ``.git``, the one ``make gpu-wheels`` wrote to
+    ``.whl/COMMIT``; ``None`` when neither is there."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                    capture_output=True, text=True, timeout=10)
+            return {"commit": head.stdout.strip(), "dirty": bool(status.stdout.strip()), "source": "git"}
+    except (OSError, subprocess.SubprocessError):
+        pass
+    recorded = ROOT / ".whl" / "COMMIT"
+    if recorded.is_file():
+        sha, _, flag = recorded.read_text().strip().partition(" ")
+        return {"commit": sha, "dirty": flag == "dirty", "source": ".whl/COMMIT (written by make gpu-wheels)"}
+    return {"commit": None, "dirty": None, "source": None}
+
+
+def new_report(dry_run: bool, budget_s: float) -> dict:
+    return {"check": "gpu-check", "schema": SCHEMA, "dry_run": dry_run,
+            "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "budget_seconds": budget_s, "wall_seconds": 0.0, "machine": machine_info(), **commit_info(),
+            "steps": []}
+
+
+def validate_report(report: dict) -> list[str]:
+    """What is missing or wrong in a report (empty when it is complete): the top-level keys, one
+    entry per step in ``STEPS`` order, each with a known status, its seconds, a ``reason`` when
+    skipped, failed, timed out or in error, and the summary its kind of step fills when it ran."""
+    problems = []
+    for key, kind in (("check", str), ("schema", int), ("dry_run", bool), ("started", str),
+                      ("budget_seconds", (int, float)), ("wall_seconds", (int, float)), ("machine", dict),
+                      ("steps", list)):
+        if not isinstance(report.get(key), kind):
+            problems.append(f"{key}: missing or not {kind}")
+    if "commit" not in report:
+        problems.append("commit: missing")
+    for key in ("gpu_name", "torch", "triton", "python", "cuda_available"):
+        if key not in report.get("machine", {}):
+            problems.append(f"machine.{key}: missing")
+    steps = report.get("steps") or []
+    names = [s.get("name") for s in steps]
+    if names != list(STEPS):
+        problems.append(f"steps: {names} instead of {list(STEPS)}")
+    for s in steps:
+        name, status = s.get("name"), s.get("status")
+        if status not in STATUSES:
+            problems.append(f"{name}: status {status!r} not in {STATUSES}")
+            continue
+        if not isinstance(s.get("seconds"), (int, float)):
+            problems.append(f"{name}: seconds missing")
+        if status != "passed" and not s.get("reason"):
+            problems.append(f"{name}: {status} without a reason")
+        summary = s.get("summary")
+        if not isinstance(summary, dict):
+            problems.append(f"{name}: summary missing")
+            continue
+        if name == "cuda-tests" and status != "skipped" and not isinstance(summary.get("selected"), int):
+            problems.append("cuda-tests: summary.selected missing")
+        if status in ("passed", "failed"):
+            need = {"cuda-tests": ("passed", "failed", "errors", "skipped"),
+                    "kernels": ("rows", "measured", "correct")}.get(name, ("identity", "speed", "offload", "problems"))
+            problems += [f"{name}: summary.{k} missing" for k in need if k not in summary]
+    return problems
+
+
+def write_report(report: dict, out: Path) -> None:
+    """``report.json`` and ``summary.txt`` in ``out``, each through a temporary file."""
+    out.mkdir(parents=True, exist_ok=True)
+    _write(out / "report.json", json.dumps(report, indent=2, default=str) + "\n")
+    _write(out / "summary.txt", format_summary(report) + "\n")
+
+
+def _write(path: Path, text: str) -> None:
+    from ..utils.atomic import atomic_path
+
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def format_summary(report: dict) -> str:
+    m = report["machine"]
+    head = (f"mmspec gpu-check {'(dry run) ' if report['dry_run'] else ''}{report['started']}: "
+            f"{m.get('gpu_name') or 'no GPU'}, torch {m.get('torch')}, triton {m.get('triton')}, "
+            f"commit {(report.get('commit') or 'unknown')[:12]}{' (dirty)' if report.get('dirty') else ''}, "
+            f"{report['wall_seconds']:.0f} s of {report['budget_seconds']:.0f}")
+    lines = [head]
+    for s in report["steps"]:
+        lines.append(f"- {s['name']}: {s['status']} ({s['seconds']:.0f} s)"
+                     + (f": {s['reason']}" if s.get("reason") else ""))
+        lines += [f"    {line}" for line in _step_lines(s)]
+    return "\n".join(lines)
+
+
+def _step_lines(step: dict) -> list[str]:
+    sm = step.get("summary") or {}
+    if step["name"] == "cuda-tests":
+        if "passed" not in sm:
+            return [f"{sm.get('selected')} tests selected"] if "selected" in sm else []
+        out = [f"{sm['passed']} passed, {sm['failed']} failed, {sm['errors']} errors, {sm['skipped']} skipped"]
+        return out + [f"FAIL {f['test']}: {f['message']}" for f in sm.get("failures", [])[:10]]
+    if step["name"] == "kernels":
+        out = []
+        for r in sm.get("rows", []):
+            timing = (f"kernel {r['kernel_ms']:.4f} ms, reference {r['reference_ms']:.4f} ms"
+                      if isinstance(r.get("kernel_ms"), (int, float)) and isinstance(r.get("reference_ms"), (int, float))
+                      else "not timed")
+            out.append(f"{r['kernel']} {r['shape']} {r['dtype']}: correct={r.get('correct')}, {timing}")
+        return out
+    out = [f"{k}: {v}" for k, v in sm.items() if k in ("note",)]
+    for row in sm.get("identity", []):
+        out.append(f"greedy {row['dtype']} {row['method']}: "
+                   + ("identical" if row["identical"] else f"{row['match_fraction']:.3f} of tokens equal"))
+    for row in (sm.get("speed") or {}).get("rows", []):
+        extra = "".join(f", {k} {row[k]:.2f}" for k in ("nfe_ratio", "tau") if isinstance(row.get(k), (int, float)))
+        out.append(f"speed {sm['speed']['dtype']} {row['method']}: wall x {row['wall_ratio']:.2f}{extra}")
+    for row in sm.get("offload", []):
+        out.append(f"offload {row['dtype']} {row['method']}: {'identical' if row['identical'] else 'DIFFERS'}"
+                   + (f" (max abs diff {row['max_abs_diff']:.3g})" if row.get("max_abs_diff") else ""))
+    return out + [f"PROBLEM {p}" for p in sm.get("problems", [])]
+
+
+# -- the steps ------------------------------------------------------------------------------------
+def cuda_test_files() -> list[str]:
+    """The test files that hold CUDA-marked tests (only they are handed to pytest: the others may
+    import what the GPU machine lacks, gradio or playwright)."""
+    return sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py")
+                  if "mark.cuda" in p.read_text())
+
+
+def _child(args: list[str], timeout: float, env: dict | None = None) -> tuple[int | None, str]:
+    """Run ``python args`` in the repository root; (return code or None on timeout, its output)."""
+    try:
+        done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+        return done.returncode, done.stdout + done.stderr
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"") + (e.stderr or b"")
+        return None, out.decode(errors="replace") if isinstance(out, bytes) else out
+
+
+def _tail(text: str, n: int = 12) -> str:
+    return "\n".join(text.strip().splitlines()[-n:])
+
+
+def step_cuda_tests(out: Path, timeout: float, dry_run: bool) -> dict:
+    files = cuda_test_files()
+    if not files:
+        return {"status": "error", "reason": "no test file under tests/ holds a test marked cuda",
+                "summary": {"selected": 0, "files": []}}
+    rc, text = _child(["-m", "pytest", "--collect-only", "-q", "-m", "cuda", "-p", "no:cacheprovider", *files],
+                      min(timeout, 60))
+    selected = sum(1 for line in text.splitlines() if "::" in line)
+    summary: dict[str, Any] = {"selected": selected, "files": files}
+    if rc not in (0, 5) or selected == 0:
+        return {"status": "error", "reason": f"collecting the CUDA tests failed (exit {rc}): {_tail(text, 6)}",
+                "summary": summary}
+    if dry_run:
+        return {"status": "skipped", "reason": "dry run: the CUDA tests were collected, not run", "summary": summary}
+    xml = out / "cuda-tests.xml"
+    rc, text = _child(["-m", "pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                       f"--junitxml={xml}", *files], timeout)
+    (out / "cuda-tests.log").write_text(text)
+    if rc is None:
+        return {"status": "timeout", "reason": f"pytest -m cuda ran past {timeout:.0f} s", "summary": summary}
+    summary.update(junit_counts(xml))
+    ok = rc == 0 and summary["failed"] == summary["errors"] == 0 and summary["passed"] > 0
+    reason = None if ok else (f"pytest exit {rc}: {summary['failed']} failed, {summary['errors']} errors, "
+                              f"{summary['passed']} passed")
+    return {"status": "passed" if ok else "failed", "reason": reason, "summary": summary}
+
+
+def junit_counts(xml: Path) -> dict:
+    """Counts and the failures (test id, first line of the message) of a pytest JUnit XML file."""
+    import xml.etree.ElementTree as ET
+
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0, "failures": []}
+    if not xml.is_file():
+        return counts
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        test = f"{case.get('classname')}::{case.get('name')}"
+        bad = case.find("failure") if case.find("failure") is not None else case.find("error")
+        if bad is not None:
+            counts["failed" if bad.tag == "failure" else "errors"] += 1
+            message = (bad.get("message") or bad.text or "").strip().splitlines()
+            counts["failures"].append({"test": test, "message": (message[0] if message else "")[:300]})
+        elif case.find("skipped") is not None:
+            counts["skipped"] += 1
+        else:
+            counts["passed"] += 1
+    return counts
+
+
+def step_kernels(out: Path, timeout: float, dry_run: bool) -> dict:
+    if dry_run:
+        return {"status": "skipped", "reason": "dry run: no compiled kernels to time", "summary": {}}
+    path = out / "kernels.json"
+    rc, text = _child(["-m", "mmspec", "bench", "kernels", "--json", str(path), "--quiet"], timeout)
+    if rc is None:
+        return {"status": "timeout", "reason": f"mmspec bench kernels ran past {timeout:.0f} s: {_tail(text, 4)}",
+                "summary": {}}
+    if rc != 0 or not path.is_file():
+        return {"status": "error", "reason": f"mmspec bench kernels exit {rc}: {_tail(text, 8)}", "summary": {}}
+    result = json.loads(path.read_text())
+    keep = ("kernel", "shape", "dtype", "measured", "projected", "correct", "decisions_equal", "max_abs_err",
+            "tolerance", "kernel_ms", "reference_ms", "speedup", "sdpa_ms", "sdpa_speedup", "measured_kernel_us",
+            "measured_torch_us", "measured_speedup", "measured_sdpa_us", "measured_sdpa_speedup", "h100_us",
+            "torch_h100_us", "projected_speedup", "note")
+    rows = [{k: r[k] for k in keep if k in r} for r in result["rows"]]
+    ran = [r for r in rows if r.get("measured")]
+    wrong = [r for r in ran if r.get("correct") is False]
+    summary = {"rows": rows, "measured": len(ran), "correct": sum(r.get("correct") is True for r in ran),
+               "setup": result.get("setup", {})}
+    reason = None if not wrong else "; ".join(f"{r['kernel']} {r['shape']} {r['dtype']}: "
+                                              f"{(r.get('note') or 'wrong result')[-160:]}" for r in wrong[:6])
+    return {"status": "failed" if wrong else "passed", "reason": reason, "summary": summary}
+
+
+def step_pipeline(name: str, out: Path, timeout: float, dry_run: bool, device: str) -> dict:
+    if dry_run:
+        return {"status": "skipped", "reason": "dry run: no CUDA device", "summary": {}}
+    path = out / f"pipeline-{name}.json"
+    rc, text = _child(["-m", "mmspec.bench.gpu_check", "--pipeline", name, "--device", device, "--json", str(path)],
+                      timeout)
+    (out / f"pipeline-{name}.log").write_text(text)
+    if rc is None:
+        partial = json.loads(path.read_text()) if path.is_file() else {}
+        return {"status": "timeout", "reason": f"ran past {timeout:.0f} s: {_tail(text, 4)}", "summary": partial}
+    if rc != 0 or not path.is_file():
+        return {"status": "error", "reason": f"exit {rc}: {_tail(text, 8)}", "summary": {}}
+    summary = json.loads(path.read_text())
+    problems = summary.get("problems", [])
+    return {"status": "failed" if problems else "passed", "reason": "; ".join(problems)[:600] or None,
+            "summary": summary}
+
+
+def run(out: Path, *, dry_run: bool = False, budget_s: float = BUDGET_SECONDS, device: str = "cuda",
+        steps: tuple[str, ...] = STEPS, say: Callable[[str], None] = print) -> dict:
+    """Every step in order inside ``budget_s``; returns the report (also written to ``out``).
+    Without CUDA and without ``dry_run`` the CUDA steps are skipped with that reason."""
+    import torch
+
+    t0 = time.perf_counter()
+    report = new_report(dry_run, budget_s)
+    no_cuda = device == "cuda" and not torch.cuda.is_available()
+    for name in STEPS:
+        left = budget_s - (time.perf_counter() - t0)
+        start = time.perf_counter()
+        if name not in steps:
+            result = {"status": "skipped", "reason": "not asked for (--steps)", "summary": {}}
+        elif left < 10:
+            result = {"status": "skipped", "reason": f"the budget of {budget_s:.0f} s was spent", "summary": {}}
+        elif no_cuda and not dry_run and name != "cuda-tests":
+            result = {"status": "skipped", "reason": "torch sees no CUDA device", "summary": {}}
+        else:
+            timeout = min(STEP_SECONDS[name], left)
+            say(f"gpu-check: {name} (at most {timeout:.0f} s)")
+            try:
+                if name == "cuda-tests":
+                    result = step_cuda_tests(out, timeout, dry_run or no_cuda)
+                    if no_cuda and not dry_run and result["status"] == "skipped":
+                        result["reason"] = "torch sees no CUDA device: the CUDA tests were collected, not run"
+                elif name == "kernels":
+                    result = step_kernels(out, timeout, dry_run)
+                else:
+                    result = step_pipeline(name.split(":", 1)[1], out, timeout, dry_run, device)
+            except Exception as e:  # the report must survive any one step
+                result = {"status": "error", "reason": f"{type(e).__name__}: {e}"[:600], "summary": {}}
+        report["steps"].append({"name": name, "seconds": time.perf_counter() - start, **result})
+        report["wall_seconds"] = time.perf_counter() - t0
+        write_report(report, out)
+        say(f"gpu-check: {name}: {result['status']}" + (f" ({result['reason']})" if result.get("reason") else ""))
+    problems = validate_report(report)
+    if problems:  # a driver bug: say it in the report rather than hide it
+        report["schema_problems"] = problems
+        write_report(report, out)
+    return report
+
+
+# -- one pipeline on one device -------------------------------------------------------------------
+def _sync(device) -> None:
+    import torch
+
+    if str(device).startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _compare(a, b) -> tuple[bool, float, int | None]:
+    """(identical, fraction of equal entries, first differing flat index) of two token tensors or
+    lists of token lists."""
+    import torch
+
+    if not isinstance(a, torch.Tensor):  # lists of token lists (a VLM's answers)
+        if a == b:
+            return True, 1.0, None
+        flat_a, flat_b = [t for row in a for t in row], [t for row in b for t in row]
+        same = [x == y for x, y in zip(flat_a, flat_b)]
+        first = next((i for i, s in enumerate(same) if not s), len(same))
+        return False, sum(same) / max(len(flat_a), len(flat_b), 1), first
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.shape != b.shape:
+        return False, 0.0, 0
+    eq = (a == b).flatten()
+    first = None if bool(eq.all()) else int((~eq).nonzero()[0])
+    return bool(eq.all()), float(eq.float().mean()), first
+
+
+def _max_abs_diff(a, b) -> float:
+    import torch
+
+    a, b = torch.as_tensor(a).detach().cpu().float(), torch.as_tensor(b).detach().cpu().float()
+    return float((a - b).abs().max()) if a.shape == b.shape else float("inf")
+
+
+class _Spec:
+    """How the check drives one pipeline: load it, call it, read its comparable output."""
+
+    name: str
+    methods: tuple[str, ...]       # the lossless methods checked for greedy identity (after "none")
+    speed_methods: tuple[str, ...]  # the interleaved speed run ("none" first)
+    offload_methods: tuple[str, ...]
+    greedy = True                  # False: sampled only (identity not defined; offload compares samples)
+    decodes = True                 # a speculative decode (stats carry NFE and tau); False: a video stream
+
+    def __init__(self, model_dir: Path, quick: bool):
+        self.model_dir, self.quick = model_dir, quick
+
+    def load(self, dtype, device):
+        raise NotImplementedError
+
+    def call(self, pipe, method: str, device, seed: int = 0):
+        raise NotImplementedError
+
+    def output(self, out):
+        raise NotImplementedError
+
+
+class _ARImage(_Spec):
+    name = "ar-image"
+    methods = ("sd", "eagle", "medusa", "sjd", "mcsjd")
+    speed_methods = ("none", "sd", "eagle", "medusa", "sjd")
+    offload_methods = ("none", "sd", "eagle", "medusa")
+
+    def load(self, dtype, device):
+        from ..pipelines import SpeculativeARImagePipeline
+
+        return SpeculativeARImagePipeline.from_pretrained(self.model_dir, dtype=dtype).to(device)
+
+    def call(self, pipe, method, device, seed=0):
+        import torch
+
+        labels = [0, 5] if self.quick else [0, 5, 10, 15]
+        return pipe(class_labels=labels, method=method, temperature=0, guidance_scale=2.0, output_type="latent",
+                    generator=torch.Generator(device).manual_seed(seed))
+
+    def output(self, out):
+        return out.tokens
+
+
+class _VLM(_Spec):
+    name = "vlm"
+    methods = ("sd", "lookup", "eagle", "specvlm", "vispec", "medusa")
+    speed_methods = ("none", "sd", "eagle", "vispec", "medusa")
+    offload_methods = ("none", "eagle", "medusa")
+
+    def load(self, dtype, device):
+        from ..pipelines import SpeculativeVLMPipeline
+
+        return SpeculativeVLMPipeline.from_pretrained(self.model_dir, dtype=dtype).to(device)
+
+    def call(self, pipe, method, device, seed=0):
+        from .vlm import bench_prompts
+
+        images, prompts = bench_prompts(2 if self.quick else 4)
+        return pipe(images=images, prompts=prompts, method=method, temperature=0,
+                    max_new_tokens=16 if self.quick else 64)
+
+    def output(self, out):
+        return out.tokens
+
+
+class _Continuous(_Spec):
+    name = "continuous"
+    greedy = False
+    methods = ()
+    speed_methods = ("none", "sd")
+    offload_methods = ("none", "sd")
+
+    def load(self, dtype, device):
+        from ..pipelines import SpeculativeContinuousARPipeline
+
+        return SpeculativeContinuousARPipeline.from_pretrained(self.model_dir, dtype=dtype).to(device)
+
+    def call(self, pipe, method, device, seed=0):
+        import torch
+
+        labels = [0, 5] if self.quick else [0, 5, 10, 15]
+        return pipe(class_labels=labels, method=method, output_type="latent",
+                    generator=torch.Generator(device).manual_seed(seed))
+
+    def output(self, out):
+        return out.latents
+
+
+class _Video(_Spec):
+    name = "video"
+    greedy = False
+    decodes = False
+    methods = ()
+    speed_methods = ("rolling", "window-recompute")  # cache modes: the first is the one timed against
+    offload_methods = ("rolling",)
+
+    def load(self, dtype, device):
+        from ..pipelines import StreamingVideoPipeline
+
+        return StreamingVideoPipeline.from_pretrained(self.model_dir, dtype=dtype).to(device)
+
+    def call(self, pipe, method, device, seed=0):
+        import torch
+
+        frames = pipe.chunk_frames * (3 if self.quick else 12)
+        return pipe(prompt="a red circle moving right", num_frames=frames, cache_mode=method, output_type="pt",
+                    generator=torch.Generator(device).manual_seed(seed))
+
+    def output(self, out):
+        return out.frames
+
+
+SPECS = {"ar-image": _ARImage, "vlm": _VLM, "continuous": _Continuous, "video": _Video}
+
+
+def _interleaved(call: Callable[[str], Any], methods: tuple[str, ...], rounds: int, device) -> dict:
+    """Every method once as a warm-up, then ``rounds`` rounds of every method in turn: the median
+    wall seconds per method and the last run's stats."""
+    walls: dict[str, list[float]] = {m: [] for m in methods}
+    stats: dict[str, dict] = {}
+    for m in methods:
+        call(m)
+    for _ in range(rounds):
+        for m in methods:
+            _sync(device)
+            t0 = time.perf_counter()
+            out = call(m)
+            _sync(device)
+            walls[m].append(time.perf_counter() - t0)
+            stats[m] = dict(getattr(out, "stats", None) or {})
+    return {m: (statistics.median(walls[m]), stats[m]) for m in methods}
+
+
+def check_pipeline(name: str, device: str = "cuda", *, dtypes: tuple[str, ...] = ("float32",) + LOW_PRECISIONS,
+                   speed_dtype: str = "bfloat16", rounds: int = 2, quick: bool = False,
+                   model_dir: str | Path | None = None, offload: bool = True,
+                   progress: Callable[[str], None] | None = None, record: Callable[[dict], None] | None = None) -> dict:
+    """One bundled pipeline on ``device``: greedy identity of its lossless methods with
+    ``method="none"`` in every dtype of ``dtypes``, NFE and wall ratios over ``rounds`` interleaved
+    rounds in ``speed_dtype`` after a warm-up, and (``offload``) ``enable_model_cpu_offload`` on
+    ``device`` giving the outputs it gives without (float32 and ``speed_dtype``). Every part is
+    tried even when another failed; ``problems`` lists what is wrong. ``record(partial)`` is called
+    after each part (the step's child writes it, so a timeout keeps what finished)."""
+    import torch
+
+    say = progress or (lambda msg: None)
+    spec = SPECS[name](Path(model_dir or ASSETS / name), quick)
+    result: dict[str, Any] = {"pipeline": name, "device": device, "model_dir": str(spec.model_dir),
+                              "identity": [], "speed": {}, "offload": [], "problems": [], "errors": []}
+    if not spec.greedy:
+        result["note"] = ("sampled pipeline: no greedy identity; offload compares samples drawn with the same "
+                          "seed on the same device")
+
+    def attempt(what: str, fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - one failing part must not hide the others
+            msg = f"{what}: {type(e).__name__}: {_one_line(e)}"[:400]
+            result["errors"].append(msg)
+            result["problems"].append(msg)
+            say(msg)
+        if record is not None:
+            record(result)
+
+    pipes: dict[str, Any] = {}
+    baseline: dict[str, Any] = {}
+
+    def load(dtype: str):
+        if dtype not in pipes:
+            pipes[dtype] = spec.load(getattr(torch, dtype), device)
+            pipes[dtype].set_progress_bar_config(disable=True)
+        return pipes[dtype]
+
+    def identity(dtype: str) -> None:
+        pipe = load(dtype)
+        base = spec.output(spec.call(pipe, "none", device))
+        baseline[dtype] = base
+        for m in spec.methods:
+            same, frac, first = _compare(spec.output(spec.call(pipe, m, device)), base)
+            result["identity"].append({"dtype": dtype, "method": m, "identical": same, "match_fraction": frac,
+                                       "first_mismatch": first})
+            if not same and dtype == "float32":
+                result["problems"].append(f"greedy {m} differs from the target alone in float32 "
+                                          f"({frac:.3f} of tokens equal, first at {first})")
+
+    def speed() -> None:
+        pipe = load(speed_dtype)
+        timed = _interleaved(lambda m: spec.call(pipe, m, device), spec.speed_methods, rounds, device)
+        base_wall, base_stats = timed[spec.speed_methods[0]]
+        rows = []
+        for m, (wall, st) in timed.items():
+            row = {"method": m, "wall_s": wall, "wall_ratio": base_wall / wall}
+            if spec.decodes:
+                row.update(nfe=st["nfe"], nfe_ratio=base_stats["nfe"] / st["nfe"], tau=st.get("tau"),
+                           draft_nfe=st.get("draft_nfe"))
+            else:
+                row.update(ms_per_chunk=1000 * statistics.median(st["latency_s"]), frames=st.get("frames"),
+                           cache_bytes=st.get("cache_bytes"))
+            rows.append(row)
+        result["speed"] = {"dtype": speed_dtype, "rounds": rounds, "rows": rows}
+
+    def offloaded(dtype: str) -> None:
+        pipe = load(dtype)
+        plain = {m: spec.output(spec.call(pipe, m, device)) for m in spec.offload_methods}
+        pipe.enable_model_cpu_offload(device=device)
+        try:
+            for m in spec.offload_methods:
+                got = spec.output(spec.call(pipe, m, device))
+                diff = _max_abs_diff(got, plain[m]) if isinstance(got, torch.Tensor) else None
+                same = _compare(got, plain[m])[0]
+                result["offload"].append({"dtype": dtype, "method": m, "identical": same, "max_abs_diff": diff})
+                if not same:
+                    result["problems"].append(f"offload changes {m} in {dtype}"
+                                              + (f" (max abs diff {diff:.3g})" if diff is not None else ""))
+        finally:
+            pipe.remove_all_hooks()
+            pipes.pop(dtype)  # hooks moved its modules: reload rather than trust their placement
+
+    # what is judged first, so that a step cut short by its time limit loses the reported-only part
+    exact = [d for d in dtypes if d == "float32"] if spec.greedy else []
+    for dtype in exact:
+        say(f"{name}: greedy identity in {dtype}")
+        attempt(f"identity {dtype}", lambda d=dtype: identity(d))
+    if offload:
+        for dtype in dict.fromkeys(("float32", speed_dtype)):
+            say(f"{name}: enable_model_cpu_offload in {dtype}")
+            attempt(f"offload {dtype}", lambda d=dtype: offloaded(d))
+    say(f"{name}: interleaved speed in {speed_dtype}")
+    attempt("speed", speed)
+    for dtype in (d for d in dtypes if d not in exact and spec.greedy):
+        say(f"{name}: greedy identity in {dtype}")
+        attempt(f"identity {dtype}", lambda d=dtype: identity(d))
+    return result
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+
+
+# -- command line ---------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``[--out DIR] [--dry-run] [--budget S] [--steps ...] [--device D]``, and the hidden
+    ``--pipeline NAME --json PATH`` of one pipeline step (the driver's child)."""
+    p.add_argument("--out", default=None, help=f"report folder (default: $OUT when set, else {DEFAULT_OUT})")
+    p.add_argument("--dry-run", action="store_true", help="every CUDA step reported as skipped")
+    p.add_argument("--budget", type=float, default=BUDGET_SECONDS,
+                   help=f"seconds for all steps (default {BUDGET_SECONDS:.0f})")
+    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="run only these steps")
+    p.add_argument("--device", default="cuda", help="the pipelines' device (default cuda)")
+    p.add_argument("--pipeline", choices=PIPELINES, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
+
+
+def cmd(args: argparse.Namespace) -> int:
+    """Run the check (or, with ``--pipeline``, one pipeline step); exit status 1 when the report
+    is incomplete, 0 otherwise (failed steps are in the report, not the status)."""
+    from ..core.errors import check
+
+    check(args.budget > 0, "--budget", "> 0 seconds", args.budget)
+    if args.pipeline is not None:
+        check(args.json is not None, "--json", "a path with --pipeline", None)
+        path = Path(args.json)
+
+        def record(partial: dict) -> None:
+            _write(path, json.dumps(partial, indent=2, default=str) + "\n")
+
+        record(check_pipeline(args.pipeline, args.device, quick=args.quick, record=record,
+                              progress=lambda m: print(m, flush=True)))
+        return 0
+    out = Path(args.out or os.environ.get("OUT") or DEFAULT_OUT)
+    report = run(out, dry_run=args.dry_run, budget_s=args.budget, device=args.device, steps=tuple(args.steps))
+    print(format_summary(report))
+    print(f"report: {out / 'report.json'}, {out / 'summary.txt'}")
+    if report.get("schema_problems"):
+        print("the report is incomplete: " + "; ".join(report["schema_problems"]), file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mmspec.bench.gpu_check", description=__doc__.split("\n\n")[0])
+    add_arguments(p)
+    return cmd(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,204 @@
+"""The prepared GPU check (``make gpu-check``, ``mmspec.bench.gpu_check``) on this CPU: the dry run
+through make fills the report's schema, the schema check bites, each step's reading of its child's
+output (pytest's JUnit XML, the kernel bench's JSON, a pipeline step's JSON, a timeout) is right,
+and the pipeline checks themselves run on the CPU in float32 and bfloat16 at a small size."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmspec.bench import gpu_check as gc
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def dry_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-check")
+    env = {**os.environ, "OUT": str(out)}
+    done = subprocess.run(["make", "-s", "gpu-check", "DRY_RUN=1"], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return json.loads((out / "report.json").read_text()), (out / "summary.txt").read_text(), done.stdout
+
+
+def test_dry_run_fills_the_schema(dry_report):
+    report, summary, stdout = dry_report
+    assert gc.validate_report(report) == []
+    assert report["dry_run"] is True and report["machine"]["gpu_name"] is None
+    assert [s["name"] for s in report["steps"]] == list(gc.STEPS)
+    assert all(s["status"] == "skipped" and "dry run" in s["reason"] for s in report["steps"])
+    tests = report["steps"][0]["summary"]
+    # the marker selects the CUDA tests of every kernel's test file, and collecting them needs no GPU
+    assert tests["selected"] >= 10
+    assert {"tests/test_kernels.py", "tests/test_kernels_accept.py", "tests/test_kernels_attention.py"} <= set(
+        tests["files"])
+    for name in gc.STEPS:
+        assert f"- {name}: skipped" in summary
+    assert summary in stdout
+
+
+def _complete_report() -> dict:
+    report = gc.new_report(dry_run=False, budget_s=480)
+    ran = {"cuda-tests": {"selected": 3, "passed": 3, "failed": 0, "errors": 0, "skipped": 0},
+           "kernels": {"rows": [], "measured": 0, "correct": 0}}
+    for name in gc.STEPS:
+        summary = ran.get(name, {"identity": [], "speed": {}, "offload": [], "problems": []})
+        report["steps"].append({"name": name, "status": "passed", "seconds": 1.0, "summary": summary})
+    return report
+
+
+def test_schema_check_bites():
+    assert gc.validate_report(_complete_report()) == []
+    broken = {
+        "a step missing": lambda r: r["steps"].pop(),
+        "an unknown status": lambda r: r["steps"][1].update(status="fine"),
+        "a failure without a reason": lambda r: r["steps"][2].update(status="failed"),
+        "a pipeline summary without offload": lambda r: r["steps"][3]["summary"].pop("offload"),
+        "test counts missing": lambda r: r["steps"][0]["summary"].pop("passed"),
+        "no machine": lambda r: r.pop("machine"),
+        "no commit": lambda r: r.pop("commit"),
+    }
+    for what, breakage in broken.items():
+        report = _complete_report()
+        breakage(report)
+        assert gc.validate_report(report), what
+
+
+def test_budget_spent_skips_the_rest(tmp_path):
+    report = gc.run(tmp_path, dry_run=True, budget_s=5, say=lambda m: None)
+    assert gc.validate_report(report) == []
+    assert all(s["status"] == "skipped" and "budget" in s["reason"] for s in report["steps"])
+    assert json.loads((tmp_path / "report.json").read_text())["steps"] == json.loads(json.dumps(report["steps"]))
+
+
+def test_junit_counts_from_a_real_pytest_run(tmp_path):
+    (tmp_path / "test_mix.py").write_text(
+        "import pytest\n"
+        "def test_ok():\n    pass\n"
+        "def test_bad():\n    assert 1 == 2, 'one is not two'\n"
+        "@pytest.mark.skip(reason='no')\ndef test_skip():\n    pass\n")
+    xml = tmp_path / "out.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                    f"--junitxml={xml}", str(tmp_path / "test_mix.py")], cwd=tmp_path, capture_output=True,
+                   timeout=120)
+    counts = gc.junit_counts(xml)
+    assert (counts["passed"], counts["failed"], counts["errors"], counts["skipped"]) == (1, 1, 0, 1)
+    assert counts["failures"][0]["test"].endswith("test_bad") and "one is not two" in counts["failures"][0]["message"]
+
+
+def _fake_child(monkeypatch, rc, write=None, text="child output"):
+    def child(args, timeout, env=None):
+        if write is not None:
+            write(args)
+        return rc, text
+    monkeypatch.setattr(gc, "_child", child)
+
+
+def test_kernel_step_reads_the_bench(monkeypatch, tmp_path):
+    rows = [{"kernel": "tree_attention", "shape": "s", "dtype": "float16", "measured": True, "projected": False,
+             "correct": True, "kernel_ms": 0.01, "reference_ms": 0.03},
+            {"kernel": "rolling_attention", "shape": "s", "dtype": "bfloat16", "measured": True,
+             "projected": False, "correct": False, "note": "CompilationError: tl.dot needs K >= 16"},
+            {"kernel": "guided_accept", "shape": "big", "dtype": "float32", "projected": True, "measured": False,
+             "correct": None, "note": "not run: the bench's budget was spent"}]
+
+    def write(args):
+        Path(args[args.index("--json") + 1]).write_text(json.dumps({"rows": rows, "setup": {"gpu_name": "X"}}))
+
+    _fake_child(monkeypatch, 0, write)
+    step = gc.step_kernels(tmp_path, 60, dry_run=False)
+    assert step["status"] == "failed" and "tl.dot needs K >= 16" in step["reason"]
+    assert (step["summary"]["measured"], step["summary"]["correct"]) == (2, 1)
+    rows[1]["correct"] = True
+    assert gc.step_kernels(tmp_path, 60, dry_run=False)["status"] == "passed"
+    _fake_child(monkeypatch, None)
+    assert gc.step_kernels(tmp_path, 60, dry_run=False)["status"] == "timeout"
+
+
+def test_pipeline_step_reads_its_child(monkeypatch, tmp_path):
+    found = {"pipeline": "vlm", "identity": [], "speed": {}, "offload": [], "problems": ["offload changes sd"]}
+
+    def write(args):
+        Path(args[args.index("--json") + 1]).write_text(json.dumps(found))
+
+    _fake_child(monkeypatch, 0, write)
+    step = gc.step_pipeline("vlm", tmp_path, 60, dry_run=False, device="cuda")
+    assert step["status"] == "failed" and step["reason"] == "offload changes sd"
+    found["problems"] = []
+    assert gc.step_pipeline("vlm", tmp_path, 60, dry_run=False, device="cuda")["status"] == "passed"
+    _fake_child(monkeypatch, None, write)  # a timeout keeps what the child recorded
+    step = gc.step_pipeline("vlm", tmp_path, 60, dry_run=False, device="cuda")
+    assert step["status"] == "timeout" and step["summary"]["pipeline"] == "vlm"
+    (tmp_path / "pipeline-vlm.json").unlink()
+    _fake_child(monkeypatch, 1, text="Traceback\nRuntimeError: CUDA error: no kernel image")
+    step = gc.step_pipeline("vlm", tmp_path, 60, dry_run=False, device="cuda")
+    assert step["status"] == "error" and "no kernel image" in step["reason"]
+
+
+@pytest.mark.parametrize("name", gc.PIPELINES)
+def test_pipeline_check_on_cpu(name):
+    """The GPU step's own code on the CPU: float32 greedy identity holds (the project's CPU
+    guarantee), bfloat16 runs, offload gives the same outputs, the speed rows are filled."""
+    result = gc.check_pipeline(name, "cpu", dtypes=("float32", "bfloat16"), speed_dtype="bfloat16", rounds=1,
+                               quick=True)
+    assert result["problems"] == [], result["problems"]
+    spec = gc.SPECS[name]
+    assert {(r["dtype"], r["method"]) for r in result["identity"]} == {
+        (d, m) for d in ("float32", "bfloat16") for m in spec.methods}
+    assert all(r["identical"] for r in result["identity"] if r["dtype"] == "float32")
+    rows = result["speed"]["rows"]
+    assert [r["method"] for r in rows] == list(spec.speed_methods) and rows[0]["wall_ratio"] == 1.0
+    assert all(r["wall_s"] > 0 for r in rows)
+    if spec.decodes:
+        assert all(r["nfe"] > 0 for r in rows) and rows[0]["nfe_ratio"] == 1.0
+    assert {(r["dtype"], r["method"]) for r in result["offload"]} == {
+        (d, m) for d in ("float32", "bfloat16") for m in spec.offload_methods}
+    assert all(r["identical"] for r in result["offload"])
+
+
+def test_pipeline_check_reports_a_wrong_method(monkeypatch):
+    """A method that changes one token, and an output that changes under offload, are problems."""
+    spec = gc.SPECS["ar-image"]
+    call = spec.call
+
+    def wrong(self, pipe, method, device, seed=0):
+        out = call(self, pipe, method, device, seed)
+        if method == "sd" or getattr(pipe, "_all_hooks", None):
+            out.tokens = out.tokens.clone()  # an inference tensor: changed on a copy
+            out.tokens[0, 3, 2] = (out.tokens[0, 3, 2] + 1) % pipe.transformer.vocab_size
+        return out
+
+    monkeypatch.setattr(spec, "call", wrong)
+    monkeypatch.setattr(spec, "methods", ("sd", "sjd"))
+    monkeypatch.setattr(spec, "offload_methods", ("none",))
+    monkeypatch.setattr(spec, "speed_methods", ("none",))
+    result = gc.check_pipeline("ar-image", "cpu", dtypes=("float32",), speed_dtype="float32", rounds=1, quick=True)
+    sd, sjd = result["identity"]
+    assert not sd["identical"] and sd["first_mismatch"] == 3 * 16 + 2 and sjd["identical"]
+    assert any(p.startswith("greedy sd differs") for p in result["problems"])
+    assert not result["offload"][0]["identical"] and any(p.startswith("offload changes none") for p in result["problems"])
+
+
+def test_bad_arguments():
+    from mmspec import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["gpu-check", "--budget", "0", "--dry-run"])
+    assert e.value.code == 1
+    with pytest.raises(SystemExit) as e:
+        cli.main(["gpu-check", "--steps", "everything"])
+    assert e.value.code == 2
+
+
+def test_cpu_pipeline_tensors_compare():
+    same, frac, first = gc._compare(torch.tensor([[1, 2, 3]]), torch.tensor([[1, 5, 3]]))
+    assert (same, round(frac, 3), first) == (False, 0.667, 1)
+    assert gc._compare([[1, 2], [3]], [[1, 2], [3]]) == (True, 1.0, None)
+    same, frac, first = gc._compare([[1, 2], [3]], [[1, 2], [3, 4]])
+    assert not same and first == 3 and frac == 0.75
