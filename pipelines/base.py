@@ -56,16 +56,11 @@ from ..core.errors import check
 from . import checks
 
 
-class SpeculativePipeline(DiffusionPipeline):
-    """Base of the speculative pipelines: the diffusers contract over the core's one loop."""
+class PipelineBase(DiffusionPipeline):
+    """What every mmspec pipeline shares, the speculative ones and the streaming video one:
+    ``from_pretrained`` with the folder checked first, ``interrupt``, and the callback checks."""
 
-    modality: str = ""
-    """The method registry's modality (``"ar-image"``, ``"vlm"``)."""
-    _method_components: dict[str, str] = {}
-    """Registry component name -> the attribute of this pipeline that holds it (``"draft"`` ->
-    ``"draft_model"``); names not listed are attributes of the same name."""
-    _callback_tensor_inputs = ["tokens", "next_tokens"]
-    _callback_replaceable = ("next_tokens",)
+    _callback_tensor_inputs: list[str] = []
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
@@ -79,9 +74,31 @@ class SpeculativePipeline(DiffusionPipeline):
 
     @property
     def interrupt(self) -> bool:
-        """Set ``pipe._interrupt = True`` (from a callback) to stop decoding after the current
-        pass; rows keep what they have emitted. Every call starts with it False."""
+        """Set ``pipe._interrupt = True`` (from a callback) to stop after the current pass (a
+        speculative pipeline) or chunk (a video stream); outputs keep what was made. Every call
+        starts with it False."""
         return getattr(self, "_interrupt", False)
+
+    def check_callback(self, callback_on_step_end, callback_on_step_end_tensor_inputs):
+        """The callback and the tensor inputs it asks for (names among ``_callback_tensor_inputs``),
+        checked before any model runs; returns the inputs."""
+        checks.check_callback(callback_on_step_end, "callback_on_step_end")
+        inputs = callback_on_step_end_tensor_inputs
+        check(isinstance(inputs, (list, tuple)) and all(k in self._callback_tensor_inputs for k in inputs),
+              "callback_on_step_end_tensor_inputs", f"a list of names among {self._callback_tensor_inputs}", inputs)
+        return inputs
+
+
+class SpeculativePipeline(PipelineBase):
+    """Base of the speculative pipelines: the diffusers contract over the core's one loop."""
+
+    modality: str = ""
+    """The method registry's modality (``"ar-image"``, ``"vlm"``)."""
+    _method_components: dict[str, str] = {}
+    """Registry component name -> the attribute of this pipeline that holds it (``"draft"`` ->
+    ``"draft_model"``); names not listed are attributes of the same name."""
+    _callback_tensor_inputs = ["tokens", "next_tokens"]
+    _callback_replaceable = ("next_tokens",)
 
     # -- inputs -----------------------------------------------------------------------------------
     def method_components(self, requires: tuple[str, ...]) -> dict[str, Any]:
@@ -117,10 +134,7 @@ class SpeculativePipeline(DiffusionPipeline):
         recipe = self.check_method(method, method_knobs)
         checks.check_generator(generator, batch_size)
         checks.check_flag(return_dict, "return_dict")
-        checks.check_callback(callback_on_step_end, "callback_on_step_end")
-        inputs = callback_on_step_end_tensor_inputs
-        check(isinstance(inputs, (list, tuple)) and all(k in self._callback_tensor_inputs for k in inputs),
-              "callback_on_step_end_tensor_inputs", f"a list of names among {self._callback_tensor_inputs}", inputs)
+        inputs = self.check_callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
         check(not inputs or recipe.part("schedule") is None, "callback_on_step_end_tensor_inputs",
               f"[] with method {method!r} (its schedule decodes several lanes per output)", inputs)
         return recipe

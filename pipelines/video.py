@@ -12,9 +12,11 @@ the core's attention-sink rolling KV cache (diffusers conventions).
 
 The one loop is ``stream``; ``__call__`` collects it. Per chunk of ``chunk_frames`` latent frames
 (one latent frame per video frame: the autoencoder does not compress time): fresh noise, a few
-Euler steps of the flow ODE with classifier-free guidance (``denoise_chunk``), then the cache
-commit, then the autoencoder decodes the chunk and it is yielded. How a chunk sees the past is the
-``cache_mode``:
+Euler steps of the flow ODE through the ``scheduler`` (diffusers' ``FlowMatchEulerDiscreteScheduler``)
+with classifier-free guidance (``mmspec.adapters.video.FlowSampler``), then the cache commit, then
+the autoencoder decodes the chunk and it is yielded. The sampler, the cache contexts and the
+re-cache live in ``mmspec.adapters.video``, written once for every video model. How a chunk sees
+the past is the ``cache_mode``:
 
 - ``"rolling"`` (default): the core's ``SinkWindowCache`` (``sample_chunk``): Self-Forcing's
   write semantics (every denoising step overwrites the chunk's slots, a clean t = 0 pass leaves
@@ -31,7 +33,8 @@ commit, then the autoencoder decodes the chunk and it is yielded. How a chunk se
   stops at ``max_frames("full-cache")`` frames (288 for the bundled model): one more chunk would
   put keys past ``transformer.rope_frames``, where the time rotation wraps around. A ``num_frames``
   past that is refused up front; an unbounded stream yields every chunk that fits, then raises
-  ``CacheLimitError``. Its storage doubles whenever it fills (``cache_bytes`` grows with the stream).
+  ``CacheLimitError``. Its storage doubles whenever it fills (``SinkWindowCache.grow``; ``cache_bytes``
+  grows with the stream).
 - ``"no-sink"``: the window alone (``sink_frames`` 0): the attention-sink ablation.
 
 A prompt schedule ``prompts=[(0, text), (start, text), ...]`` switches prompts at chunk
@@ -54,30 +57,20 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from diffusers import DiffusionPipeline
+from diffusers import FlowMatchEulerDiscreteScheduler
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
+from ..adapters.video import CacheLimitError, CachedStream, FlowSampler, RecomputeStream
 from ..core.errors import check, check_choice
 from . import checks
-from .base import onload
+from .base import PipelineBase, onload
 # diffusers loads components only from modules already imported: name them here
-from ..models import video_ae as _video_ae  # noqa: F401
-from ..models.video_dit import (VideoDiTModel, denoise_chunk, flow_timesteps, recache,
-                                sample_chunk)
+from ..models import video_ae as _video_ae, video_dit as _video_dit  # noqa: F401
 
 CACHE_MODES = ("rolling", "window-recompute", "full-cache", "no-sink")
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
-
-
-class CacheLimitError(RuntimeError):
-    """An unbounded ``"full-cache"`` stream reached ``max_frames("full-cache")``; ``frames`` is
-    how many frames it yielded."""
-
-    def __init__(self, message: str, frames: int):
-        super().__init__(message)
-        self.frames = frames
 
 
 @dataclass
@@ -140,135 +133,36 @@ class _Setup:
         return len(self.schedule[0][2])
 
 
-class _CachedContext:
-    """``rolling``, ``no-sink`` and ``full-cache``: the core's ``SinkWindowCache`` through
-    ``sample_chunk``; ``grow_to`` (frames) makes it a full cache that doubles its window when
-    full, up to ``grow_to``."""
-
-    def __init__(self, model: VideoDiTModel, rows: int, sink: int, window: int, grow_to: int | None = None):
-        self.model, self.rows, self.grow_to = model, rows, grow_to
-        self.cache = model.new_cache(rows, sink, window)
-
-    def frames(self) -> int:
-        return int(self.cache.num_frames()[0])
-
-    def nbytes(self) -> int:
-        return self.cache.nbytes()
-
-    def sample(self, noise, prompt, null, timesteps, guidance_scale, on_step):
-        if self.grow_to is not None:
-            self._make_room(noise.shape[1])
-        return sample_chunk(self.model, self.cache, noise, prompt, timesteps, guidance_scale, null, on_step)
-
-    def recache(self, prompt_rows, keep_sink: bool) -> int:
-        """LongLive's re-cache; returns the transformer passes it ran (0 when nothing was cached)."""
-        return int(recache(self.model, self.cache, prompt_rows, keep_sink) > 0)
-
-    def _make_room(self, chunk: int) -> None:
-        """Full cache: a window that holds every frame so far plus the next chunk, so nothing is
-        ever evicted; the committed state is copied into a cache with twice the window."""
-        old = self.cache
-        n = self.frames()
-        if n + chunk <= old.window_frames:
-            return
-        if n + chunk > self.grow_to:
-            raise CacheLimitError(f"cache_mode='full-cache' stops at {self.grow_to} frames: one more chunk would put "
-                                  f"keys past the {self.model.rope_frames} frame positions the transformer's RoPE "
-                                  "tells apart (use cache_mode='rolling' for unbounded streams)", n)
-        new = self.model.new_cache(self.rows, 0, min(2 * old.window_frames, self.grow_to))
-        tokens = int(old.lengths.max())
-        new.k[..., :tokens, :] = old.k[..., :tokens, :]
-        new.v[..., :tokens, :] = old.v[..., :tokens, :]
-        new.latents[:, :n] = old.latents[:, :n]
-        new.lengths.copy_(old.lengths)
-        self.cache = new
-
-
-class _RecomputeContext:
-    """``window-recompute``: no K/V kept; the clean latents of the visible frames (the first
-    ``sink`` frames and the last ``window``) and the prompt ids each is encoded under. Every
-    denoising step runs the model from scratch on [visible frames at t = 0; the chunk at t],
-    chunk-causal at positions 0, 1, ... (cache order, as the rolling cache has them)."""
-
-    def __init__(self, model: VideoDiTModel, rows: int, sink: int, window: int):
-        self.model, self.sink, self.window = model, sink, window
-        cfg = model.config
-        p = next(model.parameters())
-        self.latents = torch.zeros(rows, 0, cfg.latent_channels, cfg.latent_size, cfg.latent_size,
-                                   dtype=p.dtype, device=p.device)  # (rows, n, C, h, w)
-        self.prompts = torch.zeros(rows, 0, 3, dtype=torch.long, device=p.device)  # (rows, n, 3)
-
-    def frames(self) -> int:
-        return self.latents.shape[1]
-
-    def nbytes(self) -> int:
-        return self.latents.nbytes + self.prompts.nbytes
-
-    def sample(self, noise, prompt, null, timesteps, guidance_scale, on_step):
-        guided = guidance_scale != 1.0
-        rows = torch.cat([prompt, null]) if guided else prompt  # (rows, 3)
-        R, n, C = rows.shape[0], self.frames(), noise.shape[1]
-        prompts = torch.cat([self.prompts, rows[:, None].expand(R, C, 3)], 1)
-
-        def velocity(x, t):  # the model's plan-less forward: chunk-causal over the frames, positions 0 ..
-            times = torch.cat([torch.zeros(R, n), torch.full((R, C), t)], 1).to(x.device)
-            return self.model(torch.cat([self.latents, x], 1), times, prompts)[:, n:]
-
-        x = denoise_chunk(velocity, noise, timesteps, guidance_scale, on_step)
-        keep = lambda z: z if z.shape[1] <= self.sink + self.window else torch.cat(  # noqa: E731
-            [z[:, :self.sink], z[:, z.shape[1] - self.window:]], 1)
-        self.latents = keep(torch.cat([self.latents, torch.cat([x, x]) if guided else x], 1))
-        self.prompts = keep(prompts)
-        return x
-
-    def recache(self, prompt_rows, keep_sink: bool) -> int:
-        """The visible frames (the sink too unless ``keep_sink``) are encoded under the new prompt
-        from now on; no transformer pass (returns 0)."""
-        start = min(self.sink, self.frames()) if keep_sink else 0
-        self.prompts = self.prompts.clone()
-        self.prompts[:, start:] = prompt_rows[:, None]
-        return 0
-
-
-class StreamingVideoPipeline(DiffusionPipeline):
+class StreamingVideoPipeline(PipelineBase):
     """Chunk-causal video diffusion over latent frames, streamed.
 
     Components: ``vae`` (``FrameAutoencoder``: frames <-> normalized latents, one frame at a
-    time) and ``transformer`` (``VideoDiTModel``: the chunk-causal flow-matching DiT; its config
-    holds the prompt vocabulary and the sampling defaults). The module docstring describes the
-    loop, the cache modes and the prompt switch.
+    time), ``transformer`` (``VideoDiTModel``: the chunk-causal flow-matching DiT; its config
+    holds the prompt vocabulary and the sampling defaults) and ``scheduler`` (diffusers'
+    ``FlowMatchEulerDiscreteScheduler``, whose ``shift`` shifts the sigmas; default: one with the
+    transformer config's ``time_shift``). The module docstring describes the loop, the cache
+    modes and the prompt switch.
     """
 
     # the transformer alone: the VAE decodes every chunk between the transformer's chunks, so chained
     # it would send the transformer out and back every chunk; unchained, it joins at its first decode
     # and both leave when the stream ends
     model_cpu_offload_seq = "transformer"
+    _optional_components = ["scheduler"]
     _callback_tensor_inputs = ["latents"]
 
-    def __init__(self, vae, transformer):
+    def __init__(self, vae, transformer, scheduler: FlowMatchEulerDiscreteScheduler | None = None):
         super().__init__()
-        self.register_modules(vae=vae, transformer=transformer)
+        if scheduler is None:
+            scheduler = FlowMatchEulerDiscreteScheduler(shift=float(transformer.config.time_shift))
+        check(isinstance(scheduler, FlowMatchEulerDiscreteScheduler), "scheduler",
+              "a FlowMatchEulerDiscreteScheduler (flow-matching sigmas)", type(scheduler).__name__)
+        self.register_modules(vae=vae, transformer=transformer, scheduler=scheduler)
         self.video_processor = VideoProcessor(do_resize=False, do_normalize=True)
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
-        """diffusers' loader, computing in float32 by default (checkpoints ship as fp16), after
-        ``check_pipeline_folder`` has checked every component folder (nothing is built before)."""
-        from .loading import check_pipeline_folder
-
-        check_pipeline_folder(pretrained_model_name_or_path, cls, provided=kwargs)
-        kwargs.setdefault("dtype", torch.float32)
-        return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
 
     @property
     def chunk_frames(self) -> int:
         return self.transformer.config.chunk_frames
-
-    @property
-    def interrupt(self) -> bool:
-        """Set ``pipe._interrupt = True`` (from a callback) to end the stream after the current
-        chunk (which finishes its steps and is yielded). Every stream starts with it False."""
-        return getattr(self, "_interrupt", False)
 
     def max_frames(self, cache_mode: str = "rolling") -> int | None:
         """Frames a stream in ``cache_mode`` can produce: None (unbounded) except for
@@ -327,10 +221,7 @@ class StreamingVideoPipeline(DiffusionPipeline):
                   "frame positions the transformer's RoPE tells apart", sink + window)
         B = len(schedule[0][1])
         checks.check_generator(generator, B)
-        checks.check_callback(callback_on_step_end, "callback_on_step_end")
-        inputs = callback_on_step_end_tensor_inputs
-        check(isinstance(inputs, (list, tuple)) and all(k in self._callback_tensor_inputs for k in inputs),
-              "callback_on_step_end_tensor_inputs", f"a list of names among {self._callback_tensor_inputs}", inputs)
+        inputs = self.check_callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
         return _Setup(schedule=ids, num_frames=num_frames, generator=generator,
                       guidance_scale=float(cfg.guidance_scale if guidance_scale is None else guidance_scale),
                       steps=cfg.sample_steps if num_inference_steps is None else num_inference_steps,
@@ -401,21 +292,21 @@ class StreamingVideoPipeline(DiffusionPipeline):
         guided = s.guidance_scale != 1.0
         rows = 2 * B if guided else B
         null = torch.tensor([model.null_prompt] * B, device=device)
-        timesteps = flow_timesteps(s.steps, cfg.time_shift)
+        sampler = FlowSampler(self.scheduler, s.steps)
         if s.cache_mode == "window-recompute":
-            context = _RecomputeContext(model, rows, s.sink, s.window)
+            context = RecomputeStream(model, rows, s.sink, s.window)
         elif s.cache_mode == "full-cache":
             limit = self.max_frames("full-cache")
-            context = _CachedContext(model, rows, 0, min(limit, 4 * C), grow_to=limit)
+            context = CachedStream(model, rows, 0, min(limit, 4 * C), grow_to=limit)
         else:
-            context = _CachedContext(model, rows, s.sink, s.window)
+            context = CachedStream(model, rows, s.sink, s.window)
         shape = (B, C, cfg.latent_channels, cfg.latent_size, cfg.latent_size)
         dtype = next(model.parameters()).dtype
         total = None if s.num_frames is None else math.ceil(s.num_frames / C)
         self._interrupt = False
         step = 0
 
-        def on_step(i, t, x):
+        def on_step(i, t, x):  # t: the flow time (sigma) the step started from
             nonlocal step
             if s.callback is not None:
                 kwargs = {"latents": x} if "latents" in s.tensor_inputs else {}
@@ -444,7 +335,7 @@ class StreamingVideoPipeline(DiffusionPipeline):
                     nfe += context.recache(torch.cat([ids, null]) if guided else ids, keep_sink=not s.recache_sink)
                 current = ids
                 noise = randn_tensor(shape, generator=s.generator, device=device, dtype=dtype)
-                x = context.sample(noise, ids, null, timesteps, s.guidance_scale, on_step)
+                x = context.sample(noise, ids, null, sampler, s.guidance_scale, on_step, s.generator)
                 nfe += s.steps + (s.cache_mode != "window-recompute")
                 n = C if s.num_frames is None else min(C, s.num_frames - start)
                 latents = x[:, :n]

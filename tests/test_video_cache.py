@@ -536,3 +536,35 @@ def test_misuse_is_refused_and_leaves_the_cache_as_it_was():
     tokens = SinkWindowCache(1, 1, 2, 16, sink=1, window=4, max_block=2)
     with pytest.raises(ValueError, match="chunk must be set"):
         tokens.begin_chunk()
+
+
+def test_grow_keeps_every_entry_and_then_holds_more():
+    """A cache grown from a 4-frame window to 8 between chunks gives, chunk for chunk, the outputs,
+    K/V and latents of a cache built with the 8-frame window from the start (nothing was evicted
+    in either); growing is refused while a chunk is open and for a smaller or ragged window."""
+    model = ChunkAttention(2)
+    grown, wide = model.new_cache(1, 0, 4, 2), model.new_cache(1, 0, 8, 2)
+    g = torch.Generator().manual_seed(0)
+    for c in range(4):
+        if c == 2:
+            with pytest.raises(ValueError, match="window_frames must be an int >= the current window"):
+                grown.grow(2)
+            with pytest.raises(ValueError, match="a multiple of chunk"):
+                grown.grow(7)
+            grown.grow(8)
+            assert grown.window_frames == 8 and grown.capacity == wide.capacity
+        x0 = torch.randn(1, 2, P, C_LAT, generator=g)
+        outs = []
+        for cache in (grown, wide):
+            cache.begin_chunk()
+            outs.append(model(x0, 0.0, 1, cache=cache))
+            if c == 3 and cache is grown:
+                with pytest.raises(RuntimeError, match="grow\\(\\) while a chunk or re-cache is open"):
+                    cache.grow(16)
+            cache.commit(x0)
+        assert torch.equal(outs[0], outs[1])
+        n = int(wide.lengths.max())
+        assert torch.equal(grown.lengths, wide.lengths) and n == 2 * (c + 1) * P
+        assert torch.equal(grown.k[..., :n, :], wide.k[..., :n, :])
+        assert torch.equal(grown.latents[:, :n // P], wide.latents[:, :n // P])
+    assert grown.nbytes() == wide.nbytes()

@@ -11,8 +11,10 @@ import torch
 from mmspec.core.cache import SinkWindowCache
 from mmspec.models import load_checkpoint
 from mmspec.models.video_ae import FrameAutoencoder
-from mmspec.models.video_dit import (ChunkPlan, VideoDiTModel, commit, flow_timesteps, parse_prompt, rewind,
-                                     sample_chunk, visible_chunks)
+from diffusers import FlowMatchEulerDiscreteScheduler
+
+from mmspec.adapters.video import FlowSampler, sample_chunk
+from mmspec.models.video_dit import ChunkPlan, VideoDiTModel, commit, parse_prompt, rewind, visible_chunks
 
 TINY = dict(dim=32, n_layers=3, n_heads=2, mlp_hidden=64, chunk_frames=2, sink_frames=2, window_frames=4)
 
@@ -137,7 +139,7 @@ def test_a_long_stream_keeps_positions_and_memory_bounded():
     prompt, null = torch.tensor([[1, 2, 3]]), torch.tensor([model.null_prompt])
     g = torch.Generator().manual_seed(0)
     top = 0
-    steps = flow_timesteps(2)
+    steps = FlowSampler(FlowMatchEulerDiscreteScheduler(), 2)
     for _ in range(200):
         x = sample_chunk(model, cache, torch.randn(1, 2, 4, 8, 8, generator=g), prompt, steps, 2.0, null)
         assert torch.isfinite(x).all()
@@ -151,7 +153,8 @@ def test_sample_chunk_is_euler_on_the_guided_velocity():
     model = tiny_dit()
     noise = torch.randn(1, 2, 4, 8, 8, generator=torch.Generator().manual_seed(3))
     prompt, null = torch.tensor([[1, 2, 3]]), torch.tensor([model.null_prompt])
-    got = sample_chunk(model, model.new_cache(2), noise, prompt, flow_timesteps(2), 2.0, null)
+    got = sample_chunk(model, model.new_cache(2), noise, prompt, FlowSampler(FlowMatchEulerDiscreteScheduler(), 2), 2.0,
+                       null)
     x = noise
     for t, t_next in ((1.0, 0.5), (0.5, 0.0)):
         v_c, v_u = model(x, t, prompt), model(x, t, null)
@@ -170,10 +173,38 @@ def test_prompts_encode_from_text_with_a_null_prompt():
     assert (dropped == 4).all()
 
 
-def test_flow_timesteps():
-    assert flow_timesteps(4).tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
-    shifted = flow_timesteps(4, 3.0)
-    assert shifted[0] == 1 and shifted[-1] == 0 and (shifted[1:-1] > flow_timesteps(4)[1:-1]).all()
+def test_flow_sampler_sigmas_follow_the_scheduler():
+    """Uniform sigmas from 1 to 0, shifted by the scheduler's ``shift`` (SD3's
+    ``shift t / (1 + (shift - 1) t)``), ending at 0; an explicit list (Self-Forcing's warped one)
+    is taken as given."""
+    assert FlowSampler(FlowMatchEulerDiscreteScheduler(), 4).sigmas().tolist() == [1.0, 0.75, 0.5, 0.25, 0.0]
+    shifted = FlowSampler(FlowMatchEulerDiscreteScheduler(shift=3.0), 4).sigmas()
+    u = torch.tensor([1.0, 0.75, 0.5, 0.25])
+    assert torch.allclose(shifted[:-1], 3 * u / (1 + 2 * u)) and shifted[-1] == 0
+    warped = FlowSampler(FlowMatchEulerDiscreteScheduler(), 4, sigmas=[1.0, 0.9375, 0.8333, 0.625]).sigmas()
+    assert torch.allclose(warped, torch.tensor([1.0, 0.9375, 0.8333, 0.625, 0.0]))
+    with pytest.raises(ValueError, match="sampler must be one of"):
+        FlowSampler(FlowMatchEulerDiscreteScheduler(), 4, sampler="heun")
+    with pytest.raises(ValueError, match="sigmas must be 4 values in"):
+        FlowSampler(FlowMatchEulerDiscreteScheduler(), 4, sigmas=[1.0, 0.5])
+
+
+def test_renoise_is_self_forcings_x0_then_noise():
+    """``sampler="renoise"``: x0 = x - sigma v at every step, re-noised to the next sigma with
+    fresh noise from the generator ((1 - s) x0 + s eps), the last step's x0 returned."""
+    model = tiny_dit()
+    noise = torch.randn(1, 2, 4, 8, 8, generator=torch.Generator().manual_seed(3))
+    prompt = torch.tensor([[1, 2, 3]])
+    sampler = FlowSampler(FlowMatchEulerDiscreteScheduler(), 2, sampler="renoise", sigmas=[1.0, 0.5])
+    got = sample_chunk(model, model.new_cache(1), noise, prompt, sampler, 1.0, generator=torch.Generator().manual_seed(9))
+    g = torch.Generator().manual_seed(9)
+    x0 = noise - 1.0 * model(noise, 1.0, prompt)
+    x = 0.5 * x0 + 0.5 * torch.randn(noise.shape, generator=g)
+    want = x - 0.5 * model(x, 0.5, prompt)
+    assert (got - want).abs().max() < 1e-5
+    euler = sample_chunk(model, model.new_cache(1), noise, prompt, FlowSampler(FlowMatchEulerDiscreteScheduler(), 2,
+                                                                                sigmas=[1.0, 0.5]), 1.0)
+    assert (got - euler).abs().max() > 1e-3  # the fresh noise matters: not the ODE
 
 
 def test_bad_inputs_name_the_argument():

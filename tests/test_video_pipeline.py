@@ -21,7 +21,9 @@ import pytest
 import torch
 
 from mmspec.models.video_ae import FrameAutoencoder
-from mmspec.models.video_dit import VideoDiTModel, flow_timesteps, sample_chunk
+from mmspec.adapters.video import FlowSampler, sample_chunk
+from mmspec.pipelines.base import PipelineBase
+from mmspec.models.video_dit import VideoDiTModel
 from mmspec.pipelines import CacheLimitError, StreamingVideoPipeline, StreamingVideoPipelineOutput, VideoChunk
 
 RED, BLUE = "a red circle moving right", "a blue square moving up"
@@ -56,7 +58,9 @@ def test_round_trip_through_a_local_folder_is_bit_identical(pipe, tmp_path):
     assert index["_class_name"] == "StreamingVideoPipeline"
     assert index["vae"] == ["mmspec.models.video_ae", "FrameAutoencoder"]
     assert index["transformer"] == ["mmspec.models.video_dit", "VideoDiTModel"]
+    assert index["scheduler"] == ["diffusers", "FlowMatchEulerDiscreteScheduler"]
     loaded = StreamingVideoPipeline.from_pretrained(tmp_path)
+    assert isinstance(loaded, PipelineBase) and loaded.scheduler.config.shift == pipe.transformer.config.time_shift
     loaded.set_progress_bar_config(disable=True)
     assert next(loaded.transformer.parameters()).dtype == torch.float32
     a = pipe(prompts=[(0, RED), (4, BLUE)], num_frames=8, generator=gen(1), output_type="pt").frames
@@ -158,7 +162,7 @@ def test_prompt_switch_recache_equals_a_fresh_prefill(recache_sink):
     for _ in range(6):
         torch.randn(1, 2, 4, 8, 8, generator=g)
     noise = torch.randn(1, 2, 4, 8, 8, generator=g)
-    steps = flow_timesteps(model.config.sample_steps)
+    steps = FlowSampler(pipe.scheduler, model.config.sample_steps)
 
     def after_prefill(sink_prompt, window_prompt):
         cache = model.new_cache(2)  # [cond; uncond] rows
@@ -358,3 +362,19 @@ def test_bundled_assets_are_fp16_within_budget_and_stream():
     assert (model.config.sample_steps, model.config.guidance_scale) == (8, 3.5)
     out = bundled(RED, num_frames=6, generator=gen(), output_type="pt")
     assert out.frames.shape == (1, 6, 3, 32, 32) and out.stats["cache_frames"] == 6
+
+
+def test_concurrent_streams_of_one_pipeline_do_not_disturb_each_other(pipe):
+    """Two streams of one pipeline in two threads at once (the demo serves requests so) give what
+    each gives alone: each samples with its own copy of the scheduler, whose step index is state
+    (a shared one was stepped past its end: IndexError)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(prompt, seed):
+        return torch.cat([c.latents for c in pipe.stream(prompt=prompt, num_frames=40, generator=gen(seed),
+                                                          output_type="latent")], 1)
+
+    alone = [run(RED, 1), run(BLUE, 2)]
+    with ThreadPoolExecutor(2) as pool:
+        got = [f.result() for f in [pool.submit(run, RED, 1), pool.submit(run, BLUE, 2)]]
+    assert all(torch.equal(g, w) for g, w in zip(got, alone))

@@ -367,6 +367,33 @@ class SinkWindowCache(StaticKVCache):
         self._evict()
         self.pos.copy_(self._arange)
 
+    def grow(self, window_frames: int) -> None:
+        """Widen the window to ``window_frames`` frames, keeping every committed entry where it is
+        (same slots, same positions): a cache that grows instead of evicting (a full cache) calls
+        it before the chunk that would roll. Buffers are reallocated once per call, so double the
+        window each time for amortised constant cost. Between chunks only."""
+        self._check_closed("grow")
+        old = self.window_frames
+        check(isinstance(window_frames, int) and not isinstance(window_frames, bool) and window_frames >= old
+              and (self.chunk is None or window_frames % self.chunk == 0), "window_frames",
+              f"an int >= the current window ({old} frames)"
+              + ("" if self.chunk is None else f", a multiple of chunk ({self.chunk})"), window_frames)
+        extra = window_frames - old  # frames
+        if extra == 0:
+            return
+        tokens = extra * self.frame_size
+        # the spare slot past max_len becomes an ordinary (unwritten, invisible) slot; a new one follows
+        self.k = F.pad(self.k, (0, 0, 0, tokens))
+        self.v = F.pad(self.v, (0, 0, 0, tokens))
+        if self.latents is not None:
+            self.latents = torch.cat([self.latents, self.latents.new_zeros(
+                (self.batch_size, extra) + tuple(self.latents.shape[2:]))], 1)
+        self.max_len += tokens
+        self.capacity += extra
+        self.window += tokens
+        self._arange = torch.arange(self.max_len, device=self.lengths.device).expand(self.batch_size, -1)
+        self.pos = self._arange.clone()
+
     def _check_closed(self, what: str) -> None:
         if self._open is not None:
             raise RuntimeError(f"{what}() while a chunk or re-cache is open: commit() it first")

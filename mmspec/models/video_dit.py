@@ -15,7 +15,8 @@ Conditioning (DiT's adaLN-Zero): per frame, the sum of a flow time embedding and
 embedding (three ids: colour, shape, direction; each field has its own table with a null row for
 classifier-free guidance) modulates every block. The model predicts the flow-matching velocity
 ``v = noise - x0`` at time t of ``x_t = (1 - t) x0 + t noise`` (rectified flow); sampling takes
-a few Euler steps from t = 1 to 0 (``flow_timesteps``, ``sample_chunk``).
+a few steps from t = 1 to 0 through diffusers' ``FlowMatchEulerDiscreteScheduler``
+(``mmspec.adapters.video``: ``FlowSampler``, ``sample_chunk``).
 
 Three attention paths, one block code:
 - ``cache``: a core cache (``StaticKVCache`` family) through ``cache.step(positions, mask)`` and
@@ -233,8 +234,8 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
         prompt_vocab: ``{"colour": [...], "shape": [...], "direction": [...]}``: the words of each
             prompt field; id ``len(words)`` of a field is its null (unconditional) id.
         prompt_dropout_prob: probability of training a clip with the null prompt (for CFG).
-        sample_steps, time_shift, guidance_scale: sampling defaults (Euler steps of
-            ``flow_timesteps(sample_steps, time_shift)``, classifier-free guidance scale).
+        sample_steps, time_shift, guidance_scale: sampling defaults (Euler steps per chunk, the
+            scheduler's sigma shift, classifier-free guidance scale).
     """
 
     config_name = "config.json"
@@ -432,15 +433,7 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
         return self.unpatchify(self.proj_out(h).flatten(1, 2), Fr)
 
 
-# -- sampling ----------------------------------------------------------------------------------
-def flow_timesteps(num_steps: int, shift: float = 1.0, device=None) -> torch.Tensor:
-    """(num_steps + 1,) flow times from 1 down to 0, uniform then shifted
-    (``shift * t / (1 + (shift - 1) * t)``, SD3's shift; > 1 spends more steps at high noise)."""
-    check(isinstance(num_steps, int) and num_steps >= 1, "num_steps", "an int >= 1", num_steps)
-    t = torch.linspace(1.0, 0.0, num_steps + 1, device=device)
-    return shift * t / (1 + (shift - 1) * t)
-
-
+# -- decoder-style cache use ----------------------------------------------------------------
 def rewind(cache, num_tokens: int) -> None:
     """Forget the block just appended (its slots are overwritten by the next step): the
     decoder-style way (``step`` advances, ``truncate`` back) for a denoising step to reuse a
@@ -451,64 +444,3 @@ def rewind(cache, num_tokens: int) -> None:
 def commit(cache) -> None:
     """Keep everything appended and roll: evict down to sink + window (decoder-style)."""
     cache.truncate(cache.lengths)
-
-
-OnStep = Callable[[int, float, torch.Tensor], torch.Tensor]
-"""``on_step(i, t, x) -> x`` after Euler step i (from flow time t) of a chunk; may replace x."""
-
-
-@torch.no_grad()
-def denoise_chunk(velocity: Callable[[torch.Tensor, float], torch.Tensor], noise: torch.Tensor,
-                  timesteps: torch.Tensor, guidance_scale: float = 1.0, on_step: OnStep | None = None):
-    """Euler steps of the flow ODE ``dx/dt = v`` from t = 1 (``noise`` (B, C_f, C, h, w)) down
-    the ``timesteps``, with classifier-free guidance ``v_u + s (v_c - v_u)`` (Ho & Salimans, 2022)
-    when ``guidance_scale != 1``: ``velocity(x, t)`` then gets ``[x; x]`` (2B rows, conditional
-    half first) and returns both halves' velocities. Returns the clean latents (B, C_f, C, h, w).
-    Every sampler of the video model denoises a chunk through this function."""
-    guided = guidance_scale != 1.0
-    x = noise
-    for i, (t, t_next) in enumerate(zip(timesteps[:-1].tolist(), timesteps[1:].tolist())):
-        v = velocity(torch.cat([x, x]) if guided else x, t)
-        if guided:
-            v_cond, v_uncond = v.chunk(2)
-            v = v_uncond + guidance_scale * (v_cond - v_uncond)
-        x = x + (t_next - t) * v  # Euler step
-        if on_step is not None:
-            x = on_step(i, t, x)
-    return x
-
-
-@torch.no_grad()
-def sample_chunk(model: VideoDiTModel, cache: SinkWindowCache, noise: torch.Tensor, prompt: torch.Tensor,
-                 timesteps: torch.Tensor, guidance_scale: float = 1.0, null_prompt: torch.Tensor | None = None,
-                 on_step: OnStep | None = None):
-    """Denoise one chunk with Self-Forcing's cache semantics (Huang et al., 2025) and return its
-    clean latents.
-
-    ``noise`` (B, C_f, C, h, w) at t = 1; ``timesteps`` from ``flow_timesteps``; ``cache`` (from
-    ``model.new_cache``) holds ``2B`` rows ``[cond; uncond]`` when ``guidance_scale != 1``
-    (``null_prompt`` (B, 3) ids for the second half), else ``B``. ``begin_chunk`` opens the chunk:
-    every denoising step writes its K/V into the same slots; a final pass at t = 0 on the clean
-    latents writes the K/V that stay, and ``commit`` keeps them with the clean latents and rolls."""
-    guided = guidance_scale != 1.0
-    prompts = torch.cat([prompt, null_prompt]) if guided else prompt
-    cache.begin_chunk()
-    x = denoise_chunk(lambda x, t: model(x, t, prompts, cache=cache), noise, timesteps, guidance_scale, on_step)
-    clean = torch.cat([x, x]) if guided else x
-    model(clean, 0.0, prompts, cache=cache)
-    cache.commit(clean)
-    return x
-
-
-@torch.no_grad()
-def recache(model: VideoDiTModel, cache: SinkWindowCache, prompt: torch.Tensor, keep_sink: bool = False) -> int:
-    """LongLive's prompt-switch re-cache (Yang et al., 2025): recompute the K/V of the cached
-    frames (the window; the sink too unless ``keep_sink``) from their clean latents, in one pass
-    at t = 0 under ``prompt`` (the cache's rows: ``[cond; uncond]`` with guidance), at the same
-    cache positions. The cache then equals a fresh prefill of those frames under the new prompt.
-    Returns the frames re-encoded."""
-    latents = cache.begin_recache(keep_sink)
-    if latents.shape[1]:
-        model(latents, 0.0, prompt, cache=cache)
-    cache.commit()
-    return latents.shape[1]

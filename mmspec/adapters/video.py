@@ -1,0 +1,234 @@
+"""The video adapter: one chunk sampler and the stream contexts, for every video model that
+denoises chunk by chunk over the core's ``SinkWindowCache``.
+
+A *video model* here is anything with the bundled ``VideoDiTModel``'s cache-driven call,
+``model(latents (B, F, C, h, w), t, prompt, cache=cache) -> velocity`` (flow time ``t`` in
+[0, 1], a number or per frame (B, F); ``prompt``: the model's conditioning rows), plus
+``new_cache(rows, sink_frames, window_frames, ...)``, ``chunk_frames`` and ``rope_frames``: the
+bundled DiT, and diffusers' ``WanTransformer3DModel`` through ``mmspec.adapters.video_wan``.
+
+- ``FlowSampler``: the denoising steps of one chunk through a diffusers
+  ``FlowMatchEulerDiscreteScheduler`` (shifted sigmas, or an explicit sigma list as the few-step
+  distilled checkpoints use): ``"euler"`` integrates the flow ODE with the scheduler's step
+  (``x + (sigma_next - sigma) v``); ``"renoise"`` is Self-Forcing's (Huang et al., 2025) few-step
+  rule: ``x0 = x - sigma v``, then the scheduler's ``scale_noise(x0, sigma_next, fresh noise)``.
+  Classifier-free guidance ``v_u + s (v_c - v_u)`` (Ho & Salimans, 2022) when the scale is not 1.
+- ``sample_chunk``: Self-Forcing's cache semantics: ``begin_chunk``, every step writes the chunk's
+  K/V into the same slots, a clean pass at t = 0 writes the K/V that stay, ``commit`` keeps them
+  with the clean latents and rolls.
+- ``recache``: LongLive's prompt-switch re-cache (Yang et al., 2025).
+- ``CachedStream`` (rolling, no-sink, full-cache: a cache that ``grow``s instead of evicting) and
+  ``RecomputeStream`` (StreamingLLM's sliding window with recompute: the baseline), behind one
+  ``sample`` / ``recache`` / ``frames`` / ``nbytes``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..core.cache import SinkWindowCache
+from ..core.errors import check, check_choice
+
+SAMPLERS = ("euler", "renoise")
+
+OnStep = Callable[[int, float, torch.Tensor], torch.Tensor]
+"""``on_step(i, t, x) -> x`` after denoising step i (from flow time t) of a chunk; may replace x."""
+
+
+class CacheLimitError(RuntimeError):
+    """A growing (``"full-cache"``) stream reached the frames its model's positions tell apart;
+    ``frames`` is how many frames it had."""
+
+    def __init__(self, message: str, frames: int):
+        super().__init__(message)
+        self.frames = frames
+
+
+class FlowSampler:
+    """The denoising steps of a chunk, from a diffusers ``FlowMatchEulerDiscreteScheduler``.
+
+    Args:
+        scheduler: the pipeline's scheduler (its ``shift`` shifts the sigmas); the sampler steps a
+            copy of it made from its config.
+        num_inference_steps: steps per chunk.
+        sampler: ``"euler"`` or ``"renoise"`` (module docstring).
+        sigmas: an explicit list of ``num_inference_steps`` sigmas (before the scheduler's shift),
+            e.g. Self-Forcing's warped ``[1.0, 0.9375, 0.8333, 0.625]`` with ``shift`` 1; default
+            ``linspace(1, 0, steps + 1)[:-1]``, shifted by the scheduler.
+    """
+
+    def __init__(self, scheduler, num_inference_steps: int, sampler: str = "euler", sigmas=None):
+        check(isinstance(num_inference_steps, int) and not isinstance(num_inference_steps, bool)
+              and num_inference_steps >= 1, "num_inference_steps", "an int >= 1", num_inference_steps)
+        check_choice("sampler", sampler, SAMPLERS)
+        if sigmas is None:
+            sigmas = torch.linspace(1.0, 0.0, num_inference_steps + 1)[:-1].tolist()
+        check(len(sigmas) == num_inference_steps and all(0 < s <= 1 for s in sigmas), "sigmas",
+              f"{num_inference_steps} values in (0, 1] (one per step)", sigmas)
+        # a stream's own copy: the scheduler keeps a step index, and two streams of one pipeline
+        # (a demo's, a generator left open) must not advance each other's
+        self.scheduler = type(scheduler).from_config(scheduler.config)
+        self.steps, self.sampler, self.base = num_inference_steps, sampler, list(sigmas)
+
+    def sigmas(self, device=None) -> torch.Tensor:
+        """(steps + 1,) float32 flow times of the chunk's steps, shifted, ending at 0."""
+        self.scheduler.set_timesteps(sigmas=self.base, device=device)
+        return self.scheduler.sigmas
+
+    @torch.no_grad()
+    def denoise(self, velocity: Callable[[torch.Tensor, float], torch.Tensor], noise: torch.Tensor,
+                guidance_scale: float = 1.0, on_step: OnStep | None = None, generator=None) -> torch.Tensor:
+        """The clean latents (B, F, C, h, w) of a chunk from ``noise`` at t = 1. ``velocity(x, t)``
+        gets ``[x; x]`` (2B rows, conditional half first) when guided. ``generator``: the fresh
+        noise of ``"renoise"``."""
+        from diffusers.utils.torch_utils import randn_tensor
+
+        guided = guidance_scale != 1.0
+        s = self.scheduler
+        sigmas = self.sigmas(noise.device)  # also resets the scheduler's step index for this chunk
+        x = noise
+        for i, t in enumerate(s.timesteps):
+            sigma = float(sigmas[i])
+            v = velocity(torch.cat([x, x]) if guided else x, sigma)
+            if guided:
+                v_cond, v_uncond = v.chunk(2)
+                v = v_uncond + guidance_scale * (v_cond - v_uncond)
+            if self.sampler == "euler":
+                x = s.step(v, t, x, return_dict=False)[0]
+            elif i + 1 < len(s.timesteps):  # renoise: the prediction of x0, noised to the next sigma
+                fresh = randn_tensor(x.shape, generator=generator, device=x.device, dtype=x.dtype)
+                x = s.scale_noise(x - sigma * v, s.timesteps[i + 1:i + 2], fresh)
+            else:
+                x = x - sigma * v
+            if on_step is not None:
+                x = on_step(i, sigma, x)
+        return x
+
+
+@torch.no_grad()
+def sample_chunk(model, cache: SinkWindowCache, noise: torch.Tensor, prompt: torch.Tensor, sampler: FlowSampler,
+                 guidance_scale: float = 1.0, null_prompt: torch.Tensor | None = None, on_step: OnStep | None = None,
+                 generator=None) -> torch.Tensor:
+    """Denoise one chunk with Self-Forcing's cache semantics and return its clean latents.
+
+    ``noise`` (B, C_f, C, h, w) at t = 1; ``cache`` (``model.new_cache``) holds ``2B`` rows
+    ``[cond; uncond]`` when ``guidance_scale != 1`` (``null_prompt``: the second half's rows),
+    else ``B``. ``begin_chunk`` opens the chunk: every denoising step writes its K/V into the same
+    slots; a final pass at t = 0 on the clean latents writes the K/V that stay, and ``commit``
+    keeps them with the clean latents and rolls."""
+    guided = guidance_scale != 1.0
+    prompts = torch.cat([prompt, null_prompt]) if guided else prompt
+    cache.begin_chunk()
+    x = sampler.denoise(lambda x, t: model(x, t, prompts, cache=cache), noise, guidance_scale, on_step, generator)
+    clean = torch.cat([x, x]) if guided else x
+    model(clean, 0.0, prompts, cache=cache)
+    cache.commit(clean)
+    return x
+
+
+@torch.no_grad()
+def recache(model, cache: SinkWindowCache, prompt: torch.Tensor, keep_sink: bool = False) -> int:
+    """LongLive's prompt-switch re-cache: recompute the K/V of the cached frames (the window; the
+    sink too unless ``keep_sink``) from their clean latents, in one pass at t = 0 under ``prompt``
+    (the cache's rows: ``[cond; uncond]`` with guidance), at the same cache positions. The cache
+    then equals a fresh prefill of those frames under the new prompt. Returns the frames
+    re-encoded."""
+    latents = cache.begin_recache(keep_sink)
+    if latents.shape[1]:
+        model(latents, 0.0, prompt, cache=cache)
+    cache.commit()
+    return latents.shape[1]
+
+
+class CachedStream:
+    """``rolling``, ``no-sink`` and ``full-cache``: the core's ``SinkWindowCache`` through
+    ``sample_chunk``. With ``grow_to`` (frames) the cache never evicts: before a chunk that would
+    roll it ``grow``s (doubling the window) up to ``grow_to``, and past that raises
+    ``CacheLimitError``. ``cache_kwargs`` go to ``model.new_cache``."""
+
+    def __init__(self, model, rows: int, sink: int, window: int, grow_to: int | None = None, **cache_kwargs):
+        self.model, self.grow_to = model, grow_to
+        self.cache = model.new_cache(rows, sink, window, **cache_kwargs)
+
+    def frames(self) -> int:
+        return int(self.cache.num_frames()[0])
+
+    def nbytes(self) -> int:
+        return self.cache.nbytes()
+
+    def sample(self, noise, prompt, null, sampler: FlowSampler, guidance_scale, on_step=None, generator=None):
+        if self.grow_to is not None:
+            n, chunk = self.frames(), noise.shape[1]
+            if n + chunk > self.cache.window_frames:
+                if n + chunk > self.grow_to:
+                    raise CacheLimitError(
+                        f"cache_mode='full-cache' stops at {self.grow_to} frames: one more chunk would put keys past "
+                        f"the {self.model.rope_frames} frame positions the model's RoPE tells apart (use "
+                        "cache_mode='rolling' for unbounded streams)", n)
+                self.cache.grow(min(2 * self.cache.window_frames, self.grow_to))
+        return sample_chunk(self.model, self.cache, noise, prompt, sampler, guidance_scale, null, on_step, generator)
+
+    def recache(self, prompt_rows, keep_sink: bool) -> int:
+        """LongLive's re-cache; returns the transformer passes it ran (0 when nothing was cached)."""
+        return int(recache(self.model, self.cache, prompt_rows, keep_sink) > 0)
+
+
+class RecomputeStream:
+    """``window-recompute``: no K/V kept; the clean latents of the visible frames (the first
+    ``sink`` frames and the last ``window``) and the prompt rows each is encoded under. Every
+    denoising step runs the model's cache-less forward from scratch on [visible frames at t = 0;
+    the chunk at t], chunk-causal at positions 0, 1, ... (cache order, as the rolling cache has
+    them): StreamingLLM's sliding window with recompute. Prompts go to the model as rows when every
+    visible frame has the same ones, else per frame (B, F, ...) (a model that takes only rows
+    refuses that: a switch with ``recache_sink=False``)."""
+
+    def __init__(self, model, rows: int, sink: int, window: int, **cache_kwargs):
+        self.model, self.sink, self.window = model, sink, window
+        self.latents: torch.Tensor | None = None  # (rows, n, C, h, w)
+        self.prompts: torch.Tensor | None = None  # (rows, n, *prompt row shape)
+
+    def frames(self) -> int:
+        return 0 if self.latents is None else self.latents.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(0 if t is None else t.nbytes for t in (self.latents, self.prompts))
+
+    def sample(self, noise, prompt, null, sampler: FlowSampler, guidance_scale, on_step=None, generator=None):
+        guided = guidance_scale != 1.0
+        rows = torch.cat([prompt, null]) if guided else prompt  # (R, ...)
+        R, n, C = rows.shape[0], self.frames(), noise.shape[1]
+        frame_rows = rows[:, None].expand(R, C, *rows.shape[1:])
+        prompts = frame_rows if self.prompts is None else torch.cat([self.prompts, frame_rows], 1)
+        uniform = bool((prompts == rows[:, None]).all())
+        context = prompts[:, 0] if uniform else prompts
+
+        def velocity(x, t):
+            if n == 0:
+                return self.model(x, t, rows)
+            times = torch.cat([torch.zeros(R, n), torch.full((R, C), t)], 1).to(x.device)
+            return self.model(torch.cat([self.latents, x], 1), times, context)[:, n:]
+
+        x = sampler.denoise(velocity, noise, guidance_scale, on_step, generator)
+        clean = torch.cat([x, x]) if guided else x
+        latents = clean if self.latents is None else torch.cat([self.latents, clean], 1)
+        self.latents, self.prompts = self._keep(latents), self._keep(prompts)
+        return x
+
+    def _keep(self, z: torch.Tensor) -> torch.Tensor:
+        return z if z.shape[1] <= self.sink + self.window else torch.cat(
+            [z[:, :self.sink], z[:, z.shape[1] - self.window:]], 1)
+
+    def recache(self, prompt_rows, keep_sink: bool) -> int:
+        """The visible frames (the sink too unless ``keep_sink``) are encoded under the new prompt
+        from now on; no transformer pass (returns 0)."""
+        if self.prompts is not None:
+            start = min(self.sink, self.frames()) if keep_sink else 0
+            self.prompts = self.prompts.clone()
+            self.prompts[:, start:] = prompt_rows[:, None]
+        return 0
+
+
+__all__ = ["SAMPLERS", "CacheLimitError", "CachedStream", "FlowSampler", "OnStep", "RecomputeStream", "recache",
+           "sample_chunk"]
