@@ -176,16 +176,17 @@ class CachedStream:
 
 
 class RecomputeStream:
-    """``window-recompute``: no K/V kept; the clean latents of the visible frames (the first
-    ``sink`` frames and the last ``window``) and the prompt rows each is encoded under. Every
-    denoising step runs the model's cache-less forward from scratch on [visible frames at t = 0;
-    the chunk at t], chunk-causal at positions 0, 1, ... (cache order, as the rolling cache has
-    them): StreamingLLM's sliding window with recompute. Prompts go to the model as rows when every
-    visible frame has the same ones, else per frame (B, F, ...) (a model that takes only rows
-    refuses that: a switch with ``recache_sink=False``)."""
+    """``window-recompute``: no K/V kept between denoising steps; the clean latents of the visible
+    frames (the first ``sink`` frames and the last ``window``) and the prompt rows each is encoded
+    under. Every denoising step runs the model from scratch on [visible frames at t = 0; the chunk
+    at t] as one chunk-causal block through a fresh cache of exactly that many frames, at positions
+    0, 1, ... (cache order, as the rolling cache has them): StreamingLLM's sliding window with
+    recompute, for any video model. Prompts go to the model as rows when every visible frame has
+    the same ones, else per frame (B, F, ...) (a model that takes only rows refuses that: a switch
+    with ``recache_sink=False``). ``cache_kwargs`` go to ``model.new_cache``."""
 
     def __init__(self, model, rows: int, sink: int, window: int, **cache_kwargs):
-        self.model, self.sink, self.window = model, sink, window
+        self.model, self.rows, self.sink, self.window, self.cache_kwargs = model, rows, sink, window, cache_kwargs
         self.latents: torch.Tensor | None = None  # (rows, n, C, h, w)
         self.prompts: torch.Tensor | None = None  # (rows, n, *prompt row shape)
 
@@ -205,10 +206,11 @@ class RecomputeStream:
         context = prompts[:, 0] if uniform else prompts
 
         def velocity(x, t):
+            fresh = self.model.new_cache(R, 0, max(n, C), **self.cache_kwargs)
             if n == 0:
-                return self.model(x, t, rows)
+                return self.model(x, t, rows, cache=fresh)
             times = torch.cat([torch.zeros(R, n), torch.full((R, C), t)], 1).to(x.device)
-            return self.model(torch.cat([self.latents, x], 1), times, context)[:, n:]
+            return self.model(torch.cat([self.latents, x], 1), times, context, cache=fresh)[:, n:]
 
         x = sampler.denoise(velocity, noise, guidance_scale, on_step, generator)
         clean = torch.cat([x, x]) if guided else x
