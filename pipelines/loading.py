@@ -3,7 +3,9 @@
 ``check_pipeline_folder(path, SpeculativeVLMPipeline)`` runs first in ``from_pretrained``:
 
 - the folder exists and its ``model_index.json`` is a JSON object naming the components;
-- every component the pipeline needs is named, and no name the pipeline does not take;
+- every component the pipeline needs is named, and no name the pipeline does not take (a value
+  that is not a ``[library, class name]`` list is a pipeline setting, an argument of its
+  ``__init__``);
 - each named component's folder exists with what its class loads from: ``config.json`` and
   readable ``*.safetensors`` weights for a model (each file's header is read, so a truncated file
   is refused naming it and its component), the processor's or tokenizer's files otherwise;
@@ -48,13 +50,15 @@ def check_pipeline_folder(path, pipeline_cls=None, *, provided=()) -> dict[str, 
                                 f"pipeline folder holding {MODEL_INDEX}, e.g. assets/vlm)")
     index = read_config(root / MODEL_INDEX, "pipeline")
     entries = {k: v for k, v in index.items() if not k.startswith("_")}
+    # a list names a component; any other value is a pipeline setting (register_to_config), passed
+    # to the pipeline's __init__ as diffusers does (WanPipeline's boundary_ratio)
     for name, entry in entries.items():
-        ok = entry is None or (isinstance(entry, list) and len(entry) == 2
-                               and (all(isinstance(e, str) for e in entry) or entry == [None, None]))
+        ok = not isinstance(entry, list) or (len(entry) == 2 and (all(isinstance(e, str) for e in entry)
+                                                                 or entry == [None, None]))
         if not ok:
             raise ValueError(f"{root / MODEL_INDEX}: component {name!r} must be [library, class name] "
                              f"(or [null, null] when absent), got {entry!r}")
-    named = {k: tuple(v) for k, v in entries.items() if v is not None and v[0] is not None}
+    named = {k: tuple(v) for k, v in entries.items() if isinstance(v, list) and v[0] is not None}
     if pipeline_cls is not None:
         _check_component_names(root, pipeline_cls, entries, named, set(provided))
     for name, (library, class_name) in named.items():

@@ -202,6 +202,15 @@ class StaticKVCache:
             self.gather(start, idx, n)
 
 
+def chunk_causal_mask(num_frames: int, chunk_frames: int, frame_size: int, batch_size: int,
+                      device=None) -> torch.Tensor:
+    """(B, T, T) in-block visibility of a block of whole chunks of ``frame_size``-token frames:
+    bidirectional inside a chunk, causal across chunks (CausVid's block-causal attention)."""
+    chunk = torch.arange(num_frames, device=device).div(chunk_frames, rounding_mode="floor")
+    chunk = chunk.repeat_interleave(frame_size)  # (T,)
+    return (chunk[None, :] <= chunk[:, None]).expand(batch_size, -1, -1)
+
+
 class SinkWindowCache(StaticKVCache):
     """StreamingLLM's rolling cache (Xiao et al., 2024, "Efficient Streaming Language Models with
     Attention Sinks") at token or frame granularity: keep the first ``sink`` frames and the last
@@ -410,8 +419,7 @@ class SinkWindowCache(StaticKVCache):
         start, size, _ = self._open
         check(T == size, "positions", f"the open block's {size} tokens", T)
         if tree_mask is None:
-            block = torch.arange(T, device=positions.device) // (self.chunk * self.frame_size)
-            tree_mask = (block[None, :] <= block[:, None]).expand(B, T, T)
+            tree_mask = chunk_causal_mask(T // self.frame_size, self.chunk, self.frame_size, B, positions.device)
         slots = start[:, None] + torch.arange(T, device=positions.device)
         ends = start + T
         S = int(ends.max())

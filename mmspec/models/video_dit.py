@@ -45,7 +45,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 from torch.nn import functional as F
 
-from ..core.cache import SinkWindowCache
+from ..core.cache import SinkWindowCache, chunk_causal_mask
 from ..core.errors import check
 from ..core.rope import RopeTables, Rope3D
 
@@ -163,16 +163,6 @@ def _chunks(num_frames, chunk, sink_frames, window_frames):
     return sink_frames // chunk, None if window_frames is None else window_frames // chunk
 
 
-def chunk_block_mask(num_frames: int, chunk_frames: int, tokens_per_frame: int, batch_size: int,
-                     device=None) -> torch.Tensor:
-    """(B, T, T) in-block visibility for a cache step over whole chunks: bidirectional within a
-    chunk, causal across chunks."""
-    chunk = torch.arange(num_frames, device=device).div(chunk_frames, rounding_mode="floor")
-    chunk = chunk.repeat_interleave(tokens_per_frame)  # (T,)
-    return (chunk[None, :] <= chunk[:, None]).expand(batch_size, -1, -1)
-
-
-# -- the network -------------------------------------------------------------------------------
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
     """(..., dim) sinusoidal embedding of flow times t in [0, 1] (scaled by 1000, as DiT's steps)."""
     half = dim // 2
@@ -396,14 +386,14 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
             check(Fr % cfg.chunk_frames == 0, "latents", f"whole chunks of {cfg.chunk_frames} frames with a cache",
                   Fr)
             tokens = (positions[..., None] * P + torch.arange(P, device=latents.device)).flatten(1)  # (B, T)
-            attend = cache.step(tokens, chunk_block_mask(Fr, cfg.chunk_frames, P, B, latents.device)).attend
+            attend = cache.step(tokens, chunk_causal_mask(Fr, cfg.chunk_frames, P, B, latents.device)).attend
         elif plan is None:
             # full chunk-causal attention at positions 0 .. F - 1: what ChunkPlan.rolling(F) gives,
             # computed densely (every token rotated once, one attention call under a (T, T) mask)
             # rather than by gathering each chunk's keys (which rotates a chunk's keys once per later
             # chunk); the window-recompute baseline runs this path on every denoising step
             tab = self.rope.tables(torch.arange(Fr * P, device=latents.device)[None])  # (1, 1, T, D/2)
-            dense_mask = chunk_block_mask(Fr, cfg.chunk_frames, P, 1, latents.device)[0]  # (T, T) bool
+            dense_mask = chunk_causal_mask(Fr, cfg.chunk_frames, P, 1, latents.device)[0]  # (T, T) bool
 
             def attend(layer, q, k, v):
                 return F.scaled_dot_product_attention(self.rope.apply(q, tab), self.rope.apply(k, tab), v,
