@@ -57,12 +57,13 @@ from typing import Callable, Iterator
 
 import numpy as np
 import torch
-from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanTransformer3DModel
 from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
-from ..adapters.video import CacheLimitError, CachedStream, FlowSampler, RecomputeStream
+from ..adapters.video import SAMPLERS, CacheLimitError, CachedStream, FlowSampler, RecomputeStream
+from ..adapters.video_wan import POSITION_POLICIES, WanStreamingDecoder, WanVideoModel, encode_prompts
 from ..core.errors import check, check_choice
 from . import checks
 from .base import PipelineBase, onload
@@ -115,7 +116,7 @@ class StreamingVideoPipelineOutput(BaseOutput):
 class _Setup:
     """The checked, resolved arguments of one stream."""
 
-    schedule: list[tuple[int, torch.Tensor, list[str]]]  # (start frame, (B, 3) ids, texts)
+    schedule: list[tuple[int, list[str]]]  # (start frame, texts)
     num_frames: int | None
     generator: torch.Generator | list[torch.Generator] | None
     guidance_scale: float
@@ -127,61 +128,130 @@ class _Setup:
     output_type: str
     callback: Callable | None
     tensor_inputs: tuple[str, ...]
+    latent_shape: tuple[int, int, int]  # (C, h, w) of one latent frame
 
     @property
     def batch_size(self) -> int:
-        return len(self.schedule[0][2])
+        return len(self.schedule[0][1])
+
+
+WAN_STREAM_DEFAULTS = dict(position_policy="cache-order", sink_frames=3, window_frames=12, num_inference_steps=4,
+                           guidance_scale=1.0, sampler="renoise", sigmas=[1.0, 0.9375, 0.8333, 0.625], height=480,
+                           width=832, max_text_length=512)
+"""``from_wan``'s stream settings besides ``chunk_frames`` (which has no default): Self-Forcing's
+few-step sampler (its warped sigmas with a scheduler ``shift`` of 1; distilled, so no guidance),
+a sink of 3 and a window of 12 latent frames, 480 x 832 pixels, 512 text tokens."""
 
 
 class StreamingVideoPipeline(PipelineBase):
     """Chunk-causal video diffusion over latent frames, streamed.
 
-    Components: ``vae`` (``FrameAutoencoder``: frames <-> normalized latents, one frame at a
-    time), ``transformer`` (``VideoDiTModel``: the chunk-causal flow-matching DiT; its config
-    holds the prompt vocabulary and the sampling defaults) and ``scheduler`` (diffusers'
-    ``FlowMatchEulerDiscreteScheduler``, whose ``shift`` shifts the sigmas; default: one with the
-    transformer config's ``time_shift``). The module docstring describes the loop, the cache
-    modes and the prompt switch.
+    Two families behind one adapter (``mmspec.adapters.video``), as the AR image pipeline serves
+    several model families:
+
+    - the bundled model: ``vae`` (``FrameAutoencoder``: frames <-> normalized latents, one frame
+      at a time) and ``transformer`` (``VideoDiTModel``: the chunk-causal flow-matching DiT; its
+      config holds the prompt vocabulary and the stream defaults);
+    - diffusers' Wan (``from_wan``): ``transformer`` (``WanTransformer3DModel``, a causal
+      fine-tune: Self-Forcing, CausVid, LongLive), ``vae`` (``AutoencoderKLWan``, decoded chunk by
+      chunk with its causal feature cache: the first latent frame gives 1 video frame, each later
+      one 4), ``text_encoder`` (UMT5) and ``tokenizer``, streamed by
+      ``mmspec.adapters.video_wan.WanVideoModel``; the stream settings the checkpoint was trained
+      with are the pipeline's ``stream_config`` (saved in ``model_index.json``).
+
+    ``scheduler``: diffusers' ``FlowMatchEulerDiscreteScheduler`` (its ``shift`` shifts the
+    sigmas; default: one with the bundled transformer's ``time_shift``, or shift 1 for Wan).
+    Frames are latent frames throughout (``num_frames``, the prompt schedule, ``sink_frames``,
+    ``window_frames``): one video frame each for the bundled model. The module docstring describes
+    the loop, the cache modes and the prompt switch.
     """
 
-    # the transformer alone: the VAE decodes every chunk between the transformer's chunks, so chained
-    # it would send the transformer out and back every chunk; unchained, it joins at its first decode
-    # and both leave when the stream ends
-    model_cpu_offload_seq = "transformer"
-    _optional_components = ["scheduler"]
+    # the text encoder, then the transformer: the VAE decodes every chunk between the transformer's
+    # chunks, so chained it would send the transformer out and back every chunk; unchained, it joins
+    # at its first decode and everything leaves when the stream ends
+    model_cpu_offload_seq = "text_encoder->transformer"
+    _optional_components = ["scheduler", "text_encoder", "tokenizer"]
     _callback_tensor_inputs = ["latents"]
 
-    def __init__(self, vae, transformer, scheduler: FlowMatchEulerDiscreteScheduler | None = None):
+    def __init__(self, vae, transformer, scheduler: FlowMatchEulerDiscreteScheduler | None = None,
+                 text_encoder=None, tokenizer=None, stream_config: dict | None = None):
         super().__init__()
+        wan = isinstance(transformer, WanTransformer3DModel)
+        if wan:
+            stream_config = _check_wan_parts(vae, text_encoder, tokenizer, stream_config)
+        else:
+            check(stream_config is None, "stream_config",
+                  "None for the bundled VideoDiTModel (its config holds the stream defaults)", stream_config)
+            for name, part in (("text_encoder", text_encoder), ("tokenizer", tokenizer)):
+                check(part is None, name, "None for the bundled VideoDiTModel (prompts are parsed to ids)",
+                      type(part).__name__)
         if scheduler is None:
-            scheduler = FlowMatchEulerDiscreteScheduler(shift=float(transformer.config.time_shift))
+            scheduler = FlowMatchEulerDiscreteScheduler(shift=1.0 if wan else float(transformer.config.time_shift))
         check(isinstance(scheduler, FlowMatchEulerDiscreteScheduler), "scheduler",
               "a FlowMatchEulerDiscreteScheduler (flow-matching sigmas)", type(scheduler).__name__)
-        self.register_modules(vae=vae, transformer=transformer, scheduler=scheduler)
+        self.register_modules(vae=vae, transformer=transformer, scheduler=scheduler, text_encoder=text_encoder,
+                              tokenizer=tokenizer)
+        self.register_to_config(stream_config=stream_config)
+        # the adapter's video model: the DiT itself, or Wan behind its cache processors
+        self.video_model = WanVideoModel(transformer, chunk_frames=stream_config["chunk_frames"],
+                                         position_policy=stream_config["position_policy"]) if wan else transformer
         self.video_processor = VideoProcessor(do_resize=False, do_normalize=True)
+
+    @classmethod
+    def from_wan(cls, transformer, vae, text_encoder, tokenizer, scheduler=None, *, chunk_frames: int | None = None,
+                 **stream_config) -> "StreamingVideoPipeline":
+        """A stream over diffusers' Wan classes, e.g. a Self-Forcing checkpoint
+        (``load_original_wan`` reads its original key names). ``chunk_frames``: the latent
+        frames per chunk the checkpoint was trained with (3 for Self-Forcing, CausVid and
+        LongLive), required: a bidirectional Wan (Wan2.1-T2V itself) cannot stream chunk by
+        chunk. ``stream_config`` overrides ``WAN_STREAM_DEFAULTS`` (``position_policy``,
+        ``sink_frames``, ``window_frames``, ``num_inference_steps``, ``guidance_scale``,
+        ``sampler``, ``sigmas``, ``height``, ``width``, ``max_text_length``)."""
+        check(isinstance(transformer, WanTransformer3DModel), "transformer", "a diffusers WanTransformer3DModel",
+              type(transformer).__name__)
+        check(chunk_frames is not None, "chunk_frames",
+              "the latent frames per chunk the causal checkpoint was trained with (3 for Self-Forcing, CausVid, "
+              "LongLive): a bidirectional Wan cannot stream", chunk_frames)
+        config = dict(WAN_STREAM_DEFAULTS, **stream_config, chunk_frames=chunk_frames)
+        return cls(vae=vae, transformer=transformer, scheduler=scheduler, text_encoder=text_encoder,
+                   tokenizer=tokenizer, stream_config=config)
+
+    @property
+    def is_wan(self) -> bool:
+        return isinstance(self.video_model, WanVideoModel)
 
     @property
     def chunk_frames(self) -> int:
-        return self.transformer.config.chunk_frames
+        return self.video_model.chunk_frames if self.is_wan else self.transformer.config.chunk_frames
+
+    def stream_defaults(self) -> dict:
+        """The settings a stream takes when an argument is None: ``sink_frames``,
+        ``window_frames``, ``num_inference_steps``, ``guidance_scale``, ``sampler``, ``sigmas``
+        (None: uniform, shifted by the scheduler), ``height``, ``width`` (pixels)."""
+        if self.is_wan:
+            return dict(self.config.stream_config)
+        cfg, size = self.transformer.config, self.vae.config.sample_size
+        return dict(sink_frames=cfg.sink_frames, window_frames=cfg.window_frames,
+                    num_inference_steps=cfg.sample_steps, guidance_scale=cfg.guidance_scale, sampler="euler",
+                    sigmas=None, height=size, width=size)
 
     def max_frames(self, cache_mode: str = "rolling") -> int | None:
         """Frames a stream in ``cache_mode`` can produce: None (unbounded) except for
-        ``"full-cache"``, which stops one chunk short of ``transformer.rope_frames``."""
+        ``"full-cache"``, which stops one chunk short of the model's ``rope_frames``."""
         check_choice("cache_mode", cache_mode, CACHE_MODES)
         if cache_mode != "full-cache":
             return None
         C = self.chunk_frames
-        return (self.transformer.rope_frames // C - 1) * C
+        return (self.video_model.rope_frames // C - 1) * C
 
     # -- inputs -----------------------------------------------------------------------------------
     def check_inputs(self, prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps, sink_frames,
                      window_frames, cache_mode, recache_sink, output_type, callback_on_step_end,
-                     callback_on_step_end_tensor_inputs) -> _Setup:
+                     callback_on_step_end_tensor_inputs, height=None, width=None) -> _Setup:
         """Every argument of ``stream``, checked before any model runs: ``ValueError`` naming the
-        argument and the allowed values. Returns them resolved (defaults from the transformer's
-        config, prompts parsed to ids)."""
-        model = self.transformer
-        cfg, C = model.config, self.chunk_frames
+        argument and the allowed values. Returns them resolved (defaults from
+        ``stream_defaults``; the bundled model's prompts parsed, which checks their words)."""
+        defaults, C = self.stream_defaults(), self.chunk_frames
         check_choice("cache_mode", cache_mode, CACHE_MODES)
         checks.check_output_type(output_type, OUTPUT_TYPES)
         checks.check_int(num_frames, "num_frames", 1, optional=True)
@@ -191,11 +261,15 @@ class StreamingVideoPipeline(PipelineBase):
             schedule = [(0, checks.check_prompts(prompt, "prompt"))]
         else:
             schedule = _check_schedule(prompts, num_frames, C)
-        ids = [(start, model.encode_prompts(texts), texts) for start, texts in schedule]
+        if not self.is_wan:
+            for _, texts in schedule:
+                self.transformer.encode_prompts(texts)  # refuses words outside the prompt vocabulary
+        latent_shape = self._latent_shape(height, width, defaults)
         checks.check_int(num_inference_steps, "num_inference_steps", 1, optional=True)
         checks.check_number(guidance_scale, "guidance_scale", 0, optional=True)
         check(recache_sink is None or isinstance(recache_sink, bool), "recache_sink", "None, True or False",
               recache_sink)
+        R = self.video_model.rope_frames
         if cache_mode == "full-cache":
             for name, value in (("sink_frames", sink_frames), ("window_frames", window_frames)):
                 check(value is None, name, "None with cache_mode='full-cache' (it keeps every frame)", value)
@@ -203,31 +277,56 @@ class StreamingVideoPipeline(PipelineBase):
             limit = self.max_frames(cache_mode)
             check(num_frames is None or num_frames <= limit, "num_frames",
                   f"None or at most {limit} with cache_mode='full-cache' (past it keys would leave the "
-                  f"{model.rope_frames} frame positions the transformer's RoPE tells apart)", num_frames)
+                  f"{R} frame positions the transformer's RoPE tells apart)", num_frames)
         else:
             if cache_mode == "no-sink":
                 check(sink_frames in (None, 0), "sink_frames", "None or 0 with cache_mode='no-sink'", sink_frames)
                 sink = 0
             else:
-                sink = cfg.sink_frames if sink_frames is None else sink_frames
+                sink = defaults["sink_frames"] if sink_frames is None else sink_frames
                 check(checks.is_int(sink) and sink >= 0 and sink % C == 0, "sink_frames",
                       f"None or a multiple of chunk_frames ({C}), >= 0", sink)
-            window = cfg.window_frames if window_frames is None else window_frames
+            window = defaults["window_frames"] if window_frames is None else window_frames
             check(checks.is_int(window) and window >= C and window % C == 0, "window_frames",
                   f"None or a positive multiple of chunk_frames ({C})", window)
-            R = model.rope_frames
             check(sink + window + C <= R, "sink_frames + window_frames",
                   f"at most {R - C} frames: with a chunk of {C} the frames a chunk sees must stay within the {R} "
                   "frame positions the transformer's RoPE tells apart", sink + window)
+        if self.is_wan and self.video_model.position_policy == "absolute":
+            check(cache_mode in ("rolling", "no-sink", "full-cache"), "cache_mode",
+                  "'rolling', 'no-sink' or 'full-cache' under position_policy='absolute' (keys stored at their "
+                  "absolute frame index; the recompute baseline re-encodes frames at cache-order positions)",
+                  cache_mode)
+            check(num_frames is None or num_frames <= R, "num_frames",
+                  f"None or at most {R} under position_policy='absolute' (the frames Wan's RoPE table holds; "
+                  "'cache-order' streams without bound)", num_frames)
         B = len(schedule[0][1])
         checks.check_generator(generator, B)
         inputs = self.check_callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
-        return _Setup(schedule=ids, num_frames=num_frames, generator=generator,
-                      guidance_scale=float(cfg.guidance_scale if guidance_scale is None else guidance_scale),
-                      steps=cfg.sample_steps if num_inference_steps is None else num_inference_steps,
+        return _Setup(schedule=schedule, num_frames=num_frames, generator=generator,
+                      guidance_scale=float(defaults["guidance_scale"] if guidance_scale is None else guidance_scale),
+                      steps=defaults["num_inference_steps"] if num_inference_steps is None else num_inference_steps,
                       sink=sink, window=window, cache_mode=cache_mode,
                       recache_sink=True if recache_sink is None else recache_sink, output_type=output_type,
-                      callback=callback_on_step_end, tensor_inputs=tuple(inputs))
+                      callback=callback_on_step_end, tensor_inputs=tuple(inputs), latent_shape=latent_shape)
+
+    def _latent_shape(self, height, width, defaults: dict) -> tuple[int, int, int]:
+        """(C, h, w) of a latent frame for a video of ``height`` x ``width`` pixels (None: the
+        default); the bundled model has one size."""
+        if not self.is_wan:
+            cfg, size = self.transformer.config, defaults["height"]
+            for name, value in (("height", height), ("width", width)):
+                check(value is None or value == size, name, f"None or {size} (the bundled model's frame size)", value)
+            return cfg.latent_channels, cfg.latent_size, cfg.latent_size
+        scale, patch = self.vae.config.scale_factor_spatial, self.video_model.patch
+        sizes = []
+        for name, value in (("height", height), ("width", width)):
+            value = defaults[name] if value is None else value
+            check(checks.is_int(value) and value >= 1 and value % (scale * patch) == 0, name,
+                  f"None or a positive multiple of {scale * patch} (the VAE's {scale}x downsampling times the "
+                  f"transformer's {patch}x{patch} patches)", value)
+            sizes.append(value // scale)
+        return self.video_model.latent_channels, sizes[0], sizes[1]
 
     # -- the loop ---------------------------------------------------------------------------------
     def stream(self, prompt: str | list[str] | None = None, prompts: list | None = None, num_frames: int | None = None,
@@ -235,27 +334,29 @@ class StreamingVideoPipeline(PipelineBase):
                num_inference_steps: int | None = None, sink_frames: int | None = None,
                window_frames: int | None = None, cache_mode: str = "rolling", recache_sink: bool | None = None,
                output_type: str = "pt", callback_on_step_end: Callable | None = None,
-               callback_on_step_end_tensor_inputs: list[str] = ("latents",)) -> Iterator[VideoChunk]:
+               callback_on_step_end_tensor_inputs: list[str] = ("latents",), height: int | None = None,
+               width: int | None = None) -> Iterator[VideoChunk]:
         """Generate a video chunk by chunk: returns an iterator of ``VideoChunk`` (frames, their
         indices, latents, prompts, stats), each yielded as soon as it is decoded. Arguments are
         checked now, before any model runs; the work happens as you iterate.
 
         Args:
-            prompt: a prompt such as ``"a red circle moving right"`` (one word of each field of
-                the transformer's ``prompt_vocab``: colour, shape, direction), or a list of them
-                (one video per prompt). Exclusive with ``prompts``.
+            prompt: a prompt such as ``"a red circle moving right"`` (bundled model: one word of
+                each field of the transformer's ``prompt_vocab``: colour, shape, direction; Wan:
+                any text), or a list of them (one video per prompt). Exclusive with ``prompts``.
             prompts: a schedule ``[(0, text), (start, text), ...]``: start frames strictly
                 increasing from 0, each a multiple of ``chunk_frames`` (below ``num_frames`` when
                 it is given); a text may be a list with one prompt per video.
-            num_frames: frames to generate (the last chunk is cut to fit); None: unbounded.
+            num_frames: latent frames to generate (the last chunk is cut to fit); None: unbounded.
             generator: a ``torch.Generator``, or one per video (video r then equals that prompt
                 generated alone with generator r).
             guidance_scale: classifier-free guidance ``v_u + s (v_c - v_u)``; 1 disables it;
-                None: the transformer config's (3.0 for the bundled model).
-            num_inference_steps: Euler steps per chunk; None: the config's ``sample_steps``.
+                None: ``stream_defaults()`` (the bundled transformer's config; 1 for Wan's
+                distilled checkpoints).
+            num_inference_steps: denoising steps per chunk; None: ``stream_defaults()``.
             sink_frames, window_frames: frames kept as sink and as window (multiples of
                 ``chunk_frames``); None: the ones the model was trained with. Sink + window + one
-                chunk must fit in ``transformer.rope_frames``; past the trained sizes the model is
+                chunk must fit in the model's ``rope_frames``; past the trained sizes the model is
                 out of its training distribution.
             cache_mode: ``"rolling"``, ``"window-recompute"``, ``"full-cache"`` or ``"no-sink"``
                 (module docstring).
@@ -268,10 +369,12 @@ class StreamingVideoPipeline(PipelineBase):
                 chunk's (B, chunk_frames, C, h, w) latents after it (a returned ``"latents"`` of that shape
                 replaces them); ``pipe._interrupt = True`` ends the stream after the chunk.
             callback_on_step_end_tensor_inputs: among ``"latents"``.
+            height, width: the video's size in pixels (Wan; None: ``stream_defaults()``); the
+                bundled model has one size.
         """
         setup = self.check_inputs(prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps,
                                   sink_frames, window_frames, cache_mode, recache_sink, output_type,
-                                  callback_on_step_end, callback_on_step_end_tensor_inputs)
+                                  callback_on_step_end, callback_on_step_end_tensor_inputs, height, width)
         return self._stream(setup)
 
     @torch.no_grad()
@@ -282,26 +385,31 @@ class StreamingVideoPipeline(PipelineBase):
             self.maybe_free_model_hooks()
 
     def _chunks(self, s: _Setup) -> Iterator[VideoChunk]:
-        model = self.transformer
-        cfg, C = model.config, self.chunk_frames
+        model, C, B = self.video_model, self.chunk_frames, s.batch_size
         device = self._execution_device
-        # under model offload: on the device before its cache is made and its dtype read, for the stream
-        onload(model)
-        schedule = [(start, ids.to(device), texts) for start, ids, texts in s.schedule]
-        B = s.batch_size
         guided = s.guidance_scale != 1.0
+        # the prompts' conditioning rows, every prompt of the schedule once (under model offload the
+        # text encoder comes and goes before the transformer)
+        onload(self.text_encoder)
+        schedule = [(start, self._encode(texts).to(device), texts) for start, texts in s.schedule]
+        null = self._encode([None] * B).to(device) if guided else None
+        # under model offload: on the device before its cache is made and its dtype read, for the stream
+        onload(self.transformer)
         rows = 2 * B if guided else B
-        null = torch.tensor([model.null_prompt] * B, device=device)
-        sampler = FlowSampler(self.scheduler, s.steps)
+        defaults = self.stream_defaults()
+        sampler = FlowSampler(self.scheduler, s.steps, defaults["sampler"],
+                              defaults["sigmas"] if s.steps == defaults["num_inference_steps"] else None)
+        cache_kwargs = {"latent_hw": s.latent_shape[1:]} if self.is_wan else {}
         if s.cache_mode == "window-recompute":
-            context = RecomputeStream(model, rows, s.sink, s.window)
+            context = RecomputeStream(model, rows, s.sink, s.window, **cache_kwargs)
         elif s.cache_mode == "full-cache":
             limit = self.max_frames("full-cache")
-            context = CachedStream(model, rows, 0, min(limit, 4 * C), grow_to=limit)
+            context = CachedStream(model, rows, 0, min(limit, 4 * C), grow_to=limit, **cache_kwargs)
         else:
-            context = CachedStream(model, rows, s.sink, s.window)
-        shape = (B, C, cfg.latent_channels, cfg.latent_size, cfg.latent_size)
-        dtype = next(model.parameters()).dtype
+            context = CachedStream(model, rows, s.sink, s.window, **cache_kwargs)
+        decoder = WanStreamingDecoder(self.vae) if self.is_wan and s.output_type != "latent" else None
+        shape = (B, C) + tuple(s.latent_shape)
+        dtype = self.transformer.dtype
         total = None if s.num_frames is None else math.ceil(s.num_frames / C)
         self._interrupt = False
         step = 0
@@ -339,7 +447,7 @@ class StreamingVideoPipeline(PipelineBase):
                 nfe += s.steps + (s.cache_mode != "window-recompute")
                 n = C if s.num_frames is None else min(C, s.num_frames - start)
                 latents = x[:, :n]
-                frames = latents if s.output_type == "latent" else self._postprocess(latents, s.output_type)
+                frames = latents if s.output_type == "latent" else self._postprocess(latents, s.output_type, decoder)
                 stats = dict(latency_s=time.perf_counter() - begin, cache_frames=context.frames(),
                              cache_bytes=context.nbytes(), switched=switched, nfe=int(nfe))
                 yield VideoChunk(frames=frames, frame_indices=range(start, start + n), latents=latents,
@@ -347,10 +455,22 @@ class StreamingVideoPipeline(PipelineBase):
                 if self.interrupt:
                     return
 
-    def _postprocess(self, latents: torch.Tensor, output_type: str):
-        """(B, n, C, h, w) latents -> decoded frames as ``output_type`` (diffusers' ``VideoProcessor``)."""
+    def _encode(self, texts: list[str | None]) -> torch.Tensor:
+        """Conditioning rows of prompts (``None``: the null prompt): the bundled model's (B, 3) ids,
+        or Wan's (B, L, D) UMT5 embeddings (WanPipeline's)."""
+        if not self.is_wan:
+            return self.transformer.encode_prompts(texts)
+        return encode_prompts(texts, self.text_encoder, self.tokenizer, self.stream_defaults()["max_text_length"])
+
+    def _postprocess(self, latents: torch.Tensor, output_type: str, decoder: WanStreamingDecoder | None = None):
+        """(B, n, C, h, w) latents -> decoded frames as ``output_type`` (diffusers' ``VideoProcessor``):
+        the bundled autoencoder one frame per latent frame, Wan's ``decoder`` chunk by chunk with its
+        causal feature cache (1 frame for the stream's first latent frame, 4 for each later one)."""
         B, n = latents.shape[:2]
-        pixels = self.vae.decode(latents.flatten(0, 1)).clamp(-1, 1).unflatten(0, (B, n))  # (B, n, 3, H, W)
+        if decoder is not None:
+            pixels = decoder.decode(latents).clamp(-1, 1)  # (B, n', 3, H, W)
+        else:
+            pixels = self.vae.decode(latents.flatten(0, 1)).clamp(-1, 1).unflatten(0, (B, n))  # (B, n, 3, H, W)
         return self.video_processor.postprocess_video(pixels.permute(0, 2, 1, 3, 4).float(), output_type=output_type)
 
     @torch.no_grad()
@@ -359,9 +479,10 @@ class StreamingVideoPipeline(PipelineBase):
                  num_inference_steps: int | None = None, sink_frames: int | None = None,
                  window_frames: int | None = None, cache_mode: str = "rolling", recache_sink: bool | None = None,
                  output_type: str = "pil", return_dict: bool = True, callback_on_step_end: Callable | None = None,
-                 callback_on_step_end_tensor_inputs: list[str] = ("latents",), prompts: list | None = None):
-        """Generate ``num_frames`` frames per prompt: ``stream`` collected (the same arguments; see
-        it), with ``num_frames`` required and ``output_type`` ``"pil"`` by default.
+                 callback_on_step_end_tensor_inputs: list[str] = ("latents",), prompts: list | None = None,
+                 height: int | None = None, width: int | None = None):
+        """Generate ``num_frames`` latent frames per prompt: ``stream`` collected (the same
+        arguments; see it), with ``num_frames`` required and ``output_type`` ``"pil"`` by default.
 
         Returns:
             ``StreamingVideoPipelineOutput(frames, stats)``, or ``(frames,)`` when
@@ -372,7 +493,7 @@ class StreamingVideoPipeline(PipelineBase):
         checks.check_flag(return_dict, "return_dict")
         s = self.check_inputs(prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps, sink_frames,
                               window_frames, cache_mode, recache_sink, output_type, callback_on_step_end,
-                              callback_on_step_end_tensor_inputs)
+                              callback_on_step_end_tensor_inputs, height, width)
         chunks = list(self._stream(s))  # what stream() yields; it ends with maybe_free_model_hooks
         parts = [c.frames for c in chunks]
         if output_type == "pil":
@@ -392,6 +513,33 @@ class StreamingVideoPipeline(PipelineBase):
                      cache_mode=s.cache_mode, sink_frames=s.sink, window_frames=s.window, num_inference_steps=s.steps,
                      guidance_scale=s.guidance_scale, recache_sink=s.recache_sink)
         return StreamingVideoPipelineOutput(frames=frames, stats=stats)
+
+
+def _check_wan_parts(vae, text_encoder, tokenizer, stream_config) -> dict:
+    """The Wan family's components and stream settings, checked when the pipeline is built (before
+    any model runs); returns the settings complete."""
+    check(isinstance(vae, AutoencoderKLWan), "vae", "a diffusers AutoencoderKLWan with a WanTransformer3DModel",
+          type(vae).__name__)
+    check(text_encoder is not None, "text_encoder", "a UMT5 text encoder (transformers' UMT5EncoderModel) for Wan "
+          "prompts", None)
+    check(tokenizer is not None, "tokenizer", "the text encoder's tokenizer", None)
+    check(isinstance(stream_config, dict) and "chunk_frames" in stream_config, "stream_config",
+          "a dict with chunk_frames, the latent frames per chunk the causal checkpoint was trained with "
+          "(StreamingVideoPipeline.from_wan builds it)", stream_config)
+    config = dict(WAN_STREAM_DEFAULTS, **stream_config)
+    unknown = sorted(set(config) - set(WAN_STREAM_DEFAULTS) - {"chunk_frames"})
+    check(not unknown, "stream_config", f"keys among chunk_frames, {', '.join(WAN_STREAM_DEFAULTS)}", unknown)
+    check(checks.is_int(config["chunk_frames"]) and config["chunk_frames"] >= 1, "chunk_frames",
+          "an int >= 1 (latent frames per chunk)", config["chunk_frames"])
+    check_choice("position_policy", config["position_policy"], POSITION_POLICIES)
+    check_choice("sampler", config["sampler"], SAMPLERS)
+    for name in ("num_inference_steps", "height", "width", "max_text_length"):
+        checks.check_int(config[name], name, 1)
+    checks.check_number(config["guidance_scale"], "guidance_scale", 0)
+    sigmas = config["sigmas"]
+    check(sigmas is None or (isinstance(sigmas, (list, tuple)) and len(sigmas) == config["num_inference_steps"]),
+          "sigmas", f"None or {config['num_inference_steps']} values (one per step)", sigmas)
+    return config
 
 
 def _prompt_at(schedule, frame: int) -> tuple[torch.Tensor, list[str]]:

@@ -1,0 +1,168 @@
+"""``StreamingVideoPipeline`` over diffusers' Wan classes (``from_wan``), with tiny random parts built
+in code (``mmspec.bench.wan_tiny``; nothing downloaded): the pipeline's stream is the adapter's
+loop, its frames are the whole clip decoded at once, it round-trips through a folder, offload keeps
+its outputs, a prompt switch re-caches, the cache stays flat, and bad input is refused before any
+forward."""
+
+import json
+
+import pytest
+import torch
+
+from mmspec.adapters.video import CachedStream, FlowSampler
+from mmspec.adapters.video_wan import WanStreamingDecoder, WanVideoModel, encode_prompts
+from mmspec.bench.wan_tiny import text_parts, tiny_wan_pipeline
+from mmspec.pipelines import StreamingVideoPipeline
+from mmspec.pipelines.base import PipelineBase
+
+PROMPT, OTHER = "a red cat walks on grass", "the blue dog jumps"
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    return tiny_wan_pipeline()
+
+
+def gen(seed=0):
+    return torch.Generator().manual_seed(seed)
+
+
+def test_from_wan_is_one_pipeline_with_the_wan_adapter(pipe):
+    assert isinstance(pipe, PipelineBase) and pipe.is_wan and isinstance(pipe.video_model, WanVideoModel)
+    assert pipe.chunk_frames == 3 and pipe.max_frames("full-cache") == (1024 // 3 - 1) * 3
+    d = pipe.stream_defaults()
+    assert (d["sampler"], d["sigmas"], d["guidance_scale"], d["sink_frames"], d["window_frames"]) == (
+        "renoise", [1.0, 0.9375, 0.8333, 0.625], 1.0, 3, 6)
+
+
+def test_the_stream_is_the_adapters_loop(pipe):
+    """12 latent frames, rolling (sink 3 + window 6: the cache rolls at the 4th chunk): latents bit
+    for bit those of the adapter driven by hand (UMT5 rows, one noise draw per chunk, then
+    Self-Forcing's renoise draws, from one generator)."""
+    got = pipe(prompt=PROMPT, num_frames=12, generator=gen(3), output_type="latent").frames
+    model, d = pipe.video_model, pipe.stream_defaults()
+    stream = CachedStream(model, 1, 3, 6, latent_hw=(4, 4))
+    sampler = FlowSampler(pipe.scheduler, 4, "renoise", d["sigmas"])
+    g, chunks = gen(3), []
+    with torch.no_grad():  # as the pipeline runs (UMT5 under autograd rounds differently, 2.4e-7)
+        rows = encode_prompts([PROMPT], pipe.text_encoder, pipe.tokenizer, d["max_text_length"])
+        for _ in range(4):
+            noise = torch.randn((1, 3, 4, 4, 4), generator=g)
+            chunks.append(stream.sample(noise, rows, None, sampler, 1.0, generator=g))
+    assert torch.equal(got, torch.cat(chunks, 1))
+    assert stream.frames() == 9
+
+
+def test_frames_are_the_clip_decoded_at_once(pipe):
+    """Decoded chunk by chunk with the VAE's causal cache: 1 + 4 x 11 = 45 video frames, equal to
+    decoding the 12 latent frames in one call."""
+    out = pipe(prompt=PROMPT, num_frames=12, generator=gen(4), output_type="pt")
+    latents = pipe(prompt=PROMPT, num_frames=12, generator=gen(4), output_type="latent").frames
+    assert out.frames.shape == (1, 45, 3, 32, 32)
+    whole = pipe._postprocess(latents, "pt", WanStreamingDecoder(pipe.vae))
+    assert torch.equal(out.frames, whole)
+
+
+def test_round_trip_through_a_local_folder(pipe, tmp_path):
+    """Saved and loaded: the same classes, settings and weights (bit for bit); the frames agree
+    within 1e-5 (measured 1.8e-6: the loaded transformer's time embedding rounds differently at
+    float32, 2.4e-7 on one raw forward with identical weights and buffers, a difference inside
+    diffusers' loading, not this pipeline's code)."""
+    pipe.save_pretrained(tmp_path)
+    index = json.loads((tmp_path / "model_index.json").read_text())
+    assert index["transformer"] == ["diffusers", "WanTransformer3DModel"]
+    assert index["vae"] == ["diffusers", "AutoencoderKLWan"]
+    assert index["text_encoder"] == ["transformers", "UMT5EncoderModel"]
+    assert index["stream_config"]["chunk_frames"] == 3 and index["stream_config"]["sampler"] == "renoise"
+    loaded = StreamingVideoPipeline.from_pretrained(tmp_path)
+    loaded.set_progress_bar_config(disable=True)
+    assert loaded.is_wan and loaded.stream_defaults() == pipe.stream_defaults()
+    for name in ("transformer", "vae", "text_encoder"):
+        mine, theirs = getattr(pipe, name).state_dict(), getattr(loaded, name).state_dict()
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    a = pipe(prompts=[(0, PROMPT), (6, OTHER)], num_frames=9, generator=gen(1), output_type="pt").frames
+    b = loaded(prompts=[(0, PROMPT), (6, OTHER)], num_frames=9, generator=gen(1), output_type="pt").frames
+    assert a.shape == b.shape == (1, 33, 3, 32, 32) and (a - b).abs().max() < 1e-5
+
+
+def test_a_prompt_switch_recaches_once_and_the_cache_stays_flat(pipe):
+    """A switch at frame 9 re-caches the kept frames (one extra transformer pass in that chunk);
+    over 30 chunks the cache holds sink + window frames at constant bytes once it has rolled."""
+    chunks = list(pipe.stream(prompts=[(0, PROMPT), (9, OTHER)], num_frames=90, generator=gen(2),
+                              output_type="latent"))
+    assert [c.stats["switched"] for c in chunks[:5]] == [False, False, False, True, False]
+    assert [c.stats["nfe"] for c in chunks[2:5]] == [5, 6, 5] and chunks[3].prompts == [OTHER]
+    after = [(c.stats["cache_frames"], c.stats["cache_bytes"]) for c in chunks[3:]]
+    assert set(after) == {after[0]} and after[0][0] == 9
+
+
+def test_offload_keeps_the_outputs(pipe):
+    want = pipe(prompt=PROMPT, num_frames=6, generator=gen(5), output_type="pt").frames
+    pipe.enable_model_cpu_offload(device="cpu")
+    try:
+        got = pipe(prompt=PROMPT, num_frames=6, generator=gen(5), output_type="pt").frames
+    finally:
+        pipe.remove_all_hooks()
+    assert torch.equal(got, want)
+
+
+def _counted(pipe):
+    calls = []
+    handle = pipe.transformer.register_forward_hook(lambda *a: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(window_frames=1020), "sink_frames \\+ window_frames must be at most 1021 frames"),
+    (dict(window_frames=4), "window_frames must be None or a positive multiple of chunk_frames \\(3\\)"),
+    (dict(prompts=[(0, PROMPT), (4, OTHER)], prompt=None), "prompts\\[1\\] start frame must be a multiple of "
+                                                            "chunk_frames \\(3\\)"),
+    (dict(height=40), "height must be None or a positive multiple of 16"),
+    (dict(prompt=7), "prompt must be"),
+])
+def test_bad_stream_input_is_refused_before_any_forward(pipe, kwargs, message):
+    calls, handle = _counted(pipe)
+    try:
+        with pytest.raises(ValueError, match=message):
+            pipe(**{"prompt": PROMPT, "num_frames": 6, **kwargs})
+    finally:
+        handle.remove()
+    assert calls == []
+
+
+def test_bad_parts_are_refused_when_the_pipeline_is_built(pipe):
+    parts = dict(transformer=pipe.transformer, vae=pipe.vae, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer)
+    fresh = tiny_wan_pipeline(seed=1)  # a transformer no adapter wraps yet
+    parts["transformer"] = fresh.transformer
+    fresh.video_model.restore_processors()
+    with pytest.raises(ValueError, match="chunk_frames must be the latent frames per chunk the causal checkpoint"):
+        StreamingVideoPipeline.from_wan(**parts)
+    with pytest.raises(ValueError, match="text_encoder must be a UMT5 text encoder"):
+        StreamingVideoPipeline.from_wan(**dict(parts, text_encoder=None), chunk_frames=3)
+    with pytest.raises(ValueError, match="stream_config must be keys among"):
+        StreamingVideoPipeline.from_wan(**parts, chunk_frames=3, window=12)
+    with pytest.raises(ValueError, match="position_policy must be one of"):
+        StreamingVideoPipeline.from_wan(**parts, chunk_frames=3, position_policy="rolling")
+    with pytest.raises(ValueError, match="vae must be a diffusers AutoencoderKLWan"):
+        StreamingVideoPipeline(vae=torch.nn.Identity(), transformer=fresh.transformer, text_encoder=pipe.text_encoder,
+                               tokenizer=pipe.tokenizer, stream_config={"chunk_frames": 3})
+
+
+def test_absolute_positions_refuse_the_recompute_baseline_and_long_streams():
+    pipe = tiny_wan_pipeline(position_policy="absolute")
+    calls, handle = _counted(pipe)
+    try:
+        with pytest.raises(ValueError, match="cache_mode must be 'rolling', 'no-sink' or 'full-cache' under "
+                                             "position_policy='absolute'"):
+            pipe(prompt=PROMPT, num_frames=6, cache_mode="window-recompute")
+        with pytest.raises(ValueError, match="num_frames must be None or at most 1024 under"):
+            pipe(prompt=PROMPT, num_frames=1026)
+    finally:
+        handle.remove()
+    assert calls == []
+    assert pipe(prompt=PROMPT, num_frames=6, generator=gen(0), output_type="latent").frames.shape == (1, 6, 4, 4, 4)
+
+
+def test_text_parts_tokenize_words_and_end_with_eos():
+    _, tokenizer = text_parts()
+    assert tokenizer("a red cat purrs")["input_ids"] == [3, 5, 7, 2, 1]
