@@ -7,9 +7,10 @@
     mmspec bench vlm [--json PATH]   every VLM method and transformers' assisted generation: tau, tokens/s
     mmspec bench kernels [--json PATH]
                                      the kernels against their torch references; H100 roofline projections
-    mmspec bench video [--json PATH] [--frames N ...]
+    mmspec bench video [--json PATH] [--frames N ...] [--groups GROUP ...]
                                      the streaming video cache modes: fps, chunk latency and memory slopes,
-                                     speed-up over window recompute, judge accuracy, prompt switches
+                                     speed-up over window recompute, judge accuracy, prompt switches; a tiny
+                                     random diffusers Wan, rolling against recompute (--groups wan-tiny)
     mmspec bench continuous [--json PATH]
                                      continuous-token methods (sd, path, cspd, warm-up): NFE, alpha, wall, FD, exactness
     mmspec bench cost [--json PATH] [--gpu-curve FILE]
@@ -65,6 +66,7 @@ import sys
 from pathlib import Path
 
 BENCHES = ("core", "ar-image", "vlm", "video", "kernels", "continuous", "cost", "compile")
+VIDEO_GROUPS = ("window-sweep", "prompt-switch", "frames", "wan-tiny")
 
 
 class UsageError(ValueError):
@@ -149,6 +151,11 @@ def _run_bench(args) -> tuple[dict, list]:
         cfg = video.VideoBenchConfig.quick() if args.quick else video.VideoBenchConfig()
         if args.frames is not None:
             cfg.frames = tuple(args.frames)
+        groups = set(args.groups or VIDEO_GROUPS)
+        for group, field, off in (("window-sweep", "windows", ()), ("prompt-switch", "switches", ()),
+                                  ("frames", "frames", ()), ("wan-tiny", "wan_frames", 0)):
+            if group not in groups:
+                setattr(cfg, field, off)
         # rewritten after every group: an interrupted run leaves the groups it finished
         result = video.public(video.run(cfg, progress=None if args.quiet else _progress, json_path=args.json))
         columns = video.VIDEO_COLUMNS
@@ -875,6 +882,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--frames", type=_positive_int, nargs="+", metavar="N",
                        help="video only: stream lengths of the per-method rows (default 100 1000 10000, "
                             "100 300 with --quick)")
+    bench.add_argument("--groups", nargs="+", choices=VIDEO_GROUPS, metavar="GROUP",
+                       help=f"video only: the row groups to run, among {', '.join(VIDEO_GROUPS)} (default all)")
     bench.add_argument("--gpu-curve", type=_existing_file, metavar="FILE",
                        help="cost only: a JSON cost curve of another machine (verify cost ratio by T, draft/target "
                             "cost ratios; see assets/cost_curves/); adds a projected column, labelled as not measured")
@@ -904,6 +913,8 @@ def check_args(args) -> None:
             raise ValueError(f"--pipeline is for 'bench vlm' only, got 'bench {args.name}'")
         elif args.command == "bench" and args.frames is not None and args.name != "video":
             raise ValueError(f"--frames is for 'bench video' only, got 'bench {args.name}'")
+        elif args.command == "bench" and args.groups is not None and args.name != "video":
+            raise ValueError(f"--groups is for 'bench video' only, got 'bench {args.name}'")
         elif args.command == "bench" and args.images is not None and args.name != "ar-image":
             raise ValueError(f"--images is for 'bench ar-image' only, got 'bench {args.name}'")
         elif args.command == "bench" and args.gpu_curve is not None and args.name != "cost":

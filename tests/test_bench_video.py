@@ -280,7 +280,7 @@ def tiny_config(folders, **kw):
     return vb.VideoBenchConfig.quick(**{
         "pipeline_dir": str(folders / "pipe"), "judge_dir": str(folders / "judge"), "frames": (40,),
         "windows": (1, 2), "sweep_frames": 12, "switch_at": 8, "switch_frames": 16, "quality_frames": 6,
-        "reference_frames": 8, "bootstrap_resamples": 50, **kw})
+        "reference_frames": 8, "bootstrap_resamples": 50, "wan_frames": 0, **kw})
 
 
 def test_bench_writes_every_column(folders, tmp_path):
@@ -326,6 +326,25 @@ def test_bench_writes_every_column(folders, tmp_path):
     assert set(setup["ceiling"]) >= {"real_class_acc", "recon_class_acc", "real_direction_acc"}
 
 
+def test_wan_rows_measure_rolling_against_recompute(folders):
+    """The tiny Wan group: rolling and window-recompute at two windows, 30 latent frames; the
+    cache object constant for rolling after the window filled, recompute's ratio beside the
+    compute ratio, no quality columns (random weights)."""
+    result = vb.run(tiny_config(folders, frames=(), windows=(), switches=(), wan_frames=30, wan_windows=(1, 2),
+                                wan_size=32))
+    rows = result["rows"]
+    assert [(r["group"], r["method"], r["window"]) for r in rows] == [
+        ("wan-tiny", "rolling", 3), ("wan-tiny", "window-recompute", 3),
+        ("wan-tiny", "rolling", 6), ("wan-tiny", "window-recompute", 6)]
+    for r in rows:
+        assert r["frames_done"] == 30 and r["fps"] > 0 and r["latency_ms_median"] > 0 and r["sink"] == 3
+        assert r["compute_ratio"] == pytest.approx(vb.compute_ratio(4, 3, 3 + r["window"]))
+        assert r.get("class_acc_first") is None
+    assert rows[1]["speedup_vs_recompute"] == pytest.approx(1.0) and rows[0]["speedup_vs_recompute"] > 0
+    assert rows[2]["cache_mb"] > rows[0]["cache_mb"] > rows[1]["cache_mb"]
+    assert "random weights" in result["setup"]["wan"]["note"] and result["setup"]["wan"]["tokens_per_frame"] == 4
+
+
 def test_an_interrupted_bench_leaves_the_finished_groups(folders, tmp_path, monkeypatch):
     calls = []
     original = vb._lockstep
@@ -360,6 +379,18 @@ def test_bad_settings_fail_before_loading(tmp_path):
             vb.run(vb.VideoBenchConfig(pipeline_dir=str(tmp_path / "missing"), **kw))
     with pytest.raises(ValueError, match="pipeline_dir"):
         vb.run(vb.VideoBenchConfig(pipeline_dir=str(tmp_path / "missing")))
+
+
+def test_cli_groups_pick_the_video_rows(capsys):
+    from mmspec import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "core", "--groups", "wan-tiny"])
+    assert e.value.code == 2 and "--groups is for 'bench video' only, got 'bench core'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "video", "--groups", "everything"])
+    args = cli.build_parser().parse_args(["bench", "video", "--groups", "wan-tiny", "frames"])
+    assert args.groups == ["wan-tiny", "frames"]
 
 
 def test_cli_frames_is_for_the_video_bench(capsys):

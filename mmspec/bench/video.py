@@ -2,7 +2,7 @@
 
 Every stream is one batched call of ``StreamingVideoPipeline.stream`` over the same ``prompts``
 (one video per prompt, video i from ``torch.Generator().manual_seed(seed + i)``), at the model's
-guidance and steps unless set. Three groups of rows:
+guidance and steps unless set. Four groups of rows:
 
 - ``frames`` (one group per count in ``frames``): ``rolling`` (ours: sinks + window, cached),
   ``window-recompute`` (StreamingLLM's sliding window with recompute, Xiao et al., 2024: every
@@ -20,6 +20,12 @@ guidance and steps unless set. Three groups of rows:
   ``direction``) at frame ``switch_at`` (LongLive's re-cache, Yang et al., 2025): frames until
   the judge reports the new value, and the frame-to-frame pixel change at the switch against the
   stream's median (and the same ratio on real rendered clips with that switch).
+
+- ``wan-tiny``: diffusers' Wan classes through ``StreamingVideoPipeline.from_wan``, tiny and
+  random (``mmspec.bench.wan_tiny``, ``wan_size`` pixels; ``WAN_NOTE`` says the shape):
+  ``rolling`` against ``window-recompute`` at the windows ``wan_windows``, ``wan_frames`` latent
+  frames, the transformer's stream (the VAE decode left out): the ratio to recompute and the
+  flatness of latency and memory, no quality (random weights draw noise).
 
 A stream that stops early (full-cache's ``CacheLimitError``, a ``MemoryError``, or the process's
 RSS past ``rss_limit_mb``) keeps its row: ``stopped`` says what and at which frame,
@@ -105,12 +111,17 @@ class VideoBenchConfig:
     rss_limit_mb: float = 8192.0  # a stream whose process passes this is stopped and says so
     bootstrap_resamples: int = 1000
     bootstrap_seed: int = 0
+    wan_frames: int = 600  # the tiny Wan group's latent frames per stream; 0 skips the group
+    wan_windows: tuple = (2, 4)  # its windows, in chunks of 3 latent frames, after a sink of one chunk
+    wan_size: int = 128  # its frames' side in pixels (latent frames of size / 8, tokens of 2 x 2 latents)
 
     @classmethod
     def quick(cls, **kw) -> "VideoBenchConfig":
-        """The showcase's size: 100 and 300 frames, a 90-frame sweep, 2 prompts, 48 frames per switch."""
+        """The showcase's size: 100 and 300 frames, a 90-frame sweep, 2 prompts, 48 frames per switch,
+        90 tiny-Wan frames."""
         kw = {"frames": (100, 300), "sweep_frames": 90, "switch_at": 24, "switch_frames": 48,
-              "prompts": DEFAULT_PROMPTS[:2], "reference_frames": 48, "bootstrap_resamples": 300, **kw}
+              "prompts": DEFAULT_PROMPTS[:2], "reference_frames": 48, "bootstrap_resamples": 300, "wan_frames": 90,
+              **kw}
         return cls(**kw)
 
     def check(self) -> None:
@@ -131,6 +142,13 @@ class VideoBenchConfig:
         check(pos(self.switch_at) and self.switch_at < self.switch_frames, "switch_at",
               f"an int in [1, switch_frames ({self.switch_frames}))", self.switch_at)
         check(self.rss_limit_mb > 0, "rss_limit_mb", "> 0", self.rss_limit_mb)
+        check(isinstance(self.wan_frames, int) and not isinstance(self.wan_frames, bool) and self.wan_frames >= 0,
+              "wan_frames", "an int >= 0 (0 skips the tiny Wan group)", self.wan_frames)
+        check(isinstance(self.wan_size, int) and not isinstance(self.wan_size, bool) and self.wan_size >= 16
+              and self.wan_size % 16 == 0, "wan_size", "a multiple of 16 pixels", self.wan_size)
+        check(isinstance(self.wan_windows, (tuple, list)) and len(self.wan_windows) >= 1
+              and all(pos(w) for w in self.wan_windows), "wan_windows", "a non-empty sequence of ints >= 1 (chunks)",
+              self.wan_windows)
 
 
 # -- measurements --------------------------------------------------------------------------------
@@ -728,11 +746,62 @@ def run(cfg: VideoBenchConfig, progress=None, json_path: str | os.PathLike | Non
             rows.append(row)
         save()
 
+    # 4. diffusers' Wan (tiny, random): rolling against window-recompute at two windows
+    if cfg.wan_frames:
+        rows += _wan_group(cfg, B, say)
+        setup["wan"] = dict(WAN_NOTE, size_px=cfg.wan_size, latent_hw=cfg.wan_size // 8,
+                            tokens_per_frame=(cfg.wan_size // 16) ** 2, windows_frames=[3 * w for w in cfg.wan_windows])
+        save()
+
     setup["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     setup["process_peak_rss_mb"] = _peak_rss_mb()
     setup["complete"] = True
     save()
     return result
+
+
+WAN_NOTE = dict(
+    model="diffusers WanTransformer3DModel, 2 layers, 2 heads x 12, ffn 32, text 16-d; AutoencoderKLWan (z 4); "
+          "UMT5 (1 layer, 16-d); random weights (mmspec.bench.wan_tiny)",
+    stream="chunks of 3 latent frames, sink 3, Self-Forcing's 4-step renoise sampler, no guidance, cache-order "
+           "positions; frames and fps count latent frames (each decodes to 4 video frames, the first to 1); "
+           "latency is the transformer's stream (output_type='latent'): the VAE decode, the same for both modes, "
+           "is left out",
+    note="random weights draw noise: these rows measure cost and flatness, not quality (no quality columns)")
+"""What the Wan rows ran: the setup's ``wan`` entry."""
+
+
+def _wan_group(cfg: VideoBenchConfig, batch: int, say) -> list[dict]:
+    """The tiny random Wan stream, rolling and window-recompute at each of ``wan_windows`` (chunks),
+    ``wan_frames`` latent frames, ``batch`` videos, in lockstep like the other groups."""
+    from .wan_tiny import tiny_wan_pipeline
+
+    pipe = tiny_wan_pipeline(cfg.seed, height=cfg.wan_size, width=cfg.wan_size)
+    C, K = pipe.chunk_frames, pipe.stream_defaults()["sink_frames"]
+    steps = pipe.stream_defaults()["num_inference_steps"]
+    texts = ["a red cat walks on grass", "the blue dog runs left", "a ball jumps", "the cat runs right"]
+    prompts = [texts[i % len(texts)] for i in range(batch)]
+    gens = lambda: [torch.Generator().manual_seed(cfg.seed + i) for i in range(batch)]  # noqa: E731
+    say(f"tiny Wan: windows {', '.join(str(w) for w in cfg.wan_windows)} chunks, {cfg.wan_frames} latent frames")
+    runs = []
+    for w in cfg.wan_windows:
+        for mode in ("rolling", "window-recompute"):
+            kw = dict(prompt=prompts, cache_mode=mode, window_frames=w * C, num_frames=cfg.wan_frames,
+                      output_type="latent")
+            if cfg.warmup:
+                _warm(pipe, dict(kw, generator=gens()), K + w * C + 3 * C)
+            runs.append(_Run(dict(method=mode, group="wan-tiny", window=w * C, sink=K), dict(kw, generator=gens()),
+                             cfg.wan_frames, (1, 1)))
+    _lockstep(pipe, runs, cfg, say)
+    rows = []
+    for w in cfg.wan_windows:
+        pair = [r for r in runs if r.label["window"] == w * C]
+        fit_from = K + w * C + C
+        made = [(_row(r, cfg, fit_from, steps, C, batch), r) for r in pair]
+        _speedups(made, next(r for r in pair if r.label["method"] == "window-recompute"), fit_from, cfg, steps, C,
+                  K + w * C)
+        rows += [row for row, _ in made]
+    return rows
 
 
 def _switch_measures(r: _Run, quality: dict, old: list[str], new: list[str], fld: str, cfg: VideoBenchConfig,
