@@ -8,7 +8,8 @@ the interpreter or hangs in compilation costs its step, not the report):
    compiled kernels against their torch references at every tested shape and dtype).
 2. ``kernels``: ``mmspec bench kernels`` (compiled timings against the torch/SDPA reference).
 3. ``pipeline:ar-image``, ``pipeline:vlm``, ``pipeline:continuous``, ``pipeline:video``: the
-   bundled checkpoint on the device in float32 and the low precisions (``check_pipeline``):
+   bundled checkpoint on the device in float32 and the low precisions (``check_pipeline``);
+   ``pipeline:wan-tiny``: diffusers' Wan classes through ``from_wan``, tiny and random:
    greedy identity of every lossless method with the target alone, NFE and wall ratios over a
    short interleaved run after a warm-up, and ``enable_model_cpu_offload()`` giving the outputs
    the pipeline gives without it.
@@ -47,11 +48,11 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "assets"
 SCHEMA = 1
-PIPELINES = ("ar-image", "vlm", "continuous", "video")
+PIPELINES = ("ar-image", "vlm", "continuous", "video", "wan-tiny")
 STEPS = ("cuda-tests", "kernels") + tuple(f"pipeline:{p}" for p in PIPELINES)
 STATUSES = ("passed", "failed", "error", "timeout", "skipped")
-STEP_SECONDS = {"cuda-tests": 120, "kernels": 100, "pipeline:ar-image": 75, "pipeline:vlm": 75,
-                "pipeline:continuous": 50, "pipeline:video": 50}
+STEP_SECONDS = {"cuda-tests": 115, "kernels": 95, "pipeline:ar-image": 70, "pipeline:vlm": 70,
+                "pipeline:continuous": 45, "pipeline:video": 45, "pipeline:wan-tiny": 30}
 """Each step's time limit in seconds; together 470 s, inside the 480 s budget. A pipeline step that
 runs out keeps the parts it finished (float32 identity, offload, speed, then low precision)."""
 BUDGET_SECONDS = 480.0
@@ -403,6 +404,11 @@ class _Spec:
     def __init__(self, model_dir: Path, quick: bool):
         self.model_dir, self.quick = model_dir, quick
 
+    @property
+    def source(self) -> str:
+        """Where the weights come from (the report says it)."""
+        return str(self.model_dir)
+
     def load(self, dtype, device):
         raise NotImplementedError
 
@@ -504,7 +510,29 @@ class _Video(_Spec):
         return out.frames
 
 
-SPECS = {"ar-image": _ARImage, "vlm": _VLM, "continuous": _Continuous, "video": _Video}
+class _WanTiny(_Video):
+    """diffusers' Wan classes through ``from_wan`` (``mmspec.bench.wan_tiny``, random weights, 128 x
+    128 pixels): the attention processors and the core's cache on the GPU, rolling against
+    recompute, offload."""
+
+    name = "wan-tiny"
+    source = "mmspec.bench.wan_tiny (random weights, built in code)"
+
+    def load(self, dtype, device):
+        from .wan_tiny import tiny_wan_pipeline
+
+        return tiny_wan_pipeline(height=128, width=128, window_frames=12).to(device, dtype)
+
+    def call(self, pipe, method, device, seed=0):
+        import torch
+
+        frames = pipe.chunk_frames * (3 if self.quick else 20)
+        return pipe(prompt="a red cat walks on grass", num_frames=frames, cache_mode=method, output_type="pt",
+                    generator=torch.Generator(device).manual_seed(seed), **({"height": 32, "width": 32} if self.quick
+                                                                            else {}))
+
+
+SPECS = {"ar-image": _ARImage, "vlm": _VLM, "continuous": _Continuous, "video": _Video, "wan-tiny": _WanTiny}
 
 
 def _interleaved(call: Callable[[str], Any], methods: tuple[str, ...], rounds: int, device) -> dict:
@@ -539,7 +567,7 @@ def check_pipeline(name: str, device: str = "cuda", *, dtypes: tuple[str, ...] =
 
     say = progress or (lambda msg: None)
     spec = SPECS[name](Path(model_dir or ASSETS / name), quick)
-    result: dict[str, Any] = {"pipeline": name, "device": device, "model_dir": str(spec.model_dir),
+    result: dict[str, Any] = {"pipeline": name, "device": device, "model_dir": spec.source,
                               "identity": [], "speed": {}, "offload": [], "problems": [], "errors": []}
     if not spec.greedy:
         result["note"] = ("sampled pipeline: no greedy identity; offload compares samples drawn with the same "
