@@ -11,10 +11,13 @@ the core's attention-sink rolling KV cache (diffusers conventions).
         show(chunk.frames)
 
 The one loop is ``stream``; ``__call__`` collects it. Per chunk of ``chunk_frames`` latent frames
-(one latent frame per video frame: the autoencoder does not compress time): fresh noise, a few
-Euler steps of the flow ODE through the ``scheduler`` (diffusers' ``FlowMatchEulerDiscreteScheduler``)
-with classifier-free guidance (``mmspec.adapters.video.FlowSampler``), then the cache commit, then
-the autoencoder decodes the chunk and it is yielded. The sampler, the cache contexts and the
+(for the bundled model one latent frame per video frame: its autoencoder does not compress time;
+Wan's VAE decodes the first latent frame to 1 and each later one to 4): fresh noise, a few
+denoising steps through the ``scheduler`` (diffusers' ``FlowMatchEulerDiscreteScheduler``: Euler
+steps of the flow ODE, or Self-Forcing's re-noising for Wan) with classifier-free guidance when
+the scale is not 1 (``mmspec.adapters.video.FlowSampler``), then the cache commit, then the
+decoder decodes the chunk and it is yielded. ``StreamingVideoPipeline.from_wan`` streams diffusers'
+Wan classes through ``mmspec.adapters.video_wan``. The sampler, the cache contexts and the
 re-cache live in ``mmspec.adapters.video``, written once for every video model. How a chunk sees
 the past is the ``cache_mode``:
 
@@ -31,7 +34,7 @@ the past is the ``cache_mode``:
   frames, the recompute's do not).
 - ``"full-cache"``: the cache grows without eviction, keys at their absolute frame index. It
   stops at ``max_frames("full-cache")`` frames (288 for the bundled model): one more chunk would
-  put keys past ``transformer.rope_frames``, where the time rotation wraps around. A ``num_frames``
+  put keys past the model's ``rope_frames``, where the time rotation wraps around. A ``num_frames``
   past that is refused up front; an unbounded stream yields every chunk that fits, then raises
   ``CacheLimitError``. Its storage doubles whenever it fills (``SinkWindowCache.grow``; ``cache_bytes``
   grows with the stream).
