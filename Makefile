@@ -42,7 +42,8 @@ bench-video: $(STAMP)
 	$(BIN)/mmspec bench video --json bench-video.json
 
 # the prepared GPU check (at most 8 minutes on a CUDA machine; report in $(OUT) or gpu-check-out):
-#   here:             make gpu-wheels     (diffusers, transformers, importlib_metadata for Python 3.12 in .whl/)
+#   here:             make gpu-wheels     (diffusers, transformers, importlib_metadata, setuptools for the
+#                                          editable install: Python 3.12 wheels in .whl/)
 #   on the GPU:       make gpu-check      (python3 with its own torch and triton; installs .whl/ and mmspec)
 #   here, no GPU:     make gpu-check DRY_RUN=1   (the same driver, every CUDA step reported as skipped)
 ifeq ($(DRY_RUN),1)
@@ -58,7 +59,7 @@ gpu-wheels: $(STAMP)
 	rm -rf .whl && mkdir .whl
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 	  $(WHEEL_PLATFORMS) -d .whl $$($(BIN)/python -c "import importlib.metadata as m; \
-	  print(' '.join(f'{p}=={m.version(p)}' for p in ('diffusers', 'transformers', 'importlib_metadata')))")
+	  print(' '.join(f'{p}=={m.version(p)}' for p in ('diffusers', 'transformers', 'importlib_metadata', 'setuptools')))")
 	echo "$$(git rev-parse HEAD)$$(git diff --quiet HEAD -- . ':!.whl' || echo ' dirty')" > .whl/COMMIT
 	ls -l .whl
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # make gpu-check [DRY_RUN=1] [OUT=DIR]: the prepared GPU check (mmspec/bench/gpu_check.py says what
 # it runs). On the GPU machine python3 has its own torch, triton and transformers and no network:
-# the wheels `make gpu-wheels` put in .whl/ (diffusers, transformers, importlib_metadata) are
-# installed over it, mmspec itself in editable mode, without build isolation (nothing to fetch).
+# the wheels `make gpu-wheels` put in .whl/ (diffusers, transformers, importlib_metadata, and a
+# setuptools new enough for an editable install) are installed over it, mmspec itself in editable
+# mode, without build isolation (nothing to fetch).
 # DRY_RUN=1 runs the same driver in this repository's .venv with every CUDA step skipped.
 set -uo pipefail
 cd "$(dirname "$0")/.."
