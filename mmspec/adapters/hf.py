@@ -162,8 +162,7 @@ class HFCausalLMTarget:
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HFCacheAdapter,
                  tree_mask: torch.Tensor | None = None) -> ModelOutput:
         mask = cache.step(tokens.shape[1], tree_mask, self.model.dtype)  # (B, 1, T, S + T)
-        return self.forward(tokens, attention_mask=mask, position_ids=positions, past_key_values=cache.cache,
-                            use_cache=True)
+        return self.forward(tokens, attention_mask=mask, position_ids=positions, cache=cache.cache, use_cache=True)
 
     def forward(self, tokens: torch.Tensor, **model_kwargs) -> ModelOutput:
         """Score (B, T) tokens; ``model_kwargs`` carry the mask, positions and cache. The one hook for

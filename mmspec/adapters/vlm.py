@@ -18,10 +18,13 @@ holes excluded) gets the same id ``p + rope_deltas`` on all three axes. Right pa
 pads are text, so they leave the valid tokens' ids and the row's delta unchanged, and the core
 truncates them from the cache.
 
+The prompt pass holds the prompts alone (a draft VLM's too: the core's draft runner gives the
+conditioning to a pass over the prompts, as the target's prefill), so every placeholder id in it is
+an image's and a generated placeholder id is text, as in transformers' ``generate``.
+
 Limits: images only (no video inputs, so Qwen2.5-VL's ``second_per_grid_ts``, a video's time
 step, never enters ``get_rope_index``); the prompt pass must hold exactly as many placeholders as
-the images have features (a draft runner's first feed includes the first generated
-token: should the model generate its image token there, that pass fails).
+the images have features.
 """
 
 from __future__ import annotations
@@ -111,7 +114,7 @@ class VLMTarget(HFCausalLMTarget):
         mask = cache.step(tokens.shape[1], tree_mask, self.model.dtype)  # (B, 1, T, S + T)
         embeds = self.input_embeds(tokens, **conditioning)
         out = self.model.base_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                                    past_key_values=cache.cache, use_cache=True)
+                                    cache=cache.cache, use_cache=True)
         return self._score(out.last_hidden_state, prompt_embeds=embeds if fresh else None)
 
     def input_embeds(self, tokens: torch.Tensor, **conditioning) -> torch.Tensor:

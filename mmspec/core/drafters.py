@@ -55,8 +55,11 @@ class _DraftModelRunner:
     point, so each round cuts the cache back to ``exact`` and feeds the history from there: the
     root and whatever drafts were accepted since.
 
-    ``conditioned``: the first feed (the draft's prompt pass) takes the call's conditioning, as the
-    target's prefill did (a draft VLM sees the images); False for a draft that reads tokens only.
+    ``conditioned``: the draft's prompt pass takes the call's conditioning, as the target's prefill
+    did (a draft VLM sees the images); False for a draft that reads tokens only. That pass is the
+    prompts alone, padded as the prefill pads them: conditioning describes the prompts, and a
+    generated token must never be read as part of it (a VLM's generated image-placeholder id as one
+    more image).
     """
 
     def __init__(self, model, conditioned: bool = True):
@@ -74,20 +77,32 @@ class _DraftModelRunner:
     def _feed_history(self, state: DecodeState):
         """Feed the history the cache lacks (at least the root): (output (R, W, ...), (R,) the
         root's column in it)."""
+        if self.conditioned and state.conditioning and bool((self.exact == 0).all()):
+            self._prompt_pass(state)
         self.exact = torch.minimum(self.exact, state.lengths - 1)  # always re-feed at least the root
         self.cache.truncate(self.exact)
         width = int((state.lengths - self.exact).max())
         positions = self.exact[:, None] + torch.arange(width, device=self.exact.device)  # (R, W)
         feed = state.history(positions.clamp(max=state.tokens.shape[1] - 1))
-        # the first feed is the draft's prompt pass: it takes the call's conditioning as the target's did
-        first = self.conditioned and bool((self.exact == 0).all())
-        conditioning = state.conditioning if first else {}
-        out = self.model(feed, positions, self.cache, **conditioning)
+        out = self.model(feed, positions, self.cache)
         self.forwards += 1
         last = state.lengths - 1 - self.exact
         self.cache.truncate(state.lengths)  # right padding of shorter rows is not history
         self.exact = state.lengths.clone()
         return out, last
+
+    def _prompt_pass(self, state: DecodeState) -> None:
+        """The prompts with the call's conditioning, exactly the target's prefill: zero-padded to
+        the longest prompt, at positions from 0; the padding is then cut from the cache."""
+        prompts = state.prompt_lengths
+        S = int(prompts.max())
+        positions = torch.arange(S, device=prompts.device).expand(prompts.shape[0], S)  # (R, S)
+        ids = state.tokens[:, :S].clone()
+        ids[positions >= prompts[:, None]] = 0  # a short row's first generated tokens are not its prompt
+        self.model(ids, positions, self.cache, **state.conditioning)
+        self.forwards += 1
+        self.cache.truncate(prompts)
+        self.exact = prompts.clone()
 
     def root_logits(self, state: DecodeState) -> torch.Tensor:
         """(R, V) draft logits after each row's root, feeding the history the cache lacks."""
