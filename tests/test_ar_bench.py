@@ -8,6 +8,7 @@ import torch
 
 from mmspec import cli
 from mmspec.bench import ar_image
+from mmspec.bench.report import format_table
 from mmspec.models.classifier import ShapesClassifier
 from mmspec.models.eagle import EagleDraftHead
 from mmspec.models.llamagen import LlamaGenModel
@@ -37,7 +38,7 @@ def test_bench_rows_carry_speed_quality_and_exactness(folders):
     methods = (("none", "none", {}), ("sjd", "sjd", {"sjd_window": 8}), ("zipar", "zipar", {"zipar_window": 4}))
     cfg = ar_image.ARImageBenchConfig(pipeline_dir=str(folders / "ar-image"), classifier_dir=str(folders / "classifier"),
                                       methods=methods, images=3, reference_images=32, exact_samples=400,
-                                      bootstrap_resamples=50)
+                                      bootstrap_resamples=50, permutations=200)
     result = ar_image.run(cfg)
     rows = {r["method"]: r for r in result["rows"]}
     assert rows["none"]["nfe"] == 256 and rows["none"]["nfe_speedup"] == 1.0 and rows["none"]["fd_ratio"] == 1.0
@@ -50,12 +51,20 @@ def test_bench_rows_carry_speed_quality_and_exactness(folders):
         assert row["fd_ci_low"] <= row["fd"] <= row["fd_ci_high"]
         assert 0 <= row["class_acc_ci_low"] <= row["class_acc"] <= row["class_acc_ci_high"] <= 1
         assert row["fd_ratio_ci_low"] <= row["fd_ratio"] <= row["fd_ratio_ci_high"]
-    # the baseline against itself: a paired ratio of 1 in every resample
+    # the baseline against itself: a paired ratio of 1 in every resample, and no test
     assert rows["none"]["fd_ratio_ci_low"] == pytest.approx(1.0) == rows["none"]["fd_ratio_ci_high"]
+    assert rows["none"]["mmd_vs_none"] is None and rows["none"]["p_vs_none"] is None
+    for row in (rows["sjd"], rows["zipar"]):  # the primary figures: KID, its interval, the test against none
+        assert row["kid_ci_low"] <= row["kid"] <= row["kid_ci_high"]
+        assert 1 / (cfg.permutations + 1) <= row["p_vs_none"] <= 1.0 and isinstance(row["mmd_vs_none"], float)
+    table = format_table(result["rows"], ar_image.AR_IMAGE_COLUMNS)
+    assert table.index("p vs none") < table.index("| FD ")  # KID first, FD kept as a secondary column
     setup = result["setup"]
     assert setup["fd_real_floor"] >= 0 and 0 < setup["mean_top1_prob"] <= 1
     assert setup["fd_baseline"] == rows["none"]["fd"] and len(setup["fd_real_floor_ci"]) == 2
     assert setup["bootstrap_resamples"] == cfg.bootstrap_resamples and "bootstrap_seed" in setup
+    assert setup["kid_baseline"] == rows["none"]["kid"] and len(setup["kid_real_floor_ci"]) == 2
+    assert setup["permutations"] == cfg.permutations == 200 and setup["permutation_seed"] == 0
     ar_image.save_grid(result, folders / "grid.png")
     assert (folders / "grid.png").stat().st_size > 0
 
@@ -88,6 +97,7 @@ def test_bench_json_is_written(folders, tmp_path, monkeypatch):
     payload = json.loads(path.read_text())
     assert payload["bench"] == "ar-image" and [r["method"] for r in payload["rows"]] == ["none", "gsd"]
     assert payload["setup"]["images"] == 2  # --images overrides the config's count
-    assert {"fd_ci_low", "fd_ci_high", "class_acc_ci_low", "class_acc_ci_high"} <= payload["rows"][1].keys()
+    assert {"fd_ci_low", "fd_ci_high", "class_acc_ci_low", "class_acc_ci_high", "kid", "kid_ci_low", "kid_ci_high",
+            "mmd_vs_none", "p_vs_none"} <= payload["rows"][1].keys()
     with pytest.raises(SystemExit):  # --images is the AR image bench's alone
         cli.main(["bench", "vlm", "--images", "2", "--quiet"])

@@ -19,7 +19,8 @@ from test_continuous_pipeline import tiny_model
 CLASSIFIER = Path(__file__).resolve().parents[1] / "assets" / "classifier"
 JSON_KEYS = ("method", "nfe", "nfe_speedup", "wall_speedup", "tau", "exact", "fd", "fd_ratio", "class_acc", "alpha",
              "head_calls", "residual_tries", "draft_nfe", "target_head_calls", "target_head_rows", "draft_head_calls",
-             "draft_head_rows", "residual_fallbacks", "wall_s", "exact_p", "head_rows", "images", "fd_real_floor")
+             "draft_head_rows", "residual_fallbacks", "wall_s", "exact_p", "head_rows", "images", "fd_real_floor",
+             "kid", "mmd_vs_none", "p_vs_none", "kid_real_floor")
 
 
 @pytest.fixture(scope="module")
@@ -36,19 +37,25 @@ def folders(tmp_path_factory):
 def test_bench_rows_and_columns(folders, tmp_path):
     cfg = continuous.ContinuousBenchConfig.quick(
         pipeline_dir=str(folders / "pipe"), booster_dir=str(folders / "booster"), classifier_dir=str(CLASSIFIER),
-        images=3, diffusion_images=2, reference_images=32, exact_samples=300, exact_tokens=2, exact_class=1)
+        images=3, diffusion_images=2, reference_images=32, exact_samples=300, exact_tokens=2, exact_class=1,
+        permutations=100)
     result = continuous.run(cfg)
     rows = result["rows"]
     assert [r["method"] for r in rows] == [r[0] for r in continuous.DEFAULT_ROWS]
     for row in rows:
         for key in JSON_KEYS:
             assert key in row, (row["method"], key)
-        assert math.isfinite(row["fd"]) and 0 <= row["class_acc"] <= 1
+        assert math.isfinite(row["fd"]) and math.isfinite(row["kid"]) and 0 <= row["class_acc"] <= 1
         assert row["residual_fallbacks"] == 0
     by = {r["method"]: r for r in rows}
     assert by["none"]["nfe_speedup"] == 1.0 and by["none"]["fd_ratio"] == 1.0
     assert by["sd"]["images"] == 3 and by["path"]["images"] == by["none-diffusion"]["images"] == 2
     assert by["none-diffusion"]["fd_ratio"] == 1.0 and math.isfinite(by["path"]["fd_ratio"])  # same-head baseline
+    # the permutation test against the same head's baseline, none for the baselines themselves
+    assert by["none"]["p_vs_none"] is None and by["none-diffusion"]["p_vs_none"] is None
+    for label in ("sd", "path", "cspd-t42"):
+        assert 1 / 101 <= by[label]["p_vs_none"] <= 1 and math.isfinite(by[label]["mmd_vs_none"])
+    assert by["path"]["kid_real_floor"] != by["sd"]["kid_real_floor"] and result["setup"]["permutations"] == 100
     assert result["setup"]["diffusion_images"] == 2 and by["path"]["fd_real_floor"] != by["sd"]["fd_real_floor"]
     assert by["none"]["nfe"] == 16 and by["none"]["draft_nfe"] == 0  # one pass per token (the prefill's first)
     assert by["sd"]["draft_nfe"] > 0 and by["sd+distill"]["draft"] == "booster"
@@ -58,7 +65,8 @@ def test_bench_rows_and_columns(folders, tmp_path):
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(continuous.public(result)))
     assert json.loads(path.read_text())["rows"][1]["method"] == "sd"
-    assert "wall x" in format_table(rows, continuous.CONTINUOUS_COLUMNS)
+    table = format_table(rows, continuous.CONTINUOUS_COLUMNS)
+    assert "wall x" in table and table.index("p vs none") < table.index("| FD ")  # KID first, FD secondary
     continuous.save_grid(result, tmp_path / "grid.png")
     assert (tmp_path / "grid.png").stat().st_size > 0
 

@@ -5,24 +5,35 @@ seed ``seed + i``, one image per call (batch 1: the latency setting speculative 
 for). Images are the outer loop and methods the inner one, after one untimed warm-up call per
 method, so no method's wall clock is favoured by running first or in a quiet stretch. Per method:
 target passes (NFE) per image, draft passes per image, tokens per target pass (tau), CPU wall time
-per image, both as ratios to ``none`` measured in this run, and quality: Frechet distance of the
-recipe-trained classifier's features against real procedural images (and its ratio to ``none``),
-and the classifier's accuracy on the requested class.
+per image, both as ratios to ``none`` measured in this run, and quality on the recipe-trained
+classifier's features.
 
-Uncertainty: bootstrap 95% intervals over the generated images (``bootstrap_resamples``
-resamples, numpy ``default_rng(bootstrap_seed)``, one index matrix for all methods): FD
-(``fd_ci_low``/``fd_ci_high``, re-centred on the estimate, see ``quality.centred_interval``),
-class accuracy (percentile), and the FD ratio to ``none`` resampled *paired* by image index
-(image i of every method shares class and seed). The setup carries the baseline's FD beside the
-real-vs-real floor (as many real images as generated ones) with their intervals.
+Primary quality figures: ``kid``, KID to the real procedural images
+with a bootstrap 95% interval (``kid_ci_low``/``kid_ci_high``) that resamples the generated and
+the real images; ``mmd_vs_none``, a Gaussian-kernel MMD^2 between the method's images and
+``none``'s, and ``p_vs_none``, its paired permutation p-value (``quality.mmd_permutation_test``:
+``permutations`` swaps of image i between the two, numpy ``default_rng(permutation_seed)``;
+KID's cubic kernel had too little power here): exact at any image count, so an exact method
+scores p < 0.05 in 5% of runs and a small p flags a change of distribution (one p per row: with
+six exact rows, one of them below 0.05 is expected in about a quarter of runs; divide 0.05 by
+the rows read together). Secondary: FD
+(``fd_ci_low``/``fd_ci_high``, re-centred on the estimate, see ``quality.centred_interval``), the
+FD ratio to ``none`` with a paired bootstrap interval (measured on synthetic features at 32
+images it held 1.0 for 79% of exact pairs, not 95%: it is biased at small N, read it as a rough
+size, not a test), and class accuracy (percentile interval). Bootstraps use
+``bootstrap_resamples`` resamples, numpy ``default_rng(bootstrap_seed)``, one index matrix for all
+methods (image i of every method shares class and seed), ``bootstrap_seed + 1`` for the real
+set. The setup carries the baseline's FD and KID beside their real-vs-real floors (as many real
+images as generated ones).
 
-How many images: at the default 128 (bundled target before its retraining, measured on a busy
-machine) ``none`` scored FD 88.5 [65.4, 116.6] and the exact ``sjd`` an FD ratio of 0.84
-[0.56, 1.26]: a log half-width of 0.40, so exact methods cannot be told from a 1.15x loss. The
-half-width shrinks as 1/sqrt(N) (assumed, not measured across N); for an exact method's interval
-to sit inside [1/1.15, 1.15] (log half-width 0.14) N is about 128 x (0.40 / 0.14)^2 = 1,045:
-``--images 1024``. At the quiet-machine wall times of the README's table (about 14 s per image
-index for all rows together) that is about 4 hours of generation instead of 30 minutes.
+How many images: the permutation test is calibrated at any N; its power grows with N (on
+synthetic 128-wide features at N = 32 it flagged a pre-ReLU shift of 0.2 within-class sd in 92%
+of runs, a within-class spread narrowed to 0.6 in all; on the bundled checkpoints at N = 128 it
+gave ``lantern-per-test`` p 0.0005, ``lantern++`` 0.001, ``zipar+gsd-s2`` 0.006, ``sjd`` 0.97,
+``eagle`` 0.10, with 2,000 permutations). For FD, at the default 128 (bundled target before its
+retraining) ``none`` scored FD 88.5 [65.4, 116.6] and the exact ``sjd`` an FD ratio of 0.84
+[0.56, 1.26], so exact methods cannot be told from a 1.15x loss by FD below about
+``--images 1024``.
 
 Lossless methods also get ``exact``: the first two image tokens of N sampled rows (same class,
 CFG on) against the exact guided distribution of the second token, a 512-cell chi-square at
@@ -43,8 +54,10 @@ from ..core import LogitsPipeline, SpeculativeDecoder
 from ..core.exactness import P_THRESHOLD, chisquare_pvalue
 from ..core.schedule import NextSetSchedule
 from ..training.recipes.ar_image import AR_DATA_STYLE
-from .quality import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CI_LEVEL, FrechetToReference, bootstrap_indices,
-                      centred_interval, extract_features, fd_replicates, mean_ci, reference_stats)
+from .quality import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CI_LEVEL, PERMUTATION_SEED, PERMUTATIONS,
+                      FrechetToReference, KIDToReference, ReferenceStats, bootstrap_indices, centred_interval,
+                      extract_features, fd_replicates, kid_interval, mmd_permutation_test, mean_ci,
+                      reference_features)
 
 EXACT_CHUNK = 1000
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -74,18 +87,20 @@ class ARImageBenchConfig:
     pipeline_dir: str = str(ASSETS / "ar-image")
     classifier_dir: str = str(ASSETS / "classifier")
     methods: tuple = DEFAULT_METHODS
-    images: int = 128  # image i: class i % 16, seed + i; 1024 for FD ratios tighter than 1.15x
+    images: int = 128  # image i: class i % 16, seed + i
     guidance_scale: float = 2.0
     temperature: float = 1.0
     top_k: int | None = None
     seed: int = 0
-    reference_images: int = 1024  # real images for the FD statistics
+    reference_images: int = 1024  # real images for FD and KID
     reference_seed: int = 777
     reference_style: str = AR_DATA_STYLE  # the scenes the bundled target was trained on
     exact_samples: int = 8_000
     exact_class: int = 5
     bootstrap_resamples: int = BOOTSTRAP_RESAMPLES  # paired over image indices, numpy default_rng
     bootstrap_seed: int = BOOTSTRAP_SEED
+    permutations: int = PERMUTATIONS  # of the paired permutation test against none
+    permutation_seed: int = PERMUTATION_SEED
 
     @classmethod
     def quick(cls, **kw) -> "ARImageBenchConfig":
@@ -155,10 +170,12 @@ def run(cfg: ARImageBenchConfig, progress=None) -> dict:
     num_classes = model.config.num_classes
     labels = [i % num_classes for i in range(cfg.images)]
     say(f"reference features of {cfg.reference_images} real images")
-    ref = reference_stats(classifier, cfg.reference_images, cfg.reference_seed, style=cfg.reference_style)
-    fd_ref = FrechetToReference(ref)
+    real = reference_features(classifier, cfg.reference_images, cfg.reference_seed, style=cfg.reference_style)
+    fd_ref = FrechetToReference(ReferenceStats.from_features(real))
     idx = bootstrap_indices(cfg.images, cfg.bootstrap_resamples, cfg.bootstrap_seed)
-    floor, floor_reps = _real_floor(classifier, cfg, fd_ref, idx)
+    kid_ref = KIDToReference(real, idx, bootstrap_indices(cfg.reference_images, cfg.bootstrap_resamples,
+                                                          cfg.bootstrap_seed + 1))
+    floor, floor_reps, kid_floor = _real_floor(classifier, cfg, fd_ref, kid_ref, idx)
 
     for label, method, knobs in cfg.methods:
         say(f"{label}: warm-up call")
@@ -177,7 +194,7 @@ def run(cfg: ARImageBenchConfig, progress=None) -> dict:
             draft[m].append(out.stats["draft_nfe"])
             taus[m].append(out.stats["tau"])
 
-    rows, grids, fd_reps = [], {}, []
+    rows, grids, fd_reps, all_feats = [], {}, [], []
     target = torch.tensor(labels)
     for m, ((label, method, knobs), recipe) in enumerate(zip(cfg.methods, recipes)):
         images = pipe.vqvae.decode(torch.cat(tokens[m])).clamp(-1, 1)
@@ -186,11 +203,14 @@ def run(cfg: ARImageBenchConfig, progress=None) -> dict:
         fd = fd_ref(feats)
         reps = fd_replicates(feats, fd_ref, idx)
         fd_reps.append(reps)
+        all_feats.append(feats)
         fd_low, fd_high = centred_interval(reps, fd, lower=0.0)
         acc_low, acc_high = mean_ci(correct, idx)
+        kid, kid_low, kid_high = kid_interval(kid_ref.replicates(feats))
         row = {"method": label, "composition": method, "knobs": _short(knobs),
                "nfe": statistics.fmean(nfe[m]), "draft_nfe": statistics.fmean(draft[m]),
-               "tau": statistics.fmean(taus[m]), "wall_s": statistics.fmean(walls[m]), "fd": fd,
+               "tau": statistics.fmean(taus[m]), "wall_s": statistics.fmean(walls[m]),
+               "kid": kid, "kid_ci_low": kid_low, "kid_ci_high": kid_high, "fd": fd,
                "fd_ci_low": fd_low, "fd_ci_high": fd_high, "class_acc": float(correct.mean()),
                "class_acc_ci_low": acc_low, "class_acc_ci_high": acc_high, "lossless": recipe.lossless}
         if recipe.parts == ("zipar",):
@@ -204,9 +224,12 @@ def run(cfg: ARImageBenchConfig, progress=None) -> dict:
         rows.append(row)
         grids[label] = images
     base = rows[0]
-    for row, reps in zip(rows, fd_reps):
+    for row, reps, feats in zip(rows, fd_reps, all_feats):
         row["nfe_speedup"] = base["nfe"] / row["nfe"]
         row["wall_speedup"] = base["wall_s"] / row["wall_s"]
+        # the baseline against itself needs no test
+        row["mmd_vs_none"], row["p_vs_none"] = (None, None) if row is base else mmd_permutation_test(
+            feats, all_feats[0], cfg.permutations, cfg.permutation_seed)
         row["fd_ratio"] = row["fd"] / base["fd"]
         # paired: replicate r resamples the same image indices (same classes, same seeds) in both
         row["fd_ratio_ci_low"], row["fd_ratio_ci_high"] = centred_interval(reps / fd_reps[0], row["fd_ratio"],
@@ -218,22 +241,25 @@ def run(cfg: ARImageBenchConfig, progress=None) -> dict:
              "seed": cfg.seed, "reference_images": cfg.reference_images, "reference_style": cfg.reference_style,
              "fd_baseline": base["fd"], "fd_baseline_ci": [base["fd_ci_low"], base["fd_ci_high"]],
              "fd_real_floor": floor, "fd_real_floor_ci": [floor_low, floor_high],
+             "kid_baseline": base["kid"], "kid_baseline_ci": [base["kid_ci_low"], base["kid_ci_high"]],
+             "kid_real_floor": kid_floor[0], "kid_real_floor_ci": list(kid_floor[1:]),
              "bootstrap_resamples": cfg.bootstrap_resamples, "bootstrap_seed": cfg.bootstrap_seed,
+             "permutations": cfg.permutations, "permutation_seed": cfg.permutation_seed,
              "ci_level": CI_LEVEL, "wall_order": "images outer, methods inner; one untimed warm-up call per method",
              "exact_samples": cfg.exact_samples, "exact_threshold": P_THRESHOLD,
              "torch_threads": torch.get_num_threads(), "mean_top1_prob": _mean_top1(pipe, cfg)}
     return {"bench": "ar-image", "setup": setup, "rows": rows, "_grids": grids, "_labels": labels}
 
 
-def _real_floor(classifier, cfg, fd_ref: FrechetToReference, idx):
-    """FD of as many *real* images as the run generates (and its bootstrap replicates): the
-    metric's floor at that size, what a perfect generator would score."""
+def _real_floor(classifier, cfg, fd_ref: FrechetToReference, kid_ref: KIDToReference, idx):
+    """FD of as many *real* images as the run generates, its bootstrap replicates, and their KID
+    with its interval: the metrics' floors at that size, what a perfect generator would score."""
     from ..training.data import ShapesDataset
 
     data = ShapesDataset(cfg.images, cfg.reference_seed + 1, classifier.config.sample_size, style=cfg.reference_style)
     images = torch.stack([data[i][0] for i in range(cfg.images)])
     feats = extract_features(classifier, images)
-    return fd_ref(feats), fd_replicates(feats, fd_ref, idx)
+    return fd_ref(feats), fd_replicates(feats, fd_ref, idx), kid_interval(kid_ref.replicates(feats))
 
 
 @torch.no_grad()
@@ -254,7 +280,8 @@ def _mean_top1(pipe, cfg: ARImageBenchConfig, n: int = 8) -> float:
 AR_IMAGE_COLUMNS = [
     ("method", "method"), ("knobs", "knobs"), ("nfe", "NFE/img"), ("nfe_speedup", "NFE x"),
     ("wall_s", "wall s/img"), ("wall_speedup", "wall x"), ("tau", "tau"), ("draft_nfe", "draft NFE/img"),
-    ("fd", "FD"), ("fd_ci_low", "FD lo"), ("fd_ci_high", "FD hi"), ("fd_ratio", "FD x"),
+    ("kid", "KID"), ("kid_ci_low", "KID lo"), ("kid_ci_high", "KID hi"), ("mmd_vs_none", "MMD to none"),
+    ("p_vs_none", "p vs none"), ("fd", "FD"), ("fd_ci_low", "FD lo"), ("fd_ci_high", "FD hi"), ("fd_ratio", "FD x"),
     ("fd_ratio_ci_low", "FD x lo"), ("fd_ratio_ci_high", "FD x hi"), ("class_acc", "class acc"),
     ("class_acc_ci_low", "acc lo"), ("class_acc_ci_high", "acc hi"), ("exact", "exact"),
 ]

@@ -13,9 +13,13 @@ Columns per row: backbone passes per image (``nfe``, prefill included) and ``nfe
 ``none``, draft backbone passes (``draft_nfe``), head calls and rows of target and draft
 (``head_calls`` is their sum), residual tries and cap fallbacks, acceptance ``alpha``, ``tau``
 (tokens per target pass, bonus counted), wall seconds per image and ``wall_speedup`` over ``none``,
-FD of the classifier's features against real images (``fd``; ``fd_ratio`` to the baseline of the
-same head, ``none`` or ``none-diffusion``, over the same images; ``fd_real_floor``, the FD of as
-many real images), class accuracy, and ``exact`` / ``exact_p`` for every row but
+quality on the classifier's features: first KID to real images (``kid``; ``kid_real_floor``, the
+KID of as many real images) and, against the baseline of the same head (``none`` or
+``none-diffusion``, over the same images), ``mmd_vs_none``, a Gaussian-kernel MMD^2, with its
+paired permutation p-value ``p_vs_none`` (``quality.mmd_permutation_test``: exact at any image
+count, so p < 0.05 in 5% of runs of an exact row), then, secondary, FD (``fd``, ``fd_ratio`` to that baseline,
+``fd_real_floor``; biased at these image counts, no test), class accuracy, and ``exact`` /
+``exact_p`` for every row but
 the baselines: the first ``exact_tokens`` tokens of ``exact_samples`` rows of one class, tested
 against the exact guided target by the Rosenblatt (PIT) transform for the mixture head, and by a
 two-sample test against ``none-diffusion``'s samples for the diffusion head (``exact`` = p >= 1e-3;
@@ -39,7 +43,8 @@ from ..core import DensityPipeline, ModelOutput, SpeculativeDecoder
 from ..core.exactness import P_THRESHOLD, grid_chisquare_pvalue, ks_uniform_pvalue, two_sample_pvalue
 from ..methods.continuous import head_for
 from ..training.recipes.ar_image import AR_DATA_STYLE
-from .quality import FrechetToReference, extract_features, reference_stats
+from .quality import (PERMUTATION_SEED, PERMUTATIONS, FrechetToReference, ReferenceStats, extract_features,
+                      kernel_inception_distance, mmd_permutation_test, reference_features)
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 MODALITY = "continuous"
@@ -86,6 +91,8 @@ class ContinuousBenchConfig:
     exact_samples: int = 4000
     exact_tokens: int = 3
     exact_class: int = 5
+    permutations: int = PERMUTATIONS  # of the paired permutation test against the same head's baseline
+    permutation_seed: int = PERMUTATION_SEED
 
     @classmethod
     def quick(cls, **kw) -> "ContinuousBenchConfig":
@@ -198,9 +205,9 @@ def run(cfg: ContinuousBenchConfig, progress=None) -> dict:
     n_diff = cfg.images if cfg.diffusion_images is None else min(cfg.images, cfg.diffusion_images)
     counts = [n_diff if head_for(r) == "diffusion" else cfg.images for r in recipes]
     say(f"reference features of {cfg.reference_images} real images")
-    fd_ref = FrechetToReference(reference_stats(classifier, cfg.reference_images, cfg.reference_seed,
-                                                style=cfg.reference_style))
-    floors = {n: _real_floor(classifier, cfg, fd_ref, n) for n in sorted(set(counts))}
+    real = reference_features(classifier, cfg.reference_images, cfg.reference_seed, style=cfg.reference_style)
+    fd_ref = FrechetToReference(ReferenceStats.from_features(real))
+    floors = {n: _real_floor(classifier, cfg, fd_ref, real, n) for n in sorted(set(counts))}
     for label, method, knobs, draft in rows_cfg:
         say(f"{label}: warm-up call")
         with _draft(pipe, drafts[draft]):
@@ -226,15 +233,17 @@ def run(cfg: ContinuousBenchConfig, progress=None) -> dict:
         say(f"none-diffusion: {cfg.exact_samples} reference samples for the two-sample tests")
         reference_diffusion = first_tokens(pipe, None, "none-diffusion", {}, cfg, cfg.seed + 1)[..., 1, :]
     target = torch.tensor(labels)
-    rows, grids = [], {}
+    rows, grids, all_feats = [], {}, []
     for m, ((label, method, knobs, draft), recipe) in enumerate(zip(rows_cfg, recipes)):
         images = pipe.tokenizer.decode(torch.cat(latents[m])).clamp(-1, 1)
         feats = extract_features(classifier, images)
+        all_feats.append(feats)
         row = {"method": label, "composition": method, "knobs": _short(knobs), "draft": draft or "draft_model",
                "head": head_for(recipe), "lossless": recipe.lossless, "images": counts[m],
-               "fd_real_floor": floors[counts[m]],
+               "fd_real_floor": floors[counts[m]][0], "kid_real_floor": floors[counts[m]][1],
                **{k: statistics.fmean(float(s.get(k) or 0.0) for s in stats[m]) for k in STAT_KEYS},
-               "wall_s": statistics.fmean(walls[m]), "fd": fd_ref(feats),
+               "wall_s": statistics.fmean(walls[m]), "kid": kernel_inception_distance(feats, real),
+               "fd": fd_ref(feats),
                "class_acc": float((classifier.head(feats).argmax(-1) == target[: counts[m]]).double().mean())}
         row["head_calls"] = row["target_head_calls"] + row["draft_head_calls"]
         row["head_rows"] = row["target_head_rows"] + row["draft_head_rows"]
@@ -251,30 +260,38 @@ def run(cfg: ContinuousBenchConfig, progress=None) -> dict:
         rows.append(row)
         grids[label] = images
     base = rows[0]
-    head_base = {r["head"]: r for r in reversed(rows) if r["method"] in BASELINES}
-    for row in rows:
+    head_base = {r["head"]: m for m, r in reversed(list(enumerate(rows))) if r["method"] in BASELINES}
+    for row, feats in zip(rows, all_feats):
         row["nfe_speedup"] = base["nfe"] / row["nfe"]
         row["wall_speedup"] = base["wall_s"] / row["wall_s"]
-        # FD depends on the image count: compare with the baseline of the same head (same images)
-        same = head_base.get(row["head"], base)
-        row["fd_ratio"] = row["fd"] / same["fd"] if same["images"] == row["images"] else float("nan")
+        # FD depends on the image count and the test pairs image i: compare with the same head's baseline
+        b = head_base.get(row["head"], 0)
+        same = rows[b]
+        paired = same["images"] == row["images"]
+        row["fd_ratio"] = row["fd"] / same["fd"] if paired else float("nan")
+        row["mmd_vs_none"], row["p_vs_none"] = mmd_permutation_test(
+            feats, all_feats[b], cfg.permutations, cfg.permutation_seed) if paired and row is not same else (None, None)
     setup = {"pipeline": cfg.pipeline_dir, "booster": cfg.booster_dir, "classifier": cfg.classifier_dir,
              "images": cfg.images, "guidance_scale": cfg.guidance_scale, "guidance_schedule": cfg.guidance_schedule,
              "temperature": cfg.temperature, "seed": cfg.seed, "reference_images": cfg.reference_images,
              "reference_style": cfg.reference_style, "diffusion_images": n_diff,
-             "fd_real_floor": floors[cfg.images], "exact_samples": cfg.exact_samples,
+             "fd_real_floor": floors[cfg.images][0], "kid_real_floor": floors[cfg.images][1],
+             "permutations": cfg.permutations, "permutation_seed": cfg.permutation_seed,
+             "exact_samples": cfg.exact_samples,
              "exact_tokens": cfg.exact_tokens, "exact_class": cfg.exact_class, "exact_threshold": P_THRESHOLD,
              "wall_order": "images outer, rows inner; one untimed warm-up call per row",
              "torch_threads": torch.get_num_threads()}
     return {"bench": "continuous", "setup": setup, "rows": rows, "_grids": grids, "_labels": labels}
 
 
-def _real_floor(classifier, cfg: ContinuousBenchConfig, fd_ref: FrechetToReference, n: int) -> float:
-    """FD of ``n`` real images (as many as a row generates): the metric's floor at that size."""
+def _real_floor(classifier, cfg: ContinuousBenchConfig, fd_ref: FrechetToReference, real,
+                n: int) -> tuple[float, float]:
+    """FD and KID of ``n`` real images (as many as a row generates): the metrics' floors at that size."""
     from ..training.data import ShapesDataset
 
     data = ShapesDataset(n, cfg.reference_seed + 1, classifier.config.sample_size, style=cfg.reference_style)
-    return fd_ref(extract_features(classifier, torch.stack([data[i][0] for i in range(n)])))
+    feats = extract_features(classifier, torch.stack([data[i][0] for i in range(n)]))
+    return fd_ref(feats), kernel_inception_distance(feats, real)
 
 
 CONTINUOUS_COLUMNS = [
@@ -282,13 +299,15 @@ CONTINUOUS_COLUMNS = [
     ("draft_nfe", "draft NFE/img"), ("target_head_calls", "t head calls"), ("target_head_rows", "t head rows"),
     ("draft_head_calls", "d head calls"), ("draft_head_rows", "d head rows"), ("residual_tries", "res tries"),
     ("residual_fallbacks", "res fallbacks"), ("alpha", "alpha"), ("tau", "tau"), ("wall_s", "wall s/img"),
-    ("wall_speedup", "wall x"), ("fd", "FD"), ("fd_ratio", "FD x"), ("class_acc", "class acc"), ("exact", "exact"),
+    ("wall_speedup", "wall x"), ("kid", "KID"), ("mmd_vs_none", "MMD to none"), ("p_vs_none", "p vs none"),
+    ("fd", "FD"), ("fd_ratio", "FD x"), ("class_acc", "class acc"), ("exact", "exact"),
     ("exact_p", "exact p"),
 ]
 
 
 SHOWCASE_COLUMNS = [c for c in CONTINUOUS_COLUMNS if c[0] in (
-    "method", "nfe", "nfe_speedup", "draft_nfe", "alpha", "tau", "wall_s", "wall_speedup", "fd", "fd_ratio",
+    "method", "nfe", "nfe_speedup", "draft_nfe", "alpha", "tau", "wall_s", "wall_speedup", "kid", "p_vs_none",
+    "fd", "fd_ratio",
     "class_acc", "exact")]
 
 
