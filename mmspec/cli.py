@@ -877,8 +877,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="vlm only: the pipeline folder (default assets/vlm)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bench.add_argument("--images", type=_positive_int, metavar="N",
-                       help="ar-image only: images per method (default 128, 16 with --quick); FD intervals "
-                            "narrow as 1/sqrt(N)")
+                       help="ar-image only: images per method (default 128, 16 with --quick); KID intervals "
+                            "narrow as 1/sqrt(N); p vs none is exact at any N")
     bench.add_argument("--frames", type=_positive_int, nargs="+", metavar="N",
                        help="video only: stream lengths of the per-method rows (default 100 1000 10000, "
                             "100 300 with --quick)")
