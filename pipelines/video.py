@@ -132,6 +132,8 @@ class _Setup:
     callback: Callable | None
     tensor_inputs: tuple[str, ...]
     latent_shape: tuple[int, int, int]  # (C, h, w) of one latent frame
+    sampler: str  # FlowSampler's rule
+    sigmas: list[float] | None  # explicit sigmas (None: uniform, shifted by the scheduler)
 
     @property
     def batch_size(self) -> int:
@@ -306,9 +308,12 @@ class StreamingVideoPipeline(PipelineBase):
         B = len(schedule[0][1])
         checks.check_generator(generator, B)
         inputs = self.check_callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
+        steps = defaults["num_inference_steps"] if num_inference_steps is None else num_inference_steps
         return _Setup(schedule=schedule, num_frames=num_frames, generator=generator,
                       guidance_scale=float(defaults["guidance_scale"] if guidance_scale is None else guidance_scale),
-                      steps=defaults["num_inference_steps"] if num_inference_steps is None else num_inference_steps,
+                      steps=steps, sampler=defaults["sampler"],
+                      # the configured sigma list is for its own step count; other counts take uniform sigmas
+                      sigmas=defaults["sigmas"] if steps == defaults["num_inference_steps"] else None,
                       sink=sink, window=window, cache_mode=cache_mode,
                       recache_sink=True if recache_sink is None else recache_sink, output_type=output_type,
                       callback=callback_on_step_end, tensor_inputs=tuple(inputs), latent_shape=latent_shape)
@@ -356,7 +361,9 @@ class StreamingVideoPipeline(PipelineBase):
             guidance_scale: classifier-free guidance ``v_u + s (v_c - v_u)``; 1 disables it;
                 None: ``stream_defaults()`` (the bundled transformer's config; 1 for Wan's
                 distilled checkpoints).
-            num_inference_steps: denoising steps per chunk; None: ``stream_defaults()``.
+            num_inference_steps: denoising steps per chunk; None: ``stream_defaults()``. A count
+                other than the configured one takes uniform sigmas shifted by the scheduler (an
+                explicit sigma list, Self-Forcing's, holds for its own count only).
             sink_frames, window_frames: frames kept as sink and as window (multiples of
                 ``chunk_frames``); None: the ones the model was trained with. Sink + window + one
                 chunk must fit in the model's ``rope_frames``; past the trained sizes the model is
@@ -399,9 +406,7 @@ class StreamingVideoPipeline(PipelineBase):
         # under model offload: on the device before its cache is made and its dtype read, for the stream
         onload(self.transformer)
         rows = 2 * B if guided else B
-        defaults = self.stream_defaults()
-        sampler = FlowSampler(self.scheduler, s.steps, defaults["sampler"],
-                              defaults["sigmas"] if s.steps == defaults["num_inference_steps"] else None)
+        sampler = FlowSampler(self.scheduler, s.steps, s.sampler, s.sigmas)
         cache_kwargs = {"latent_hw": s.latent_shape[1:]} if self.is_wan else {}
         if s.cache_mode == "window-recompute":
             context = RecomputeStream(model, rows, s.sink, s.window, **cache_kwargs)

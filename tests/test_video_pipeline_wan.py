@@ -35,6 +35,14 @@ def test_from_wan_is_one_pipeline_with_the_wan_adapter(pipe):
         "renoise", [1.0, 0.9375, 0.8333, 0.625], 1.0, 3, 6)
 
 
+def test_the_sigma_list_holds_for_its_own_step_count(pipe):
+    args = (PROMPT, None, 6, None, None)
+    rest = (None, None, "rolling", None, "latent", None, ())
+    assert pipe.check_inputs(*args, None, *rest).sigmas == [1.0, 0.9375, 0.8333, 0.625]
+    other = pipe.check_inputs(*args, 2, *rest)
+    assert other.steps == 2 and other.sigmas is None and other.sampler == "renoise"
+
+
 def test_the_stream_is_the_adapters_loop(pipe):
     """12 latent frames, rolling (sink 3 + window 6: the cache rolls at the 4th chunk): latents bit
     for bit those of the adapter driven by hand (UMT5 rows, one noise draw per chunk, then

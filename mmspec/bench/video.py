@@ -679,26 +679,13 @@ def run(cfg: VideoBenchConfig, progress=None, json_path: str | os.PathLike | Non
             write_json(json_path, public(result))
 
     # 1. the window sweep: rolling against window-recompute at each window
-    sweep = [(w * C, m) for w in cfg.windows for m in ("rolling", "window-recompute")]
-    if sweep and cfg.sweep_frames:
+    if cfg.windows and cfg.sweep_frames:
         say(f"window sweep: windows {', '.join(str(w) for w in cfg.windows)} chunks, {cfg.sweep_frames} frames")
-        runs = []
-        for window, mode in sweep:
-            kw = dict(base, prompt=texts, cache_mode=mode, window_frames=window, num_frames=cfg.sweep_frames)
-            if cfg.warmup:
-                _warm(pipe, dict(kw, generator=gens()), K + window + 3 * C)
-            runs.append(_Run(dict(method=mode, group="window-sweep", window=window, sink=K), dict(kw, generator=gens()),
-                             cfg.sweep_frames, (cfg.quality_frames, cfg.quality_frames)))
-        _lockstep(pipe, runs, cfg, say)
-        for w in cfg.windows:
-            pair = [r for r in runs if r.label["window"] == w * C]
-            fit_from = K + w * C + C
-            made = [(_row(r, cfg, fit_from, steps, C, B), r) for r in pair]
-            rec = next(r for r in pair if r.label["method"] == "window-recompute")
-            _speedups(made, rec, fit_from, cfg, steps, C, K + w * C)
-            for row, r in made:
-                row.update({k: v for k, v in _quality(r, texts, None, judge, cfg).items() if not k.startswith("_")})
-                rows.append(row)
+        made = _window_pairs(pipe, dict(base, prompt=texts), cfg.windows, cfg.sweep_frames, "window-sweep", cfg, say,
+                             gens, C, K, steps, B, (cfg.quality_frames, cfg.quality_frames))
+        for row, r in made:
+            row.update({k: v for k, v in _quality(r, texts, None, judge, cfg).items() if not k.startswith("_")})
+            rows.append(row)
         save()
 
     # 2. prompt switches (rolling, LongLive re-cache)
@@ -783,25 +770,34 @@ def _wan_group(cfg: VideoBenchConfig, batch: int, say) -> list[dict]:
     prompts = [texts[i % len(texts)] for i in range(batch)]
     gens = lambda: [torch.Generator().manual_seed(cfg.seed + i) for i in range(batch)]  # noqa: E731
     say(f"tiny Wan: windows {', '.join(str(w) for w in cfg.wan_windows)} chunks, {cfg.wan_frames} latent frames")
+    made = _window_pairs(pipe, dict(prompt=prompts, output_type="latent"), cfg.wan_windows, cfg.wan_frames,
+                         "wan-tiny", cfg, say, gens, C, K, steps, batch, (1, 1))
+    return [row for row, _ in made]
+
+
+def _window_pairs(pipe, kwargs: dict, windows, frames: int, group: str, cfg: VideoBenchConfig, say, gens, C: int,
+                  K: int, steps: int, batch: int, keep: tuple[int, int]) -> list[tuple[dict, "_Run"]]:
+    """``rolling`` and ``window-recompute`` streams of ``frames`` frames at each window of ``windows``
+    (chunks), in lockstep after a warm-up each: (row, run) pairs with each window's speed-up over its
+    recompute beside the compute ratio."""
     runs = []
-    for w in cfg.wan_windows:
+    for w in windows:
         for mode in ("rolling", "window-recompute"):
-            kw = dict(prompt=prompts, cache_mode=mode, window_frames=w * C, num_frames=cfg.wan_frames,
-                      output_type="latent")
+            kw = dict(kwargs, cache_mode=mode, window_frames=w * C, num_frames=frames)
             if cfg.warmup:
                 _warm(pipe, dict(kw, generator=gens()), K + w * C + 3 * C)
-            runs.append(_Run(dict(method=mode, group="wan-tiny", window=w * C, sink=K), dict(kw, generator=gens()),
-                             cfg.wan_frames, (1, 1)))
+            runs.append(_Run(dict(method=mode, group=group, window=w * C, sink=K), dict(kw, generator=gens()), frames,
+                             keep))
     _lockstep(pipe, runs, cfg, say)
-    rows = []
-    for w in cfg.wan_windows:
+    made = []
+    for w in windows:
         pair = [r for r in runs if r.label["window"] == w * C]
         fit_from = K + w * C + C
-        made = [(_row(r, cfg, fit_from, steps, C, batch), r) for r in pair]
-        _speedups(made, next(r for r in pair if r.label["method"] == "window-recompute"), fit_from, cfg, steps, C,
+        rows = [(_row(r, cfg, fit_from, steps, C, batch), r) for r in pair]
+        _speedups(rows, next(r for r in pair if r.label["method"] == "window-recompute"), fit_from, cfg, steps, C,
                   K + w * C)
-        rows += [row for row, _ in made]
-    return rows
+        made += rows
+    return made
 
 
 def _switch_measures(r: _Run, quality: dict, old: list[str], new: list[str], fld: str, cfg: VideoBenchConfig,
