@@ -65,6 +65,8 @@ import os
 import sys
 from pathlib import Path
 
+from .utils import one_line
+
 BENCHES = ("core", "ar-image", "vlm", "video", "kernels", "continuous", "cost", "compile")
 VIDEO_GROUPS = ("window-sweep", "prompt-switch", "frames", "wan-tiny")
 
@@ -90,9 +92,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UsageError(message, self.prog)
 
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
 
 
 def _progress(msg: str) -> None:
@@ -605,7 +604,7 @@ def _image_file(text: str) -> str:
         with PIL.Image.open(text) as image:
             image.load()
     except (OSError, ValueError, PIL.Image.DecompressionBombError) as err:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a readable image ({_one_line(err)})") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a readable image ({one_line(err)})") from None
     return text
 
 
@@ -948,7 +947,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         usage = isinstance(err, UsageError)
         prog = err.prog if usage else getattr(args, "_prog", parser.prog)
-        print(f"{prog}: error: {_one_line(err)}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
         raise SystemExit(2 if usage else 1) from None
 
 

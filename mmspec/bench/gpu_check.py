@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from ..utils import one_line
+
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "assets"
 SCHEMA = 1
@@ -577,7 +579,7 @@ def check_pipeline(name: str, device: str = "cuda", *, dtypes: tuple[str, ...] =
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - one failing part must not hide the others
-            msg = f"{what}: {type(e).__name__}: {_one_line(e)}"[:400]
+            msg = f"{what}: {type(e).__name__}: {one_line(e)}"[:400]
             result["errors"].append(msg)
             result["problems"].append(msg)
             say(msg)
@@ -654,9 +656,6 @@ def check_pipeline(name: str, device: str = "cuda", *, dtypes: tuple[str, ...] =
         attempt(f"identity {dtype}", lambda d=dtype: identity(d))
     return result
 
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
 
 
 # -- command line ---------------------------------------------------------------------------------
