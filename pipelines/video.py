@@ -409,7 +409,7 @@ class StreamingVideoPipeline(PipelineBase):
         sampler = FlowSampler(self.scheduler, s.steps, s.sampler, s.sigmas)
         cache_kwargs = {"latent_hw": s.latent_shape[1:]} if self.is_wan else {}
         if s.cache_mode == "window-recompute":
-            context = RecomputeStream(model, s.sink, s.window, **cache_kwargs)
+            context = RecomputeStream(model, rows, s.sink, s.window, **cache_kwargs)
         elif s.cache_mode == "full-cache":
             limit = self.max_frames("full-cache")
             context = CachedStream(model, rows, 0, min(limit, 4 * C), grow_to=limit, **cache_kwargs)

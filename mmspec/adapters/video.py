@@ -185,7 +185,8 @@ class RecomputeStream:
     the same ones, else per frame (B, F, ...) (a model that takes only rows refuses that: a switch
     with ``recache_sink=False``). ``cache_kwargs`` go to ``model.new_cache``."""
 
-    def __init__(self, model, sink: int, window: int, **cache_kwargs):
+    def __init__(self, model, rows: int, sink: int, window: int, **cache_kwargs):
+        del rows  # CachedStream's signature: here each step's fresh cache is sized by its prompt rows
         self.model, self.sink, self.window, self.cache_kwargs = model, sink, window, cache_kwargs
         self.latents: torch.Tensor | None = None  # (rows, n, C, h, w)
         self.prompts: torch.Tensor | None = None  # (rows, n, *prompt row shape)
