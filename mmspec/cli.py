@@ -68,7 +68,7 @@ from pathlib import Path
 from .utils import one_line
 
 BENCHES = ("core", "ar-image", "vlm", "video", "kernels", "continuous", "cost", "compile")
-VIDEO_GROUPS = ("window-sweep", "prompt-switch", "frames", "wan-tiny")
+VIDEO_GROUPS = ("window-sweep", "prompt-switch", "multi-switch", "frames", "wan-tiny")
 
 
 class UsageError(ValueError):
@@ -152,7 +152,8 @@ def _run_bench(args) -> tuple[dict, list]:
             cfg.frames = tuple(args.frames)
         groups = set(args.groups or VIDEO_GROUPS)
         for group, field, off in (("window-sweep", "windows", ()), ("prompt-switch", "switches", ()),
-                                  ("frames", "frames", ()), ("wan-tiny", "wan_frames", 0)):
+                                  ("multi-switch", "multi_switches", 0), ("frames", "frames", ()),
+                                  ("wan-tiny", "wan_frames", 0)):
             if group not in groups:
                 setattr(cfg, field, off)
         # rewritten after every group: an interrupted run leaves the groups it finished
@@ -486,7 +487,8 @@ def cmd_train(args) -> int:
         print(f"saved {args.out}: held-out reconstruction MSE {record['heldout_recon_mse']:.5f} "
               f"(PSNR {record['heldout_psnr_db']:.1f} dB), {record['wall_time_s']:.0f} s")
     elif args.recipe == "video":
-        record = recipes.train_video(args.out, ae_dir=args.ae, **common)
+        record = recipes.train_video(args.out, ae_dir=args.ae, rollout_prob=args.rollout_prob,
+                                     rollout_strength=tuple(args.rollout_strength), **common)
         print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f}, rollout colour accuracy "
               f"{record['rollout']['colour_acc']:.3f}, direction accuracy {record['rollout']['direction_acc']:.3f}, "
               f"{record['wall_time_s']:.0f} s")
@@ -632,7 +634,7 @@ TRAIN_DEFAULTS = {
     # video step at batch 8 (dataset_size in clips of 18 frames): 172 s and 2,513 s for the bundled
     # runs, each at one thread beside another training
     "video-ae": dict(steps=1500, batch_size=16, lr=2e-3, dataset_size=4096),
-    "video": dict(steps=3000, batch_size=8, lr=1e-3, dataset_size=2048),
+    "video": dict(steps=6000, batch_size=8, lr=1e-3, dataset_size=4096),
     # one thread, batch 64: ~0.12 s per step, about 2.5 minutes with rendering (dataset_size in frames)
     "video-judge": dict(steps=1000, batch_size=64, lr=3e-3, dataset_size=16384),
     # closed form (no steps): an SVD of 2,000 images' 4x4 patches, seconds
@@ -642,6 +644,10 @@ TRAIN_DEFAULTS = {
     "continuous-ar": dict(steps=9000, batch_size=32, lr=1e-3, dataset_size=16384),
     "continuous-draft": dict(steps=4000, batch_size=32, lr=2e-3, dataset_size=16384),
 }
+
+
+# the video recipe's self-rollouts (mmspec.training.recipes.video.TwoStreamLoss)
+VIDEO_ROLLOUT = dict(rollout_prob=0.3, rollout_strength=[0.3, 0.8])
 
 
 def _add_train_parser(sub) -> None:
@@ -691,6 +697,14 @@ def _add_train_parser(sub) -> None:
         if name == "video":
             p.add_argument("--ae", required=True, type=_existing_dir, metavar="DIR",
                            help="folder written by 'mmspec train video-ae'")
+            p.add_argument("--rollout-prob", type=_number(float, 0, strict=False, high=1),
+                           default=VIDEO_ROLLOUT["rollout_prob"],
+                           help="share of steps whose context is the model's own stream through the rolling cache "
+                                f"(self-rollout; default {VIDEO_ROLLOUT['rollout_prob']})")
+            p.add_argument("--rollout-strength", type=_number(float, 0, strict=True, high=1), nargs=2, metavar=("LOW", "HIGH"),
+                           default=VIDEO_ROLLOUT["rollout_strength"],
+                           help="each rollout starts its chunks from the clip's at a strength drawn from "
+                                "[LOW, HIGH] (default %(default)s)")
         if name == "video-judge":
             p.add_argument("--ae", type=_existing_dir, metavar="DIR",
                            help="also report the accuracy on this autoencoder's reconstructions of held-out frames")

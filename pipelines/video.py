@@ -134,6 +134,8 @@ class _Setup:
     latent_shape: tuple[int, int, int]  # (C, h, w) of one latent frame
     sampler: str  # FlowSampler's rule
     sigmas: list[float] | None  # explicit sigmas (None: uniform, shifted by the scheduler)
+    video_latents: torch.Tensor | None = None  # (B, F, C, h, w) clean latents to start chunks from
+    strength: float = 1.0
 
     @property
     def batch_size(self) -> int:
@@ -252,7 +254,8 @@ class StreamingVideoPipeline(PipelineBase):
     # -- inputs -----------------------------------------------------------------------------------
     def check_inputs(self, prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps, sink_frames,
                      window_frames, cache_mode, recache_sink, output_type, callback_on_step_end,
-                     callback_on_step_end_tensor_inputs, height=None, width=None) -> _Setup:
+                     callback_on_step_end_tensor_inputs, height=None, width=None, video_latents=None,
+                     strength=1.0) -> _Setup:
         """Every argument of ``stream``, checked before any model runs: ``ValueError`` naming the
         argument and the allowed values. Returns them resolved (defaults from
         ``stream_defaults``; the bundled model's prompts parsed, which checks their words)."""
@@ -306,6 +309,16 @@ class StreamingVideoPipeline(PipelineBase):
                   f"None or at most {R} under position_policy='absolute' (the frames Wan's RoPE table holds; "
                   "'cache-order' streams without bound)", num_frames)
         B = len(schedule[0][1])
+        checks.check_number(strength, "strength", 0, 1, low_open=True)
+        if video_latents is not None:
+            check(isinstance(video_latents, torch.Tensor) and video_latents.dim() == 5
+                  and video_latents.shape[0] == B and tuple(video_latents.shape[2:]) == tuple(latent_shape)
+                  and (num_frames is None or video_latents.shape[1] >= num_frames), "video_latents",
+                  f"None or a ({B}, frames, {', '.join(map(str, latent_shape))}) tensor of clean latents with at "
+                  "least num_frames frames", getattr(video_latents, "shape", type(video_latents).__name__))
+            num_frames = video_latents.shape[1] if num_frames is None else num_frames
+        check(strength == 1 or video_latents is not None, "strength",
+              "1 without video_latents (a lower strength starts chunks from them)", strength)
         checks.check_generator(generator, B)
         inputs = self.check_callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
         steps = defaults["num_inference_steps"] if num_inference_steps is None else num_inference_steps
@@ -316,7 +329,8 @@ class StreamingVideoPipeline(PipelineBase):
                       sigmas=defaults["sigmas"] if steps == defaults["num_inference_steps"] else None,
                       sink=sink, window=window, cache_mode=cache_mode,
                       recache_sink=True if recache_sink is None else recache_sink, output_type=output_type,
-                      callback=callback_on_step_end, tensor_inputs=tuple(inputs), latent_shape=latent_shape)
+                      callback=callback_on_step_end, tensor_inputs=tuple(inputs), latent_shape=latent_shape,
+                      video_latents=video_latents, strength=float(strength))
 
     def _latent_shape(self, height, width, defaults: dict) -> tuple[int, int, int]:
         """(C, h, w) of a latent frame for a video of ``height`` x ``width`` pixels (None: the
@@ -343,7 +357,8 @@ class StreamingVideoPipeline(PipelineBase):
                window_frames: int | None = None, cache_mode: str = "rolling", recache_sink: bool | None = None,
                output_type: str = "pt", callback_on_step_end: Callable | None = None,
                callback_on_step_end_tensor_inputs: list[str] = ("latents",), height: int | None = None,
-               width: int | None = None) -> Iterator[VideoChunk]:
+               width: int | None = None, video_latents: torch.Tensor | None = None,
+               strength: float = 1.0) -> Iterator[VideoChunk]:
         """Generate a video chunk by chunk: returns an iterator of ``VideoChunk`` (frames, their
         indices, latents, prompts, stats), each yielded as soon as it is decoded. Arguments are
         checked now, before any model runs; the work happens as you iterate.
@@ -381,10 +396,19 @@ class StreamingVideoPipeline(PipelineBase):
             callback_on_step_end_tensor_inputs: among ``"latents"``.
             height, width: the video's size in pixels (Wan; None: ``stream_defaults()``); the
                 bundled model has one size.
+            video_latents, strength: streaming video-to-video (diffusers' image-to-image
+                ``strength``, per chunk as StreamDiffusionV2 streams): chunk c starts from
+                ``video_latents[:, c * chunk_frames ...]`` (B, frames, C, h, w), clean latents in
+                the transformer's space, noised to the sigma of step ``first_step(strength)`` of
+                ``num_inference_steps``, and takes only the steps from there. The cache, the clean
+                commit pass and prompt switches are as without. ``num_frames`` defaults to the
+                latents' frames. Strength 1 (default) starts from pure noise and ignores them; the
+                training recipe's self-rollouts (``mmspec.training.recipes.video``) use this.
         """
         setup = self.check_inputs(prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps,
                                   sink_frames, window_frames, cache_mode, recache_sink, output_type,
-                                  callback_on_step_end, callback_on_step_end_tensor_inputs, height, width)
+                                  callback_on_step_end, callback_on_step_end_tensor_inputs, height, width,
+                                  video_latents, strength)
         return self._stream(setup)
 
     @torch.no_grad()
@@ -451,8 +475,13 @@ class StreamingVideoPipeline(PipelineBase):
                     nfe += context.recache(torch.cat([ids, null]) if guided else ids, keep_sink=not s.recache_sink)
                 current = ids
                 noise = randn_tensor(shape, generator=s.generator, device=device, dtype=dtype)
-                x = context.sample(noise, ids, null, sampler, s.guidance_scale, on_step, s.generator)
-                nfe += s.steps + (s.cache_mode != "window-recompute")
+                init = None
+                if s.video_latents is not None:  # the last chunk may run past the given frames: pad
+                    init = s.video_latents[:, start:start + C].to(device, dtype)
+                    init = torch.cat([init, init[:, -1:].expand(B, C - init.shape[1], *init.shape[2:])], 1)
+                x = context.sample(noise, ids, null, sampler, s.guidance_scale, on_step, s.generator, init,
+                                   s.strength)
+                nfe += sampler.steps_run(s.strength) + (s.cache_mode != "window-recompute")
                 n = C if s.num_frames is None else min(C, s.num_frames - start)
                 latents = x[:, :n]
                 frames = latents if s.output_type == "latent" else self._postprocess(latents, s.output_type, decoder)
@@ -488,7 +517,8 @@ class StreamingVideoPipeline(PipelineBase):
                  window_frames: int | None = None, cache_mode: str = "rolling", recache_sink: bool | None = None,
                  output_type: str = "pil", return_dict: bool = True, callback_on_step_end: Callable | None = None,
                  callback_on_step_end_tensor_inputs: list[str] = ("latents",), prompts: list | None = None,
-                 height: int | None = None, width: int | None = None):
+                 height: int | None = None, width: int | None = None, video_latents: torch.Tensor | None = None,
+                 strength: float = 1.0):
         """Generate ``num_frames`` latent frames per prompt: ``stream`` collected (the same
         arguments; see it), with ``num_frames`` required and ``output_type`` ``"pil"`` by default.
 
@@ -501,7 +531,7 @@ class StreamingVideoPipeline(PipelineBase):
         checks.check_flag(return_dict, "return_dict")
         s = self.check_inputs(prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps, sink_frames,
                               window_frames, cache_mode, recache_sink, output_type, callback_on_step_end,
-                              callback_on_step_end_tensor_inputs, height, width)
+                              callback_on_step_end_tensor_inputs, height, width, video_latents, strength)
         chunks = list(self._stream(s))  # what stream() yields; it ends with maybe_free_model_hooks
         parts = [c.frames for c in chunks]
         if output_type == "pil":

@@ -228,6 +228,25 @@ def test_switch_row_on_a_synthetic_stream_with_a_known_answer():
     assert quality["colour_acc_first"] == pytest.approx((27 / 30 + 1) / 2)
 
 
+def test_multi_switch_measures_each_segment_on_a_stream_with_a_known_answer():
+    """Two rendered videos cycling red -> green -> blue every 10 frames; the second turns blue 4
+    frames late. Per segment colour accuracy and per switch frames-to-new say exactly that, and
+    the worst segment is the second video's blue one (its first 4 frames still green: 6 of 10)."""
+    schedule = vb._colour_cycle([RED.text, RED.text], 3, 10, {"colour": ["red", "green", "blue", "yellow"]})
+    assert [s for s, _ in schedule] == [0, 10, 20]
+    green = VideoPrompt(1, RED.shape, RED.direction)
+    clips = [rendered([(0, RED), (10, green), (at, BLUE)], seed=5 + i)[0] for i, at in enumerate((20, 24))]
+    cfg = vb.VideoBenchConfig(hold_frames=3, quality_frames=30, reference_frames=8)
+    run = vb._Run(label={}, kwargs={}, frames=30, keep=(30, 30), buffer=vb.FrameBuffer(30, 30), done=30)
+    for c in range(10):
+        run.buffer.add(torch.stack(clips)[:, 3 * c:3 * c + 3])
+    quality = vb._quality(run, schedule[0][1], schedule[1:], None, cfg)
+    got = vb._segment_measures(quality, schedule, 30, cfg, 3, judged=False)
+    assert got["switch_frames_to_new_each"] == [0, 0, 0, 4]
+    assert np.allclose(got["colour_segments"], [[1.0, 1.0, 1.0], [1.0, 1.0, 0.6]])
+    assert got["colour_min_segment"] == pytest.approx(0.6) and got["multi_switch_within_2_chunks"] == 1.0
+
+
 def test_class_accuracy_needs_the_object_in_the_pixels():
     """A frame without the object (pixel colour -1) does not count as the prompt's colour even
     when the judge's colour head, forced to choose, names it."""
@@ -280,7 +299,7 @@ def tiny_config(folders, **kw):
     return vb.VideoBenchConfig.quick(**{
         "pipeline_dir": str(folders / "pipe"), "judge_dir": str(folders / "judge"), "frames": (40,),
         "windows": (1, 2), "sweep_frames": 12, "switch_at": 8, "switch_frames": 16, "quality_frames": 6,
-        "reference_frames": 8, "bootstrap_resamples": 50, "wan_frames": 0, **kw})
+        "reference_frames": 8, "bootstrap_resamples": 50, "wan_frames": 0, "multi_switch_every": 6, **kw})
 
 
 def test_bench_writes_every_column(folders, tmp_path):
@@ -295,6 +314,7 @@ def test_bench_writes_every_column(folders, tmp_path):
                       ("window-sweep", "rolling", 4, None), ("window-sweep", "window-recompute", 4, None),
                       ("prompt-switch", "prompt-switch", 4, "colour"),
                       ("prompt-switch", "prompt-switch", 4, "direction"),
+                      ("multi-switch", "prompt-switch", 4, "colour x2"),
                       ("frames", "rolling", 4, None), ("frames", "window-recompute", 4, None),
                       ("frames", "full-cache", None, None), ("frames", "no-sink", 4, None)]
     columns = {key for key, _ in vb.VIDEO_COLUMNS} | ISSUE_KEYS
@@ -302,7 +322,12 @@ def test_bench_writes_every_column(folders, tmp_path):
         assert columns <= row.keys()  # None where a column does not apply (a switch figure on a frames row)
         assert row["latency_ms_median"] > 0 and row["fps"] > 0 and row["peak_rss_mb"] >= 0
         assert 0 <= row["class_acc_first"] <= 1 and 0 <= row["direction_acc_last"] <= 1
-    by = {(r["group"], r["method"], r["window"]): r for r in rows if r["group"] != "prompt-switch"}
+    multi = [r for r in rows if r["group"] == "multi-switch"][0]
+    assert multi["frames_done"] == 18 and len(multi["colour_segments"]) == 2  # 2 videos x 3 segments
+    assert all(len(seg) == 3 for seg in multi["colour_segments"]) and len(multi["switch_frames_to_new_each"]) == 4
+    assert multi["colour_min_segment"] == min(min(seg) for seg in multi["colour_segments"])
+    assert [c for c in multi["switched_at"]] == [6, 12]
+    by = {(r["group"], r["method"], r["window"]): r for r in rows if "switch" not in r["group"]}
     # speed-ups beside the compute ratio of the same window: S (C + K + W) / ((S + 1) C)
     assert by[("window-sweep", "rolling", 4)]["compute_ratio"] == pytest.approx(vb.compute_ratio(4, 2, 2 + 4))
     assert by[("window-sweep", "window-recompute", 2)]["speedup_vs_recompute"] == pytest.approx(1.0)
@@ -330,7 +355,7 @@ def test_wan_rows_measure_rolling_against_recompute(folders):
     """The tiny Wan group: rolling and window-recompute at two windows, 30 latent frames; the
     cache object constant for rolling after the window filled, recompute's ratio beside the
     compute ratio, no quality columns (random weights)."""
-    result = vb.run(tiny_config(folders, frames=(), windows=(), switches=(), wan_frames=30, wan_windows=(1, 2),
+    result = vb.run(tiny_config(folders, frames=(), windows=(), switches=(), multi_switches=0, wan_frames=30, wan_windows=(1, 2),
                                 wan_size=32))
     rows = result["rows"]
     assert [(r["group"], r["method"], r["window"]) for r in rows] == [
@@ -365,7 +390,7 @@ def test_an_interrupted_bench_leaves_the_finished_groups(folders, tmp_path, monk
 
 
 def test_a_stream_past_the_memory_limit_is_stopped_and_says_so(folders):
-    result = vb.run(tiny_config(folders, windows=(), switches=(), frames=(12,), rss_limit_mb=1.0, warmup=False))
+    result = vb.run(tiny_config(folders, windows=(), switches=(), multi_switches=0, frames=(12,), rss_limit_mb=1.0, warmup=False))
     assert [r["method"] for r in result["rows"]] == list(vb.METHODS)
     for row in result["rows"]:
         assert row["stopped"] == "memory at 2 frames" and "rss_limit_mb (1)" in row["stop_reason"]

@@ -148,7 +148,7 @@ def test_cli_parses_the_video_recipes(tmp_path, ae_dir, capsys):
     from mmspec import cli
 
     args = cli.build_parser().parse_args(["train", "video", "--ae", str(ae_dir), "--out", str(tmp_path / "v")])
-    assert (args.recipe, args.ae, args.steps, args.batch_size) == ("video", str(ae_dir), 3000, 8)
+    assert (args.recipe, args.ae, args.steps, args.batch_size) == ("video", str(ae_dir), 6000, 8)
     with pytest.raises(SystemExit):
         cli.main(["train", "video", "--out", str(tmp_path / "v")])
     assert "the following arguments are required: --ae" in capsys.readouterr().err

@@ -77,19 +77,45 @@ class FlowSampler:
         self.scheduler.set_timesteps(sigmas=self.base, device=device)
         return self.scheduler.sigmas
 
+    def first_step(self, strength: float = 1.0) -> int:
+        """The step a chunk starts from at ``strength`` (diffusers' image-to-image rule:
+        ``steps - min(steps * strength, steps)``, rounded down); 0 at strength 1."""
+        return int(max(self.steps - min(self.steps * strength, self.steps), 0))
+
+    def steps_run(self, strength: float = 1.0) -> int:
+        """Denoising steps (transformer passes, without guidance's doubling) a chunk takes."""
+        return self.steps - self.first_step(strength)
+
     @torch.no_grad()
     def denoise(self, velocity: Callable[[torch.Tensor, float], torch.Tensor], noise: torch.Tensor,
-                guidance_scale: float = 1.0, on_step: OnStep | None = None, generator=None) -> torch.Tensor:
+                guidance_scale: float = 1.0, on_step: OnStep | None = None, generator=None,
+                init: torch.Tensor | None = None, strength: float = 1.0) -> torch.Tensor:
         """The clean latents (B, F, C, h, w) of a chunk from ``noise`` at t = 1. ``velocity(x, t)``
         gets ``[x; x]`` (2B rows, conditional half first) when guided. ``generator``: the fresh
-        noise of ``"renoise"``."""
+        noise of ``"renoise"``.
+
+        With ``init`` (clean latents of the chunk's shape) and ``strength`` in (0, 1): diffusers'
+        image-to-image start (as its Flux and SD3 img2img pipelines): the steps before
+        ``first_step(strength)`` are skipped and the chunk starts from ``init`` noised to that
+        step's sigma by the scheduler's ``scale_noise`` with ``noise``. Strength 1 ignores
+        ``init`` (the plain chunk: bit-identical)."""
         from diffusers.utils.torch_utils import randn_tensor
 
         guided = guidance_scale != 1.0
         s = self.scheduler
         sigmas = self.sigmas(noise.device)  # also resets the scheduler's step index for this chunk
+        first = self.first_step(strength)
         x = noise
+        if first:
+            check(init is not None and init.shape == noise.shape, "init",
+                  f"clean latents of shape {tuple(noise.shape)} when strength < 1", None if init is None else
+                  tuple(init.shape))
+            # no set_begin_index: the steps find their sigma by timestep value, which "renoise"'s
+            # scale_noise needs (it never steps the scheduler)
+            x = s.scale_noise(init.to(noise.dtype), s.timesteps[first:first + 1], noise)
         for i, t in enumerate(s.timesteps):
+            if i < first:
+                continue
             sigma = float(sigmas[i])
             v = velocity(torch.cat([x, x]) if guided else x, sigma)
             if guided:
@@ -110,18 +136,19 @@ class FlowSampler:
 @torch.no_grad()
 def sample_chunk(model, cache: SinkWindowCache, noise: torch.Tensor, prompt: torch.Tensor, sampler: FlowSampler,
                  guidance_scale: float = 1.0, null_prompt: torch.Tensor | None = None, on_step: OnStep | None = None,
-                 generator=None) -> torch.Tensor:
+                 generator=None, init: torch.Tensor | None = None, strength: float = 1.0) -> torch.Tensor:
     """Denoise one chunk with Self-Forcing's cache semantics and return its clean latents.
 
     ``noise`` (B, C_f, C, h, w) at t = 1; ``cache`` (``model.new_cache``) holds ``2B`` rows
     ``[cond; uncond]`` when ``guidance_scale != 1`` (``null_prompt``: the second half's rows),
-    else ``B``. ``begin_chunk`` opens the chunk: every denoising step writes its K/V into the same
+    else ``B``. ``init`` and ``strength``: ``FlowSampler.denoise``'s image-to-image start. ``begin_chunk`` opens the chunk: every denoising step writes its K/V into the same
     slots; a final pass at t = 0 on the clean latents writes the K/V that stay, and ``commit``
     keeps them with the clean latents and rolls."""
     guided = guidance_scale != 1.0
     prompts = torch.cat([prompt, null_prompt]) if guided else prompt
     cache.begin_chunk()
-    x = sampler.denoise(lambda x, t: model(x, t, prompts, cache=cache), noise, guidance_scale, on_step, generator)
+    x = sampler.denoise(lambda x, t: model(x, t, prompts, cache=cache), noise, guidance_scale, on_step, generator,
+                        init, strength)
     clean = torch.cat([x, x]) if guided else x
     model(clean, 0.0, prompts, cache=cache)
     cache.commit(clean)
@@ -158,7 +185,8 @@ class CachedStream:
     def nbytes(self) -> int:
         return self.cache.nbytes()
 
-    def sample(self, noise, prompt, null, sampler: FlowSampler, guidance_scale, on_step=None, generator=None):
+    def sample(self, noise, prompt, null, sampler: FlowSampler, guidance_scale, on_step=None, generator=None,
+               init=None, strength: float = 1.0):
         if self.grow_to is not None:
             n, chunk = self.frames(), noise.shape[1]
             if n + chunk > self.cache.window_frames:
@@ -168,7 +196,8 @@ class CachedStream:
                         f"the {self.model.rope_frames} frame positions the model's RoPE tells apart (use "
                         "cache_mode='rolling' for unbounded streams)", n)
                 self.cache.grow(min(2 * self.cache.window_frames, self.grow_to))
-        return sample_chunk(self.model, self.cache, noise, prompt, sampler, guidance_scale, null, on_step, generator)
+        return sample_chunk(self.model, self.cache, noise, prompt, sampler, guidance_scale, null, on_step, generator,
+                            init, strength)
 
     def recache(self, prompt_rows, keep_sink: bool) -> int:
         """LongLive's re-cache; returns the transformer passes it ran (0 when nothing was cached)."""
@@ -197,7 +226,8 @@ class RecomputeStream:
     def nbytes(self) -> int:
         return sum(0 if t is None else t.nbytes for t in (self.latents, self.prompts))
 
-    def sample(self, noise, prompt, null, sampler: FlowSampler, guidance_scale, on_step=None, generator=None):
+    def sample(self, noise, prompt, null, sampler: FlowSampler, guidance_scale, on_step=None, generator=None,
+               init=None, strength: float = 1.0):
         guided = guidance_scale != 1.0
         rows = torch.cat([prompt, null]) if guided else prompt  # (R, ...)
         R, n, C = rows.shape[0], self.frames(), noise.shape[1]
@@ -213,7 +243,7 @@ class RecomputeStream:
             times = torch.cat([torch.zeros(R, n), torch.full((R, C), t)], 1).to(x.device)
             return self.model(torch.cat([self.latents, x], 1), times, context, cache=fresh)[:, n:]
 
-        x = sampler.denoise(velocity, noise, guidance_scale, on_step, generator)
+        x = sampler.denoise(velocity, noise, guidance_scale, on_step, generator, init, strength)
         clean = torch.cat([x, x]) if guided else x
         latents = clean if self.latents is None else torch.cat([self.latents, clean], 1)
         self.latents, self.prompts = self._keep(latents), self._keep(prompts)

@@ -20,6 +20,11 @@ guidance and steps unless set. Four groups of rows:
   ``direction``) at frame ``switch_at`` (LongLive's re-cache, Yang et al., 2025): frames until
   the judge reports the new value, and the frame-to-frame pixel change at the switch against the
   stream's median (and the same ratio on real rendered clips with that switch).
+- ``multi-switch``: ``rolling`` streams of ``multi_switches + 1`` prompts, the colour moving on
+  to the next palette colour every ``multi_switch_every`` frames: the colour accuracy of every
+  prompt segment (``colour_min_segment``: the worst segment of any stream; judge and pixels
+  agreeing, as the colour switch measures) and, per switch, frames until the new colour holds
+  (``multi_switch_within_2_chunks``: the share of switches that took hold within two chunks).
 
 - ``wan-tiny``: diffusers' Wan classes through ``StreamingVideoPipeline.from_wan``, tiny and
   random (``mmspec.bench.wan_tiny``, ``wan_size`` pixels; ``WAN_NOTE`` says the shape):
@@ -100,6 +105,8 @@ class VideoBenchConfig:
     switches: tuple = SWITCH_FIELDS
     switch_at: int = 48
     switch_frames: int = 144
+    multi_switches: int = 2  # prompt switches per stream in the multi-switch group; 0 skips it
+    multi_switch_every: int = 48  # frames per prompt segment there
     prompts: tuple = DEFAULT_PROMPTS
     seed: int = 0
     guidance_scale: float | None = None  # None: the transformer config's
@@ -137,7 +144,11 @@ class VideoBenchConfig:
               f"a sequence of {', '.join(SWITCH_FIELDS)}", self.switches)
         check(isinstance(self.prompts, (tuple, list)) and len(self.prompts) >= 1, "prompts",
               "a non-empty sequence of prompts", self.prompts)
-        for name in ("sweep_frames", "switch_frames", "quality_frames", "hold_frames", "reference_frames"):
+        check(isinstance(self.multi_switches, int) and not isinstance(self.multi_switches, bool)
+              and self.multi_switches >= 0, "multi_switches", "an int >= 0 (0 skips the multi-switch group)",
+              self.multi_switches)
+        for name in ("sweep_frames", "switch_frames", "quality_frames", "hold_frames", "reference_frames",
+                     "multi_switch_every"):
             check(pos(getattr(self, name)), name, "an int >= 1", getattr(self, name))
         check(pos(self.switch_at) and self.switch_at < self.switch_frames, "switch_at",
               f"an int in [1, switch_frames ({self.switch_frames}))", self.switch_at)
@@ -528,8 +539,9 @@ def _row(run: _Run, cfg: VideoBenchConfig, fit_from: int, steps: int, chunk: int
     ok = steady & np.isfinite(adj_ms)
     adj = fit_slope(starts[ok], adj_ms[ok], resamples=cfg.bootstrap_resamples, seed=cfg.bootstrap_seed)
     med = float(np.median(lat_ms)) if len(lat_ms) else None
+    # every column in every row, None where it does not apply
     row = dict(switch=None, speedup_vs_recompute=None, compute_ratio=None, switch_frames_to_new=None,
-               switch_jump_ratio=None)  # every column in every row, None where it does not apply
+               switch_jump_ratio=None, colour_min_segment=None)
     row.update(run.label)
     row.update(frames=run.frames, frames_done=run.done, chunk=chunk, steps=steps, batch=batch,
                fps=batch * run.done / seconds if seconds else None, latency_ms_median=med,
@@ -709,6 +721,25 @@ def run(cfg: VideoBenchConfig, progress=None, json_path: str | os.PathLike | Non
             rows.append(row)
         save()
 
+    # 2b. several switches per stream: the colour moves on every multi_switch_every frames
+    if cfg.multi_switches:
+        n_seg, every = cfg.multi_switches + 1, cfg.multi_switch_every
+        say(f"multi-switch: {n_seg} prompts per stream, the colour switching every {every} frames")
+        schedule = _colour_cycle(texts, n_seg, every, model.prompt_vocab)
+        kw = dict(base, prompts=schedule, num_frames=n_seg * every)
+        if cfg.warmup:
+            _warm(pipe, dict(kw, generator=gens()), every + 2 * C)
+        r = _Run(dict(method="prompt-switch", group="multi-switch", switch=f"colour x{cfg.multi_switches}", window=W,
+                      sink=K), dict(kw, generator=gens()), n_seg * every, (n_seg * every, cfg.quality_frames))
+        _lockstep(pipe, [r], cfg, say)
+        row = _row(r, cfg, K + W + C, steps, C, B)
+        quality = _quality(r, texts, schedule[1:], judge, cfg)
+        row.update({k: v for k, v in quality.items() if not k.startswith("_")})
+        row.update(_segment_measures(quality, schedule, n_seg * every, cfg, C, judge is not None))
+        row["switched_at"] = [start for start, sw in zip(r.starts, r.switched) if sw]  # re-cached chunks
+        rows.append(row)
+        save()
+
     # 3. per frame count: every method at the trained sink and window
     for n in cfg.frames:
         say(f"{n} frames: {', '.join(cfg.methods)} in lockstep")
@@ -843,6 +874,51 @@ def _switch_measures(r: _Run, quality: dict, old: list[str], new: list[str], fld
                 switch_real_jump_ratio=_real_jump(old, new, cfg, C))
 
 
+def _colour_cycle(texts: list[str], segments: int, every: int, vocab: dict) -> list:
+    """A schedule ``[(0, texts), (every, texts'), ...]``: each segment's prompts take the next
+    palette colour (shape and direction kept)."""
+    from ..training.data.video import VideoPrompt
+
+    schedule = []
+    for k in range(segments):
+        new = []
+        for text in texts:
+            p = VideoPrompt.parse(text)
+            new.append(VideoPrompt((p.colour + k) % len(vocab["colour"]), p.shape, p.direction).text)
+        schedule.append((k * every, new))
+    return schedule
+
+
+def _segment_measures(quality: dict, schedule: list, n_frames: int, cfg: VideoBenchConfig, C: int,
+                      judged: bool) -> dict:
+    """Per stream and prompt segment of a colour-cycling schedule: the share of the segment's
+    frames showing its colour (judge and pixels agreeing, pixels alone without a judge), and per
+    switch the frames until the new colour holds ``hold_frames`` frames in a row."""
+    from ..training.data.video import VideoPrompt
+
+    seen = quality["_seen_head"]
+    bounds = [start for start, _ in schedule] + [n_frames]
+    segment_acc, until = [], []
+    for b, frames_seen in enumerate(seen):
+        shown = frames_seen["colour"]
+        if judged:
+            shown = torch.where(frames_seen["judge_colour"] == shown, shown, -1)
+        accs = []
+        for k, (start, texts) in enumerate(schedule):
+            want = VideoPrompt.parse(texts[b]).colour
+            accs.append(float((shown[start:bounds[k + 1]] == want).float().mean()))
+            if k:
+                until.append(frames_until(shown == want, start, cfg.hold_frames))
+        segment_acc.append(accs)
+    return dict(multi_switch_every=cfg.multi_switch_every, colour_segments=segment_acc,
+                colour_min_segment=min(min(a) for a in segment_acc),
+                colour_mean_segment=float(np.mean(segment_acc)),
+                switch_frames_to_new=float(np.mean([u for u in until if u is not None])) if any(
+                    u is not None for u in until) else None,
+                switch_frames_to_new_each=until,
+                multi_switch_within_2_chunks=float(np.mean([u is not None and u < 2 * C for u in until])))
+
+
 def _real_jump(old: list[str], new: list[str], cfg: VideoBenchConfig, C: int) -> float | None:
     """``switch_jump_ratio`` of real rendered clips with the same switch (mean over prompts): the
     jump a switch makes in the data itself (a colour switch repaints the object in one frame)."""
@@ -882,7 +958,8 @@ VIDEO_COLUMNS = [
     ("rss_slope", "MB/1k fr"), ("cache_mb", "cache MB"),
     ("speedup_vs_recompute", "x recompute"), ("compute_ratio", "compute x"), ("class_acc_first", "class first"),
     ("class_acc_last", "class last"), ("direction_acc_first", "dir first"), ("direction_acc_last", "dir last"),
-    ("switch_frames_to_new", "switch frames"), ("switch_jump_ratio", "jump/median"), ("stopped", "stopped"),
+    ("switch_frames_to_new", "switch frames"), ("switch_jump_ratio", "jump/median"),
+    ("colour_min_segment", "colour worst seg"), ("stopped", "stopped"),
 ]
 
 __all__ = ["VideoBenchConfig", "VIDEO_COLUMNS", "accuracy", "compute_ratio", "fit_slope", "frames_until",

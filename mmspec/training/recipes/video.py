@@ -6,10 +6,11 @@ is longer than the attention the model gets (a clip of ``clip_frames`` frames; a
 the sink and a window of at most ``window_frames`` frames, the window drawn per step, keys at
 cache-order positions), and it runs the two-stream plan (``ChunkPlan.two_stream``), which is
 exactly the rolling cache's computation. The context stream stands for the committed frames and
-is, per clip, either the clean latents, the latents noised to a small t (diffusion forcing's
-noisy context; the commit pass still says t = 0 at inference, so the model learns not to trust
-the context blindly), or, on some steps, the model's own one-step predictions (its imperfect
-outputs, labelled t = 0, as they are at inference). Clips with a prompt switch carry the new
+is, per step, the model's own stream over the batch through the inference pipeline (a
+*self-rollout*: ``self_rollout``, ``TwoStreamLoss``; frames evicted inside the clip, re-cache at
+its prompt switches), or the model's one-step predictions, or the clean latents, per clip noised
+to a small t (diffusion forcing's noisy context; the commit pass still says t = 0 at inference,
+so the model learns not to trust the context blindly). Clips with a prompt switch carry the new
 prompt on every frame, context included (what a LongLive re-cache of the whole visible set
 gives), and are trained only on the chunks from the switch on.
 """
@@ -134,28 +135,77 @@ def train_video_ae(out_dir: str | Path, *, steps: int, batch_size: int = 32, lr:
 
 
 # -- the video transformer ---------------------------------------------------------------------
+def schedule_texts(prompt: torch.Tensor) -> list[tuple[int, list[str]]]:
+    """A stream schedule ``[(start frame, texts), ...]`` (``StreamingVideoPipeline.stream``'s
+    ``prompts``) from per-frame prompt ids (B, N, 3): an entry wherever some clip's prompt
+    changes."""
+    changed = (prompt[:, 1:] != prompt[:, :-1]).any(-1).any(0)  # (N - 1,)
+    starts = [0] + [int(f) + 1 for f in changed.nonzero().flatten()]
+    return [(f, [VideoPrompt(*map(int, row)).text for row in prompt[:, f]]) for f in starts]
+
+
+@torch.no_grad()
+def self_rollout(pipe, latents: torch.Tensor, prompt: torch.Tensor, window_frames: int, strength: float,
+                 seed: int, guidance_scale: float | None = None, num_inference_steps: int | None = None) -> torch.Tensor:
+    """The model's own stream over a training batch, anchored to its clips: ``pipe.stream`` (the
+    rolling ``SinkWindowCache``, the clean commit pass, LongLive's re-cache at every prompt change,
+    CFG: the inference code itself) with ``video_latents=latents`` at ``strength`` (each chunk
+    starts from the clip's chunk noised to that step's sigma and is denoised by the model from
+    there), the window ``window_frames``, prompts from the per-frame ids (B, N, 3)
+    (``schedule_texts``), noise from ``torch.Generator().manual_seed(seed)``. Returns the clean
+    latents (B, N, C, h, w) the stream committed."""
+    chunks = pipe.stream(prompts=schedule_texts(prompt), num_frames=latents.shape[1], video_latents=latents,
+                         strength=strength, window_frames=window_frames, guidance_scale=guidance_scale,
+                         num_inference_steps=num_inference_steps, generator=torch.Generator().manual_seed(seed),
+                         output_type="latent")
+    return torch.cat([chunk.latents for chunk in chunks], 1)
+
+
 class TwoStreamLoss:
     """The video DiT's training loss on a batch ``(latents (B, N, C, h, w), prompt ids (B, N, 3),
     switch frames (B,))``: flow matching on the query stream of the two-stream plan.
 
+    The context stream (what the query chunks attend to, labelled t = 0 as committed frames are)
+    is, per step, one of:
+
+    - a *self-rollout* (probability ``rollout_prob``; needs ``pipe``): the model's own stream over
+      the batch through the inference code (``self_rollout``: rolling cache with this step's
+      window, so frames are evicted inside the clip, re-cache at the clips' prompt switches, the
+      pipeline's default steps and guidance), anchored to the clips by starting each chunk from
+      the clip's chunk at a strength drawn from U(``rollout_strength``). This is the CPU-sized
+      stand-in for Self-Forcing's training on its own rollouts (Huang et al., 2025): Self-Forcing
+      scores the rollout with distribution matching (DMD); here the loss stays flow matching on
+      the *true* next chunks given the self-generated context, which the anchoring keeps
+      consistent with them (the object is where the clip has it, drawn by the model with its own
+      errors), so the model learns to continue, and to correct, its own outputs;
+    - the model's one-step predictions of x0 from the query stream at t ~ U(0.1, 0.6)
+      (probability ``self_context_prob``, when no rollout);
+    - else the clean latents, per clip noised to t ~ U(0, ``context_noise``) with probability
+      ``noisy_context_prob`` (diffusion forcing's noisy context).
+
     Args:
         window_choices: window sizes (frames) drawn uniformly per step.
-        noisy_context_prob: per clip, the probability that the context is noised (to t ~ U(0,
-            ``context_noise``)) rather than clean.
-        self_context_prob: per step, the probability that a no-grad pass first predicts x0 from
-            the query stream at t ~ U(0.1, 0.6) and those predictions become the context of the
-            clips (labelled t = 0).
+        pipe: a ``StreamingVideoPipeline`` around the model being trained (for rollouts).
     """
 
     def __init__(self, model: VideoDiTModel, num_frames: int, window_choices: list[int], generator: torch.Generator,
-                 noisy_context_prob: float = 0.3, context_noise: float = 0.2, self_context_prob: float = 0.25):
+                 noisy_context_prob: float = 0.3, context_noise: float = 0.2, self_context_prob: float = 0.25,
+                 rollout_prob: float = 0.0, rollout_strength: tuple[float, float] = (0.3, 0.8), pipe=None):
         cfg = model.config
+        for name, value in (("noisy_context_prob", noisy_context_prob), ("context_noise", context_noise),
+                            ("self_context_prob", self_context_prob), ("rollout_prob", rollout_prob)):
+            check(isinstance(value, (int, float)) and 0 <= value <= 1, name, "a number in [0, 1]", value)
+        lo, hi = rollout_strength
+        check(0 < lo <= hi <= 1, "rollout_strength", "(low, high) with 0 < low <= high <= 1", rollout_strength)
+        check(rollout_prob == 0 or pipe is not None, "pipe", "a StreamingVideoPipeline when rollout_prob > 0", pipe)
         self.C, self.N, self.P = cfg.chunk_frames, num_frames, model.tokens_per_frame
         self.plans = {w: ChunkPlan.two_stream(num_frames, self.C, self.P, cfg.sink_frames, w) for w in window_choices}
         self.windows = list(window_choices)
         self.generator = generator
         self.noisy_context_prob, self.context_noise, self.self_context_prob = (noisy_context_prob, context_noise,
                                                                                self_context_prob)
+        self.rollout_prob, self.rollout_strength, self.pipe = rollout_prob, (float(lo), float(hi)), pipe
+        self.last_rollout: dict | None = None  # the knobs of the last step's rollout (None: it had none)
 
     def per_chunk(self, values: torch.Tensor) -> torch.Tensor:
         return values.repeat_interleave(self.C, dim=1)  # (B, chunks) -> (B, N)
@@ -166,7 +216,16 @@ class TwoStreamLoss:
         g = self.generator
         rand = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
         randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
-        plan = self.plans[self.windows[int(torch.randint(len(self.windows), (1,), generator=g))]]
+        window = self.windows[int(torch.randint(len(self.windows), (1,), generator=g))]
+        plan = self.plans[window]
+        self.last_rollout = None
+        rolled = self.rollout_prob > 0 and float(rand(1)) < self.rollout_prob
+        if rolled:  # before the prompts are changed below: the stream sees the clips' own schedules
+            lo, hi = self.rollout_strength
+            strength = lo + (hi - lo) * float(rand(1))
+            seed = int(torch.randint(2**62, (1,), generator=g))
+            self.last_rollout = dict(window=window, strength=strength, seed=seed)
+            rollout_context = self_rollout(self.pipe, x0, prompt, window, strength, seed)
         # a switched clip carries the new prompt everywhere and learns from the switch on
         prompt = torch.where((switch >= 0)[:, None, None], prompt[:, -1:].expand_as(prompt), prompt)
         prompt = model.drop_prompts(prompt, g)
@@ -178,7 +237,9 @@ class TwoStreamLoss:
         noisy = rand(B) < self.noisy_context_prob
         t_ctx = torch.where(noisy[:, None], self.per_chunk(rand(B, N // self.C)) * self.context_noise, 0.0)
         context = (1 - bcast(t_ctx)) * x0 + bcast(t_ctx) * randn(x0.shape)
-        if float(rand(1)) < self.self_context_prob:  # the model's own one-step predictions
+        if rolled:
+            context, t_ctx = rollout_context, torch.zeros(B, N)
+        elif float(rand(1)) < self.self_context_prob:  # the model's own one-step predictions
             t_s = self.per_chunk(0.1 + 0.5 * rand(B, N // self.C))
             x_s = (1 - bcast(t_s)) * x0 + bcast(t_s) * randn(x0.shape)
             with torch.no_grad():
@@ -292,10 +353,12 @@ def eval_schedules(n: int, clip_frames: int, chunk: int) -> list[list[tuple[int,
 def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_size: int, lr: float, seed: int = 0,
                 dataset_size: int, clip_frames: int = 18, heldout_size: int = 32, model_config: dict | None = None,
                 switch_prob: float = 0.25, eval_frames: int = 48, eval_clips: int = 12, log_every: int = 50,
-                warmup: int = 100, log: Callable[[str], None] = print) -> dict:
+                warmup: int = 100, rollout_prob: float = 0.0, rollout_strength: tuple[float, float] = (0.3, 0.8),
+                log: Callable[[str], None] = print) -> dict:
     """Train a ``VideoDiTModel`` with AdamW on ``VideoClipDataset(dataset_size, seed, clip_frames,
     switch_prob=switch_prob, style=VIDEO_DATA_STYLE)`` encoded once by the autoencoder in
-    ``ae_dir``, with the two-stream loss (``TwoStreamLoss``; module docstring), and save it to ``out_dir`` (fp16 safetensors,
+    ``ae_dir``, with the two-stream loss (``TwoStreamLoss``; module docstring; ``rollout_prob``
+    and ``rollout_strength``: its self-rollouts through the streaming pipeline), and save it to ``out_dir`` (fp16 safetensors,
     atomically) with ``train_log.json`` and ``samples.png`` (``eval_clips`` streams of
     ``eval_frames`` frames, every other frame; every third stream switches its prompt mid-way).
 
@@ -344,7 +407,12 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, steps=steps))
     order = torch.Generator().manual_seed(seed)
     windows = list(range(C, config["window_frames"] + 1, C))
-    loss = TwoStreamLoss(model, clip_frames, windows, torch.Generator().manual_seed(seed + 1))
+    from ...pipelines.video import StreamingVideoPipeline
+
+    pipe = StreamingVideoPipeline(vae=ae, transformer=model)
+    pipe.set_progress_bar_config(disable=True)
+    loss = TwoStreamLoss(model, clip_frames, windows, torch.Generator().manual_seed(seed + 1),
+                         rollout_prob=rollout_prob, rollout_strength=tuple(rollout_strength), pipe=pipe)
     batches = ((latents[idx], prompts[idx], switches[idx])
                for idx in batch_indices(dataset_size, batch_size, steps, order))
     final_loss = train_loop(model, optimizer, batches, loss, steps=steps, accelerator=accelerator, schedule=schedule,
@@ -364,7 +432,8 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
                   "optimizer": "AdamW", "betas": [0.9, 0.95],
                   "weight_decay": 0.01, "grad_clip": 1.0, "schedule": f"linear warmup {warmup} steps, cosine to 10%",
                   "noisy_context_prob": loss.noisy_context_prob, "context_noise": loss.context_noise,
-                  "self_context_prob": loss.self_context_prob, "train_time_s": train_time},
+                  "self_context_prob": loss.self_context_prob, "rollout_prob": loss.rollout_prob,
+                  "rollout_strength": list(loss.rollout_strength), "train_time_s": train_time},
         "ae_dir": str(ae_path.resolve()), "final_loss": final_loss, "heldout_loss": held,
         "rollout": {"clips": eval_clips, "frames": eval_frames, "colour_acc": metrics["colour_acc"],
                     "direction_acc": metrics["direction_acc"], "schedules": [[(s, p.text) for s, p in sch]
