@@ -46,7 +46,7 @@
                                      accelerate launch --num_processes 2 -m mmspec train vlm-draft ...
     mmspec train video-ae --out DIR  rebuild the streaming video model's frame autoencoder (about 6 min)
     mmspec train video --ae DIR --out DIR
-                                     rebuild its chunk-causal video transformer (about 30 min)
+                                     rebuild its chunk-causal video transformer (about 57 min)
     mmspec train video-judge --out DIR [--ae DIR]
                                      rebuild the video bench's frame judge (colour, shape; about 2.5 min)
     mmspec train continuous-tokenizer --out DIR [--classifier DIR]
@@ -630,9 +630,9 @@ TRAIN_DEFAULTS = {
     # two threads, batch 32: ~0.95 s per target step (~26 min), ~0.1 s per draft-VLM step
     "vlm": dict(steps=1600, batch_size=32, lr=1e-3, dataset_size=16000),
     "vlm-draft": dict(steps=1000, batch_size=16, lr=1e-3, dataset_size=8000),
-    # one thread: ~0.12 s per autoencoder step at batch 16 (dataset_size in frames), ~0.8 s per
-    # video step at batch 8 (dataset_size in clips of 18 frames): 172 s and 2,513 s for the bundled
-    # runs, each at one thread beside another training
+    # two threads, alone: the autoencoder (dataset_size in frames) 57 s with rendering; the video
+    # transformer (dataset_size in clips of 18 frames) ~0.53 s per step with self-rollouts on 30%
+    # of them, 3,386 s for the bundled weights: 57.4 minutes from a seed
     "video-ae": dict(steps=1500, batch_size=16, lr=2e-3, dataset_size=4096),
     "video": dict(steps=6000, batch_size=8, lr=1e-3, dataset_size=4096),
     # one thread, batch 64: ~0.12 s per step, about 2.5 minutes with rendering (dataset_size in frames)
