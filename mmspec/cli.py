@@ -93,7 +93,6 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(message, self.prog)
 
 
-
 def _progress(msg: str) -> None:
     print(f"  .. {msg}", file=sys.stderr, flush=True)
 
@@ -701,8 +700,8 @@ def _add_train_parser(sub) -> None:
                            default=VIDEO_ROLLOUT["rollout_prob"],
                            help="share of steps whose context is the model's own stream through the rolling cache "
                                 f"(self-rollout; default {VIDEO_ROLLOUT['rollout_prob']})")
-            p.add_argument("--rollout-strength", type=_number(float, 0, strict=True, high=1), nargs=2, metavar=("LOW", "HIGH"),
-                           default=VIDEO_ROLLOUT["rollout_strength"],
+            p.add_argument("--rollout-strength", type=_number(float, 0, strict=True, high=1), nargs=2,
+                           metavar=("LOW", "HIGH"), default=VIDEO_ROLLOUT["rollout_strength"],
                            help="each rollout starts its chunks from the clip's at a strength drawn from "
                                 "[LOW, HIGH] (default %(default)s)")
         if name == "video-judge":

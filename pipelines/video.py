@@ -397,12 +397,13 @@ class StreamingVideoPipeline(PipelineBase):
             height, width: the video's size in pixels (Wan; None: ``stream_defaults()``); the
                 bundled model has one size.
             video_latents, strength: streaming video-to-video (diffusers' image-to-image
-                ``strength``, per chunk as StreamDiffusionV2 streams): chunk c starts from
+                ``strength``, applied chunk by chunk): chunk c starts from
                 ``video_latents[:, c * chunk_frames ...]`` (B, frames, C, h, w), clean latents in
                 the transformer's space, noised to the sigma of step ``first_step(strength)`` of
                 ``num_inference_steps``, and takes only the steps from there. The cache, the clean
                 commit pass and prompt switches are as without. ``num_frames`` defaults to the
-                latents' frames. Strength 1 (default) starts from pure noise and ignores them; the
+                latents' frames; a last chunk past them starts from their last frame repeated.
+                Strength 1 (default) starts from pure noise and ignores them, bit for bit; the
                 training recipe's self-rollouts (``mmspec.training.recipes.video``) use this.
         """
         setup = self.check_inputs(prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps,

@@ -203,6 +203,45 @@ def test_pipeline_strength_counts_its_passes_and_matches_the_recompute_baseline(
     assert torch.equal(streamed, rolled.frames)
 
 
+def test_first_step_is_diffusers_sd3_img2img_get_timesteps():
+    """``first_step`` / ``steps_run`` and the timestep a chunk starts from are what diffusers'
+    ``StableDiffusion3Img2ImgPipeline.get_timesteps`` gives for the same scheduler, steps and
+    strength."""
+    from types import SimpleNamespace
+
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Img2ImgPipeline
+
+    for steps in (1, 4, 8, 10):
+        sampler = FlowSampler(FlowMatchEulerDiscreteScheduler(shift=3.0), steps)
+        sampler.sigmas()
+        scheduler = sampler.scheduler
+        for strength in (0.01, 0.25, 0.3, 0.5, 0.77, 1.0):
+            timesteps, run = StableDiffusion3Img2ImgPipeline.get_timesteps(
+                SimpleNamespace(scheduler=scheduler), steps, strength, "cpu")
+            first = sampler.first_step(strength)
+            assert sampler.steps_run(strength) == run == len(timesteps)
+            assert torch.equal(scheduler.timesteps[first:], timesteps)
+        scheduler._begin_index = None  # get_timesteps set it; FlowSampler never does
+
+
+def test_strength_one_is_the_plain_stream_and_a_short_last_chunk_repeats_the_last_frame():
+    """At strength 1 the given latents change nothing, bit for bit. With 11 frames of latents
+    and ``num_frames`` 11 (chunks of 2), the last chunk starts from frame 10 repeated: the same
+    stream as with a twelfth frame equal to the eleventh (and not as with the clip's own twelfth)."""
+    pipe = tiny_pipe()
+    x0, prompt, _ = batch()
+    texts = schedule_texts(prompt)[0][1]
+    run = lambda **kw: pipe(prompt=texts, generator=torch.Generator().manual_seed(0), output_type="latent",  # noqa: E731
+                            **kw).frames
+    assert torch.equal(run(num_frames=N), run(num_frames=N, video_latents=x0, strength=1.0))
+    short = x0[:, :11]
+    padded = torch.cat([short, short[:, -1:]], 1)
+    got = run(num_frames=11, video_latents=short, strength=0.5)
+    assert got.shape[1] == 11
+    assert torch.equal(got, run(num_frames=11, video_latents=padded, strength=0.5))
+    assert not torch.equal(got, run(num_frames=11, video_latents=x0, strength=0.5))
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(strength=0.5), "strength must be 1 without video_latents"),
     (dict(strength=0.0, video_latents=torch.zeros(2, N, 4, 8, 8)), r"strength must be a number in \(0, 1\]"),

@@ -95,7 +95,7 @@ class FlowSampler:
         noise of ``"renoise"``.
 
         With ``init`` (clean latents of the chunk's shape) and ``strength`` in (0, 1): diffusers'
-        image-to-image start (as its Flux and SD3 img2img pipelines): the steps before
+        image-to-image start (its SD3 img2img pipeline's ``get_timesteps``): the steps before
         ``first_step(strength)`` are skipped and the chunk starts from ``init`` noised to that
         step's sigma by the scheduler's ``scale_noise`` with ``noise``. Strength 1 ignores
         ``init`` (the plain chunk: bit-identical)."""
@@ -113,10 +113,8 @@ class FlowSampler:
             # no set_begin_index: the steps find their sigma by timestep value, which "renoise"'s
             # scale_noise needs (it never steps the scheduler)
             x = s.scale_noise(init.to(noise.dtype), s.timesteps[first:first + 1], noise)
-        for i, t in enumerate(s.timesteps):
-            if i < first:
-                continue
-            sigma = float(sigmas[i])
+        for i in range(first, len(s.timesteps)):
+            t, sigma = s.timesteps[i], float(sigmas[i])
             v = velocity(torch.cat([x, x]) if guided else x, sigma)
             if guided:
                 v_cond, v_uncond = v.chunk(2)
@@ -141,8 +139,9 @@ def sample_chunk(model, cache: SinkWindowCache, noise: torch.Tensor, prompt: tor
 
     ``noise`` (B, C_f, C, h, w) at t = 1; ``cache`` (``model.new_cache``) holds ``2B`` rows
     ``[cond; uncond]`` when ``guidance_scale != 1`` (``null_prompt``: the second half's rows),
-    else ``B``. ``init`` and ``strength``: ``FlowSampler.denoise``'s image-to-image start. ``begin_chunk`` opens the chunk: every denoising step writes its K/V into the same
-    slots; a final pass at t = 0 on the clean latents writes the K/V that stay, and ``commit``
+    else ``B``. ``init`` and ``strength``: ``FlowSampler.denoise``'s image-to-image start.
+    ``begin_chunk`` opens the chunk: every denoising step writes its K/V into the same slots; a
+    final pass at t = 0 on the clean latents writes the K/V that stay, and ``commit``
     keeps them with the clean latents and rolls."""
     guided = guidance_scale != 1.0
     prompts = torch.cat([prompt, null_prompt]) if guided else prompt

@@ -657,7 +657,6 @@ def check_pipeline(name: str, device: str = "cuda", *, dtypes: tuple[str, ...] =
     return result
 
 
-
 # -- command line ---------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``[--out DIR] [--dry-run] [--budget S] [--steps ...] [--device D]``, and the hidden

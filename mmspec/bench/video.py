@@ -846,9 +846,7 @@ def _switch_measures(r: _Run, quality: dict, old: list[str], new: list[str], fld
     for b in range(head.shape[0]):
         o, nw = VideoPrompt.parse(old[b]), VideoPrompt.parse(new[b])
         if fld == "colour":
-            shown = seen[b]["colour"]
-            if judged:
-                shown = torch.where(seen[b]["judge_colour"] == shown, shown, -1)
+            shown = _shown_colour(seen[b], judged)
             reports_new, reports_old = shown == nw.colour, shown[:s] == o.colour
         else:
             d = seen[b]["direction"]  # step f-1 -> f reported at frame f
@@ -872,6 +870,14 @@ def _switch_measures(r: _Run, quality: dict, old: list[str], new: list[str], fld
                 switch_latency_ms=1000 * float(np.mean([t for t, sw in zip(r.latency, r.switched) if sw]))
                 if any(r.switched) else None,
                 switch_real_jump_ratio=_real_jump(old, new, cfg, C))
+
+
+def _shown_colour(seen: dict, judged: bool) -> torch.Tensor:
+    """(F,) the colour each frame shows (``judge_frames`` output): the pixels' colour where the
+    judge's colour head agrees (a head forced to pick a colour does not count on a frame without
+    one), -1 elsewhere; the pixels alone without a judge."""
+    shown = seen["colour"]
+    return torch.where(seen["judge_colour"] == shown, shown, -1) if judged else shown
 
 
 def _colour_cycle(texts: list[str], segments: int, every: int, vocab: dict) -> list:
@@ -900,9 +906,7 @@ def _segment_measures(quality: dict, schedule: list, n_frames: int, cfg: VideoBe
     bounds = [start for start, _ in schedule] + [n_frames]
     segment_acc, until = [], []
     for b, frames_seen in enumerate(seen):
-        shown = frames_seen["colour"]
-        if judged:
-            shown = torch.where(frames_seen["judge_colour"] == shown, shown, -1)
+        shown = _shown_colour(frames_seen, judged)
         accs = []
         for k, (start, texts) in enumerate(schedule):
             want = VideoPrompt.parse(texts[b]).colour

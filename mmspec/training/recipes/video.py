@@ -135,6 +135,10 @@ def train_video_ae(out_dir: str | Path, *, steps: int, batch_size: int = 32, lr:
 
 
 # -- the video transformer ---------------------------------------------------------------------
+# the strengths a self-rollout's chunks start from (TwoStreamLoss): drawn from U(low, high)
+ROLLOUT_STRENGTH = (0.3, 0.8)
+
+
 def schedule_texts(prompt: torch.Tensor) -> list[tuple[int, list[str]]]:
     """A stream schedule ``[(start frame, texts), ...]`` (``StreamingVideoPipeline.stream``'s
     ``prompts``) from per-frame prompt ids (B, N, 3): an entry wherever some clip's prompt
@@ -146,7 +150,8 @@ def schedule_texts(prompt: torch.Tensor) -> list[tuple[int, list[str]]]:
 
 @torch.no_grad()
 def self_rollout(pipe, latents: torch.Tensor, prompt: torch.Tensor, window_frames: int, strength: float,
-                 seed: int, guidance_scale: float | None = None, num_inference_steps: int | None = None) -> torch.Tensor:
+                 seed: int, guidance_scale: float | None = None,
+                 num_inference_steps: int | None = None) -> torch.Tensor:
     """The model's own stream over a training batch, anchored to its clips: ``pipe.stream`` (the
     rolling ``SinkWindowCache``, the clean commit pass, LongLive's re-cache at every prompt change,
     CFG: the inference code itself) with ``video_latents=latents`` at ``strength`` (each chunk
@@ -190,7 +195,7 @@ class TwoStreamLoss:
 
     def __init__(self, model: VideoDiTModel, num_frames: int, window_choices: list[int], generator: torch.Generator,
                  noisy_context_prob: float = 0.3, context_noise: float = 0.2, self_context_prob: float = 0.25,
-                 rollout_prob: float = 0.0, rollout_strength: tuple[float, float] = (0.3, 0.8), pipe=None):
+                 rollout_prob: float = 0.0, rollout_strength: tuple[float, float] = ROLLOUT_STRENGTH, pipe=None):
         cfg = model.config
         for name, value in (("noisy_context_prob", noisy_context_prob), ("context_noise", context_noise),
                             ("self_context_prob", self_context_prob), ("rollout_prob", rollout_prob)):
@@ -353,13 +358,13 @@ def eval_schedules(n: int, clip_frames: int, chunk: int) -> list[list[tuple[int,
 def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_size: int, lr: float, seed: int = 0,
                 dataset_size: int, clip_frames: int = 18, heldout_size: int = 32, model_config: dict | None = None,
                 switch_prob: float = 0.25, eval_frames: int = 48, eval_clips: int = 12, log_every: int = 50,
-                warmup: int = 100, rollout_prob: float = 0.0, rollout_strength: tuple[float, float] = (0.3, 0.8),
+                warmup: int = 100, rollout_prob: float = 0.0, rollout_strength: tuple[float, float] = ROLLOUT_STRENGTH,
                 log: Callable[[str], None] = print) -> dict:
     """Train a ``VideoDiTModel`` with AdamW on ``VideoClipDataset(dataset_size, seed, clip_frames,
     switch_prob=switch_prob, style=VIDEO_DATA_STYLE)`` encoded once by the autoencoder in
     ``ae_dir``, with the two-stream loss (``TwoStreamLoss``; module docstring; ``rollout_prob``
-    and ``rollout_strength``: its self-rollouts through the streaming pipeline), and save it to ``out_dir`` (fp16 safetensors,
-    atomically) with ``train_log.json`` and ``samples.png`` (``eval_clips`` streams of
+    and ``rollout_strength``: its self-rollouts through the streaming pipeline), and save it to
+    ``out_dir`` (fp16 safetensors, atomically) with ``train_log.json`` and ``samples.png`` (``eval_clips`` streams of
     ``eval_frames`` frames, every other frame; every third stream switches its prompt mid-way).
 
     The record: ``recipe``, ``seed``, ``steps``, ``config``, ``train``, ``ae_dir``, ``final_loss``,
