@@ -25,7 +25,7 @@ nearest-neighbour upscaled); the method is a cache mode of the ``"video"`` regis
 
 Continuous jobs: a class prompt (``"a red circle"``, the AR image kind's prompts) through the
 continuous-token pipeline (``assets/continuous``), a method of the ``"continuous"`` registry
-modality (``none``, ``none-diffusion``, ``sd``, ``sd-warmup``, ``path``, ``cspd``) with its knobs
+modality (``none``, ``none-diffusion``, ``sd``, ``sd-warmup``, ``path``, ``cspd``, ``sjd``, ...) with its knobs
 (``sd_gamma``, ``cspd_inner_temperature``, ...), ``guidance_scale`` (2.0) and ``temperature``
 (1.0, > 0); one PNG each.
 

@@ -11,8 +11,9 @@ conventions, as ``SpeculativeARImagePipeline``).
 
 Methods (``mmspec.methods.names("continuous")``): ``none`` and ``none-diffusion`` (target only,
 mixture or diffusion head), ``sd`` and ``sd-warmup`` (lossless speculative sampling on the
-mixture's exact densities), ``path`` (lossless, on the diffusion head's whole denoising path) and
-``cspd`` (CSpD's reference rule, lossy; knob ``cspd_inner_temperature``).
+mixture's exact densities), ``path`` (lossless, on the diffusion head's whole denoising path),
+``cspd`` (CSpD's reference rule, lossy; knob ``cspd_inner_temperature``), and ``sjd`` /
+``sjd-independent`` (lossless speculative Jacobi decoding on the mixture's densities: no draft model).
 """
 
 from __future__ import annotations
@@ -49,10 +50,10 @@ class ContinuousARPipelineOutput(BaseOutput):
 
 
 class SpeculativeContinuousARPipeline(SpeculativePipeline):
-    """A continuous-token AR transformer with a mixture and a diffusion head, a patch tokenizer,
+    """A continuous-token AR transformer with a mixture and a diffusion head, a continuous tokenizer,
     and optionally a small draft model (for ``sd``, ``sd-warmup``, ``path``, ``cspd``).
 
-    Components: ``tokenizer`` (``PatchPCATokenizer``), ``transformer`` (``ContinuousARModel``),
+    Components: ``tokenizer`` (``ConvTokenizer`` or ``PatchPCATokenizer``), ``transformer`` (``ContinuousARModel``),
     ``draft_model`` (a smaller ``ContinuousARModel``, optional). Class names come from the
     transformer's config (``id2label``): ``pipe.labels``, ``pipe.get_label_ids``.
 

@@ -302,7 +302,8 @@ def test_continuous_methods_resolve_build_and_run(pair):
     """Every named method builds from (target, draft_model), runs 3 tokens for 2 classes with CFG,
     and declares its head and losslessness; trees and schedules do not compose."""
     target, draft = pair
-    assert methods.names("continuous") == ("none", "none-diffusion", "sd", "sd-warmup", "path", "cspd")
+    assert methods.names("continuous") == ("none", "none-diffusion", "sd", "sd-warmup", "path", "cspd", "sjd",
+                                           "sjd-independent")
     heads = {}
     for name in methods.names("continuous"):
         recipe = methods.resolve("continuous", name)
@@ -314,7 +315,8 @@ def test_continuous_methods_resolve_build_and_run(pair):
         out = dec.generate([[0], [2]], 3, uncond_input_ids=[[NULL]] * 2, generator=torch.Generator().manual_seed(0))
         assert out.sequences.shape == (2, 3, 2, 2) and torch.isfinite(out.sequences).all(), name
     assert heads == {"none": ("mixture", True), "none-diffusion": ("diffusion", True), "sd": ("mixture", True),
-                     "sd-warmup": ("mixture", True), "path": ("diffusion", True), "cspd": ("diffusion", False)}
+                     "sd-warmup": ("mixture", True), "path": ("diffusion", True), "cspd": ("diffusion", False),
+                     "sjd": ("mixture", True), "sjd-independent": ("mixture", True)}
     assert methods.resolve("continuous", "sd-warmup").configs["sd"].warmup == 0.15
     assert methods.resolve("continuous", "cspd", {"cspd_inner_temperature": 10}).configs["cspd"].inner_temperature == 10
     with pytest.raises(ValueError, match="sd_warmup must be a float in \\[0, 0.95\\], got 1.0"):

@@ -16,8 +16,8 @@ from .cache import SinkWindowCache, SlotKVCache, StaticKVCache
 from .decoder import DecodeOutput, DecodeState, SpeculativeDecoder
 from .distributions import DensityPipeline, Draw, HeadMeter, Residual, TokenDist
 from .lookup import PromptLookupDrafter
-from .drafters import (EagleTreeDrafter, JacobiDrafter, ModelChainDrafter, ModelTreeDrafter, NullDrafter,
-                       ParallelHeadsDrafter)
+from .drafters import (EagleTreeDrafter, JacobiDensityDrafter, JacobiDrafter, ModelChainDrafter, ModelTreeDrafter,
+                       NullDrafter, ParallelHeadsDrafter)
 from .logits import LogitsPipeline
 from .relaxed import (GroupedAcceptance, GroupedAcceptanceConfig, LatentProximityAcceptance,
                       LatentProximityConfig, latent_neighbours)
@@ -30,7 +30,8 @@ from .types import (Acceptance, AcceptanceRule, DecodingSchedule, Drafter, Draft
 __all__ = [
     "Acceptance", "AcceptanceRule", "DecodeOutput", "DecodeState", "DecodingSchedule", "DensityPipeline", "Draw",
     "DraftTree", "Drafter", "DrafterBase", "EagleTreeDrafter", "FeatureHead", "GreedyMatch", "HeadMeter",
-    "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDrafter", "KVCache", "LatentProximityAcceptance",
+    "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDensityDrafter", "JacobiDrafter", "KVCache",
+    "LatentProximityAcceptance",
     "LatentProximityConfig", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter",
     "NextSetSchedule", "NullDrafter", "ParallelHeads", "ParallelHeadsDrafter", "PromptLookupDrafter",
     "RasterSchedule", "Residual", "SchedulePlan",

@@ -94,7 +94,7 @@ class SpeculativeSampling:
         device = p_all.device
         rows = torch.arange(B, device=device)
         n = torch.zeros(B, dtype=torch.long, device=device)
-        emitted = None
+        emitted = logp = None
         if G > 0:
             x = draft.draws
             logp, emitted = self.score(p_all[:, :G], x)  # (B, G)
@@ -111,7 +111,7 @@ class SpeculativeSampling:
                 next_token[r] = dist(r).sample(select_rows(generator, r)).token.to(next_token.dtype)
         depth = torch.arange(G + 1, device=device)
         path = torch.where(depth <= n[:, None], depth, -1)
-        return Acceptance(path=path, num_accepted=n, next_token=next_token, tokens=emitted)
+        return Acceptance(path=path, num_accepted=n, next_token=next_token, tokens=emitted, log_p=logp)
 
     def _chain(self, draft: DraftTree, p_all: torch.Tensor, generator) -> Acceptance:
         """The walk for a chain, all positions at once: the first rejection ends it."""

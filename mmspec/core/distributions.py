@@ -158,14 +158,18 @@ class Residual:
 
     Exact sampler from log-densities alone: repeat y ~ p, u ~ U(0, 1) until ``u < 1 - q(y) / p(y)``;
     the accepted y has density ``p (1 - q/p)^+ / (1 - beta) = r``. Each try succeeds with
-    probability ``1 - beta``, so a rejection costs ``1 / (1 - beta)`` tries on average. After
-    ``max_tries`` tries (``None``: no cap) the last proposal from p is taken instead and counted in
+    probability ``1 - beta``, so a rejection costs ``1 / (1 - beta)`` tries on average (they are
+    drawn ``tries_per_round`` at a time; tries after a row's first success are drawn, not counted,
+    not used). After ``max_tries`` tries (``None``: no cap) the last proposal from p is taken instead and counted in
     ``meter.residual_fallbacks`` (a fraction ``(1 - beta) beta^max_tries`` of residual draws is
     then biased towards p). Rows draw independently (row r only from generator r of a per-row
     tuple, and only while it has not succeeded). Its normaliser ``1 - beta`` has no closed form,
     so ``log_prob`` is refused; that is why continuous tokens need chains (a tree's sibling
     recursion would score the next sibling under r).
     """
+
+    tries_per_round = 4
+    """Tries drawn per pending row in one batched call (fewer Python rounds; the law is the same)."""
 
     def __init__(self, p: TokenDist, q: TokenDist, max_tries: int | None = 1000, meter: HeadMeter | None = None):
         check(max_tries is None or (isinstance(max_tries, int) and max_tries >= 1), "max_tries",
@@ -181,30 +185,47 @@ class Residual:
                          "1 - beta is an integral); continuous tokens are verified in chains")
 
     def sample(self, generator: Generators = None) -> Draw:
+        return self.sample_with_log_p(generator)[0]
+
+    def sample_with_log_p(self, generator: Generators = None) -> tuple[Draw, torch.Tensor]:
+        """``sample``, plus the float64 log-density of each drawn token under p (the residual's
+        own density has no closed form; a Jacobi redraft needs p's, which the tries computed)."""
         p, q = self.p, self.q
         n = p.batch_shape[0]
         device = p.device
         tokens = torch.zeros((n,) + tuple(p.token_shape), dtype=p.token_dtype, device=device)
+        log_p = torch.zeros(n, dtype=torch.float64, device=device)
         pending = torch.arange(n, device=device)
         tries = 0
         while pending.numel() > 0:
-            gen = select_rows(generator, pending)
-            pp, qq = p[pending], q[pending]
+            # ``tries_per_round`` tries of every pending row in one batched call: the tries are
+            # iid, so taking each row's first success is the sequential loop's law; only tries up
+            # to it are counted
+            k = self.tries_per_round if self.max_tries is None else min(self.tries_per_round,
+                                                                        self.max_tries - tries)
+            m = pending.numel()
+            idx = pending.repeat_interleave(k)  # row r's k tries side by side (one generator run)
+            gen = select_rows(generator, idx)
+            pp, qq = p[idx], q[idx]
             y = pp.sample(gen)
             logp = y.log_prob if y.log_prob is not None else pp.log_prob(y)
             logq = qq.log_prob(y)
-            u = rand((pending.numel(),), gen, device, torch.float64)
-            ok = u < -torch.expm1(logq - logp)  # u < 1 - q(y)/p(y)
-            tries += 1
-            take = ok if self.max_tries is None or tries < self.max_tries else torch.ones_like(ok)
+            u = rand((m * k,), gen, device, torch.float64)
+            ok = (u < -torch.expm1(logq - logp)).view(m, k)  # u < 1 - q(y)/p(y)
+            tries += k
+            hit = ok.any(1)
+            take = hit if self.max_tries is None or tries < self.max_tries else torch.ones_like(hit)
+            first = torch.where(hit, ok.long().argmax(1), k - 1)  # a capped row takes its last try
             if self.meter is not None:
-                self.meter.residual_tries += pending.numel()
-                self.meter.residual_fallbacks += int((take & ~ok).sum())
-            tokens[pending[take]] = y.token[take].to(tokens.dtype)
+                self.meter.residual_tries += int(torch.where(hit, first + 1, k).sum())
+                self.meter.residual_fallbacks += int((take & ~hit).sum())
+            chosen = y.token.view((m, k) + tuple(y.token.shape[1:]))[torch.arange(m, device=device), first]
+            tokens[pending[take]] = chosen[take].to(tokens.dtype)
+            log_p[pending[take]] = logp.view(m, k)[torch.arange(m, device=device), first][take]
             pending = pending[~take]
         if self.meter is not None:
             self.meter.residual_rows += n
-        return Draw(tokens)
+        return Draw(tokens), log_p
 
 
 @dataclass(frozen=True)

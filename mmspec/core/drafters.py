@@ -11,6 +11,8 @@
 - ``JacobiDrafter``: the previous iteration's samples and the distributions they came from
   (Speculative Jacobi Decoding, Teng et al., 2025), optionally maximally coupled with the
   previous drafts (MC-SJD, So et al., 2025); no draft model at all.
+- ``JacobiDensityDrafter``: the same window on continuous tokens (densities), redrafts independent
+  (SJD) or maximally coupled through the exact residual sampler (MC-SJD on densities).
 """
 
 from __future__ import annotations
@@ -20,14 +22,15 @@ import math
 import torch
 
 from ..kernels import residual_distribution
-from .distributions import Draw
+from .distributions import Draw, Residual, TokenDist
 from .errors import check, check_choice
-from .sampling import rand, randint, sample
+from .sampling import rand, randint, sample, select_rows
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
 from .types import DecodeState, DrafterBase, FeatureHead, ModelOutput, ParallelHeads
 
 __all__ = ["DrafterBase", "NullDrafter", "ModelChainDrafter", "ModelTreeDrafter", "EagleTreeDrafter",
-           "FeatureHead", "JacobiDrafter", "ParallelHeads", "ParallelHeadsDrafter", "maximal_coupling"]
+           "FeatureHead", "JacobiDensityDrafter", "JacobiDrafter", "ParallelHeads", "ParallelHeadsDrafter",
+           "maximal_coupling"]
 
 
 class NullDrafter(DrafterBase):
@@ -562,6 +565,149 @@ class JacobiDrafter(DrafterBase):
         self.drafts = y.gather(1, src)
         self.q = ahead.gather(1, src[..., None].expand(B, n, V))
         self.count = G - a
+
+
+class JacobiDensityDrafter(DrafterBase):
+    """Speculative Jacobi Decoding on densities: ``JacobiDrafter`` for continuous tokens, no draft
+    model (SJD, Teng et al., 2025; the maximal coupling of MC-SJD, So et al., 2025, carried from
+    categorical distributions to densities).
+
+    Keeps a window of ``window - 1`` draft tokens after the root, each with the ``TokenDist`` q it
+    was drawn from. After a pass that accepted n drafts, the target's distributions computed in that
+    pass at the unaccepted positions (conditioned on the old drafts before them) become the q of
+    the next window, and the draft at each such position is redrawn from its new q:
+
+    - ``coupling="independent"`` (SJD): a fresh draw from q_new;
+    - ``coupling="maximal"`` (MC-SJD): keep the old draft x, drawn from q_old, with probability
+      ``min(1, q_new(x) / q_old(x))`` (float64 log space), else draw from the residual
+      ``(q_new - q_old)^+ / (1 - beta)`` (``TokenDist.residual``'s exact sampler, its tries counted
+      on the ``"draft"`` meter). The result has density q_new and equals x with probability
+      ``beta = int min(q_new, q_old)``, the most any coupling achieves, so successive passes agree
+      more often.
+
+    Fresh positions, which no target pass has scored yet (the slots past the last pass's bonus
+    position, the whole window after an all-accepted pass, and the first window), have no
+    distribution of their own: they reuse the nearest one, the target's distribution at the last
+    position it scored (the last pass's bonus position; before the first pass the root's, from the
+    prefill's features, one head call counted on the ``"draft"`` meter), and draw from it
+    independently. A point mass would not do: a density ratio needs q to be a density.
+
+    Every draft is drawn from the q handed to the rule, with fresh randomness or a coupling that
+    does not look at the draft's own position in the pass that scored it (an untested draft never
+    influenced that pass's decisions), so ``SpeculativeSampling`` on densities keeps the target's
+    law exactly; a poor q only lowers acceptance. Every row drafts a full window each pass; rows
+    accept different lengths.
+
+    Heads: tokens must be their own draws (the mixture head). A diffusion head's draws carry their
+    denoising path (``Draw.aux``), which the residual sampler does not return: refused at ``start``.
+
+    Args:
+        token_shape: the target's token shape (the decoder checks it against the target's).
+        window: L, tokens verified per pass (root included): ``window - 1`` drafts.
+        coupling: ``"maximal"`` (MC-SJD) or ``"independent"`` (SJD).
+    """
+
+    def __init__(self, token_shape: tuple[int, ...], window: int = 8, coupling: str = "maximal"):
+        check(isinstance(token_shape, tuple) and len(token_shape) > 0 and all(
+            isinstance(n, int) and n >= 1 for n in token_shape), "token_shape",
+              "a non-empty tuple of ints >= 1 (continuous tokens)", token_shape)
+        check(isinstance(window, int) and not isinstance(window, bool) and window >= 2, "window", "an int >= 2",
+              window)
+        check_choice("coupling", coupling, ("independent", "maximal"))
+        self.token_shape, self.window, self.coupling = token_shape, window, coupling
+        self.max_block = window
+        self.draws = self.q = None
+
+    def start(self, state: DecodeState) -> None:
+        out = state.prefill
+        if out is None or out.cond is None:
+            raise ValueError("JacobiDensityDrafter needs the target's prefill features (ModelOutput.cond): "
+                             "a continuous-token target and the decoder's state.prefill")
+        R = out.cond.shape[0]
+        rows, at = torch.arange(R, device=out.cond.device), state.prompt_lengths - 1
+        root = ModelOutput(logits=None, cond=out.cond[rows, at][:, None], heads=out.heads)
+        meter = None if state.meters is None else state.meters["draft"]
+        q = state.distribution(root, at[:, None], meter)  # (B, 1): the root's own distribution
+        n = self.window - 1
+        src = torch.zeros(state.batch_size, n, dtype=torch.long, device=state.lengths.device)
+        self.q, self.draws = self._fresh(state, q, src)
+        check(not self.draws.aux, "the head", "one whose tokens are their own draws (the mixture head): a "
+              "diffusion head's draws carry their denoising path, which Jacobi redraws from the residual "
+              "(maximal coupling) do not keep; use the mixture head with JacobiDensityDrafter",
+              type(q).__name__)
+
+    @staticmethod
+    def _gather(state: DecodeState, dists: TokenDist, src: torch.Tensor):
+        """``dists[b, src[b, k]]`` for (B, n) ``src``: as (B, n) and flat (B n,) TokenDists, with the
+        flat entries' generators (entry (b, k) draws from row b's)."""
+        B, n = src.shape
+        rows = torch.arange(B, device=src.device)[:, None].expand(B, n)
+        return dists[rows, src], dists[rows.reshape(-1), src.reshape(-1)], select_rows(state.generator,
+                                                                                      rows.reshape(-1))
+
+    def _fresh(self, state: DecodeState, dists: TokenDist, src: torch.Tensor) -> tuple[TokenDist, Draw]:
+        """Independent draws from ``dists[b, src[b, k]]``: ((B, n) q, (B, n) draws with log q)."""
+        q, flat, gen = self._gather(state, dists, src)
+        x = flat.sample(gen)
+        if x.log_prob is None:
+            x.log_prob = flat.log_prob(x)
+        return q, _unflatten(x, *src.shape)
+
+    def propose(self, state: DecodeState) -> DraftTree:
+        x = self.draws
+        B, n = x.token.shape[:2]
+        return DraftTree(x.token.to(state.tokens.dtype), Tree.chain(B, n, x.token.device), self.q, draws=x)
+
+    def update(self, state, draft, acceptance, target_probs, target_out):
+        B, n = state.batch_size, self.window - 1
+        G = draft.tokens.shape[1]  # == n
+        device = acceptance.num_accepted.device
+        # slot k of the next window is old draft a + 1 + k; the target scored it at index a + 1 + k
+        # of target_probs (root first), and nothing past index G (the bonus position)
+        pos = acceptance.num_accepted[:, None] + 1 + torch.arange(n, device=device)  # (B, n)
+        src = pos.clamp(max=G)
+        if self.coupling == "independent":
+            self.q, self.draws = self._fresh(state, target_probs, src)
+            return
+        q2, q_new, gen = self._gather(state, target_probs, src)  # (B, n) and (B n,)
+        old = (pos < G).reshape(-1)  # slots that held a draft (drawn from q_old)
+        at = pos.clamp(max=G - 1)
+        rows = torch.arange(B, device=device)[:, None]
+        x = _flatten(draft.draws[rows, at])  # (B n,) old drafts (garbage where not old)
+        q_old = draft.q[rows.expand(B, n).reshape(-1), at.reshape(-1)]
+        log_old = x.log_prob if x.log_prob is not None else q_old.log_prob(x)
+        if acceptance.log_p is not None:  # the rule scored every old draft under q_new already
+            log_new = acceptance.log_p.gather(1, at).reshape(-1)
+        else:
+            log_new = q_new.log_prob(x)
+        u = rand((B * n,), gen, device, torch.float64)
+        keep = old & (u.log() < (log_new - log_old).clamp(max=0.0))
+        tokens, logq = x.token.clone(), torch.where(keep, log_new, 0.0)
+        meter = None if state.meters is None else state.meters["draft"]
+        i = (old & ~keep).nonzero().squeeze(1)
+        if i.numel():  # the coupling's residual draws, with their log q_new from the tries
+            y, log_p = Residual(q_new[i], q_old[i], q_new.max_tries, meter).sample_with_log_p(select_rows(gen, i))
+            tokens[i], logq[i] = y.token.to(tokens.dtype), log_p
+        i = (~old).nonzero().squeeze(1)
+        if i.numel():  # fresh slots: independent draws
+            qi = q_new[i]
+            y = qi.sample(select_rows(gen, i))
+            tokens[i] = y.token.to(tokens.dtype)
+            logq[i] = y.log_prob if y.log_prob is not None else qi.log_prob(y)
+        self.q = q2
+        self.draws = _unflatten(Draw(tokens, log_prob=logq), B, n)
+
+
+def _flatten(x: Draw) -> Draw:
+    """(B, n) draws -> (B n,)."""
+    return Draw(x.token.flatten(0, 1), {k: v.flatten(0, 1) for k, v in x.aux.items()},
+                None if x.log_prob is None else x.log_prob.flatten(0, 1))
+
+
+def _unflatten(x: Draw, B: int, n: int) -> Draw:
+    """(B n,) draws -> (B, n)."""
+    return Draw(x.token.unflatten(0, (B, n)), {k: v.unflatten(0, (B, n)) for k, v in x.aux.items()},
+                None if x.log_prob is None else x.log_prob.unflatten(0, (B, n)))
 
 
 def maximal_coupling(x: torch.Tensor, p_old: torch.Tensor, p_new: torch.Tensor, generator=None):

@@ -57,12 +57,15 @@ class Acceptance:
         tokens: (B, D, *token_shape) the tokens emitted at depths 1..D of the accepted path when
             they differ from the drafts (a diffusion head's ``path`` rule emits the target's own
             last denoising step); None emits the drafted tokens.
+        log_p: (B, D) float64 log target density of each drafted chain token, where a density rule
+            computed it (continuous tokens; a Jacobi drafter reuses it); None otherwise.
     """
 
     path: torch.Tensor
     num_accepted: torch.Tensor
     next_token: torch.Tensor
     tokens: torch.Tensor | None = None
+    log_p: torch.Tensor | None = None
 
 
 @dataclass

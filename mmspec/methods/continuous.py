@@ -1,20 +1,22 @@
 """Continuous-token AR image generation (``"continuous"``): MAR-style heads on a causal backbone,
 every method on the core's one loop.
 
-Parts: drafter ``sd`` (a small continuous draft model drafting a chain, with an optional warm-up of
-target-only tokens); rules ``path`` (exact speculative sampling on a diffusion head's whole
-denoising path, emitting the target's last step) and ``cspd`` (CSpD's reference rule, lossy).
+Parts: drafters ``sd`` (a small continuous draft model drafting a chain, with an optional warm-up of
+target-only tokens) and ``sjd`` (a Jacobi window on densities: the target drafts its own next
+tokens from its previous pass, no draft model; mixture head only); rules ``path`` (exact
+speculative sampling on a diffusion head's whole denoising path, emitting the target's last step) and ``cspd`` (CSpD's reference rule, lossy).
 Without a rule the decoder verifies the mixture head's exact densities. ``head_for(recipe)`` names
 the head a recipe decodes with (``DensityPipeline(head=...)``): ``"diffusion"`` with a ``path`` or
 ``cspd`` rule, ``"mixture"`` otherwise. Continuous tokens take chains only (no trees) and raster
-order. Components: ``target`` (``ContinuousARModel``), ``draft_model`` (a smaller one).
+order. Components: ``target`` (``ContinuousARModel``), ``draft_model`` (a smaller one; not needed by
+``sjd``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core import ModelChainDrafter, SpeculativeSampling
+from ..core import JacobiDensityDrafter, ModelChainDrafter, SpeculativeSampling
 from ..core.errors import check
 from ..models.continuous_heads import CSpDAcceptance
 from .knobs import check_config, knob
@@ -46,6 +48,26 @@ class ContinuousSDConfig:
 
     gamma: int = knob(4, min=1)
     warmup: float = knob(0.0, min=0.0, max=0.95)
+
+    def __post_init__(self):
+        check_config(self)
+
+
+@dataclass(frozen=True)
+class ContinuousSJDConfig:
+    """Speculative Jacobi Decoding on densities (Teng et al., 2025, SJD), by default with MC-SJD's
+    maximal coupling of successive drafts (So et al., 2025), carried to densities; lossless, no
+    draft model (``mmspec.core.JacobiDensityDrafter``).
+
+    Args:
+        window: L, tokens verified per target pass (root included): ``window - 1`` drafts.
+        coupling: ``"maximal"`` (MC-SJD: a redraft keeps the old draft with probability
+            ``min(1, q_new / q_old)``, else draws from the exact residual) or ``"independent"``
+            (SJD: a fresh draw from q_new).
+    """
+
+    window: int = knob(8, min=2)
+    coupling: str = knob("maximal", choices=("independent", "maximal"))
 
     def __post_init__(self):
         check_config(self)
@@ -93,11 +115,20 @@ register_part(
     doc="a small continuous draft model drafting a chain (Leviathan et al., 2023), optional target-only warm-up",
     modalities=(MODALITY,))
 register_part(
+    name="sjd", kind="drafter", config=ContinuousSJDConfig,
+    build=lambda cfg, c: JacobiDensityDrafter(tuple(c["target"].token_shape), window=cfg.window,
+                                              coupling=cfg.coupling),
+    doc="a Jacobi window on densities: the target's previous pass drafts its next tokens, redrafts maximally "
+        "coupled (Teng et al., 2025, SJD; So et al., 2025, MC-SJD); no draft model, mixture head",
+    modalities=(MODALITY,))
+# the diffusion head's rules verify a draft model's denoising paths; Jacobi redraws keep no path
+register_part(
     name="path", kind="rule", config=PathConfig, build=lambda cfg, c: SpeculativeSampling(),
+    partners={"drafter": ("sd",)},
     doc="exact speculative sampling on the diffusion head's whole denoising path, emitting the target's last step",
     modalities=(MODALITY,))
 register_part(
-    name="cspd", kind="rule", config=CSpDConfig, lossless=False,
+    name="cspd", kind="rule", config=CSpDConfig, lossless=False, partners={"drafter": ("sd",)},
     build=lambda cfg, c: CSpDAcceptance(cfg.inner_temperature, cfg.max_tries),
     doc="CSpD's reference rule: a distance test on coupled draft/target outputs relaxed by an inner "
         "temperature (Wang et al., 2025); lossy",
@@ -110,5 +141,9 @@ for _name, _parts, _knobs, _doc in (
     ("sd-warmup", "sd", {"sd_warmup": 0.15}, "sd after 15% target-only tokens (CSpD's pre-filling); exact"),
     ("path", "sd+path", None, "sd with the diffusion head, exact on the whole denoising path"),
     ("cspd", "sd+cspd", None, "sd with the diffusion head and CSpD's reference rule (lossy, inner temperature 42)"),
+    ("sjd", "sjd", None, "MC-SJD on densities: the target drafts a Jacobi window from its previous pass, redrafts "
+     "maximally coupled; no draft model, exact speculative sampling on the mixture head (lossless)"),
+    ("sjd-independent", "sjd", {"sjd_coupling": "independent"},
+     "SJD on densities: the Jacobi window redrawn independently each pass; lossless, mixture head"),
 ):
     register_method(_name, _parts, knobs=_knobs, doc=_doc, modalities=(MODALITY,))
