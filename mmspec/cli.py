@@ -49,12 +49,13 @@
                                      rebuild its chunk-causal video transformer (about 57 min)
     mmspec train video-judge --out DIR [--ae DIR]
                                      rebuild the video bench's frame judge (colour, shape; about 2.5 min)
-    mmspec train continuous-tokenizer --out DIR [--classifier DIR]
-                                     fit the continuous PCA patch tokenizer (seconds)
+    mmspec train continuous-tokenizer --out DIR [--kind conv|pca] [--classifier DIR]
+                                     the continuous tokenizer: a small conv autoencoder (default, about
+                                     5 min) or the closed-form PCA of patches (seconds)
     mmspec train continuous-ar --tokenizer DIR --out DIR
     mmspec train continuous-draft --tokenizer DIR --target DIR [--distill W] --out DIR
-                                     the continuous AR target and its drafts (one thread: target 9,000
-                                     steps in 49.5 min, drafts 4,000 and 2,500 steps in about 6 and 9 min)
+                                     the continuous AR target and its drafts (target 9,000 steps in 19 min
+                                     at two threads, drafts 4,000 and 2,500 steps in 6 and 9 min at one)
 """
 
 from __future__ import annotations
@@ -451,8 +452,10 @@ def cmd_train(args) -> int:
 
     _set_threads(args.threads)
     if args.recipe == "continuous-tokenizer":
-        record = recipes.train_continuous_tokenizer(args.out, dataset_size=args.dataset_size, seed=args.seed,
-                                                    classifier_dir=args.classifier, log=print)
+        record = recipes.train_continuous_tokenizer(args.out, kind=args.kind, dataset_size=args.dataset_size,
+                                                    seed=args.seed, steps=args.steps, batch_size=args.batch_size,
+                                                    lr=args.lr, classifier_dir=args.classifier,
+                                                    log_every=args.log_every, log=print)
         acc = "" if record["recon_accuracy"] is None else f", classifier accuracy {record['recon_accuracy']:.3f}"
         print(f"saved {args.out}: held-out reconstruction MSE {record['heldout_recon_mse']:.5f}{acc}, "
               f"{record['wall_time_s']:.0f} s")
@@ -636,10 +639,10 @@ TRAIN_DEFAULTS = {
     "video": dict(steps=6000, batch_size=8, lr=1e-3, dataset_size=4096),
     # one thread, batch 64: ~0.12 s per step, about 2.5 minutes with rendering (dataset_size in frames)
     "video-judge": dict(steps=1000, batch_size=64, lr=3e-3, dataset_size=16384),
-    # closed form (no steps): an SVD of 2,000 images' 4x4 patches, seconds
-    "continuous-tokenizer": dict(dataset_size=2000),
-    # one thread, batch 32, 64 tokens, beside other work: 0.33 s per target step (9,000: 49.5 min), 0.11 s per
-    # plain draft step, 0.27 s per distilled draft step (the two drafts beside each other after the target)
+    # --kind conv (default): 1,500 Adam steps of a small conv autoencoder; --kind pca: an SVD, seconds
+    "continuous-tokenizer": dict(steps=1500, batch_size=32, lr=2e-3, dataset_size=4096),
+    # batch 32, 64 tokens of 8 channels: 0.12 s per target step at two threads (9,000: 19 min), 0.08 s per plain
+    # draft step, 0.18 s per distilled draft step at one thread each (the two drafts side by side)
     "continuous-ar": dict(steps=9000, batch_size=32, lr=1e-3, dataset_size=16384),
     "continuous-draft": dict(steps=4000, batch_size=32, lr=2e-3, dataset_size=16384),
 }
@@ -661,7 +664,7 @@ def _add_train_parser(sub) -> None:
              "video-ae": "the streaming video model's per-frame autoencoder on procedural moving shapes",
              "video": "the chunk-causal video transformer on a trained frame autoencoder's latents",
              "video-judge": "the video bench's frame judge (colour and shape) on rendered frames",
-             "continuous-tokenizer": "the continuous PCA patch tokenizer (closed form, seconds)",
+             "continuous-tokenizer": "the continuous tokenizer (a conv autoencoder, or --kind pca: closed form)",
              "continuous-ar": "the continuous-token AR target (backbone, mixture head, diffusion head)",
              "continuous-draft": "a small continuous draft, optionally distilled to the target (--distill)"}
     for name, defaults in TRAIN_DEFAULTS.items():
@@ -711,6 +714,9 @@ def _add_train_parser(sub) -> None:
             p.add_argument("--vq", type=_existing_dir, metavar="DIR",
                            help="also report the accuracy on this VQ's reconstructions of held-out images")
         if name == "continuous-tokenizer":
+            p.add_argument("--kind", default="conv", choices=("conv", "pca"),
+                           help="conv: a small noise-regularised conv autoencoder, 8 channels per 8x8 patch "
+                                "(default); pca: PCA of 8x8 patches, 16 coefficients (closed form; steps unused)")
             p.add_argument("--classifier", type=_existing_dir, metavar="DIR",
                            help="also report this classifier's accuracy on reconstructions (e.g. assets/classifier)")
         if name in ("continuous-ar", "continuous-draft"):

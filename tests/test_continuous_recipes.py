@@ -41,7 +41,7 @@ def test_tokenizer_full_rank_is_lossless_and_components_are_ordered():
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("tok") / "tokenizer"
-    record = train_continuous_tokenizer(out, dataset_size=64, heldout_size=16, log=lambda s: None)
+    record = train_continuous_tokenizer(out, kind="pca", dataset_size=64, heldout_size=16, log=lambda s: None)
     return out, record
 
 

@@ -8,7 +8,7 @@ chunk-causal video transformer)."""
 from .ar_draft import train_ar_draft
 from .ar_image import train_ar_image
 from .classifier import train_classifier
-from .continuous import train_continuous_ar, train_continuous_draft, train_continuous_tokenizer
+from .continuous import TOKENIZER_KINDS, train_continuous_ar, train_continuous_draft, train_continuous_tokenizer
 from .vlm import train_vlm
 from .vlm_draft import train_vlm_draft
 from .video import train_video, train_video_ae

@@ -1,8 +1,9 @@
-"""Continuous-token recipes: the PCA patch tokenizer, the continuous AR target (backbone + mixture
-head + diffusion head, MAR's joint loss) and its small draft, optionally distilled to the target.
+"""Continuous-token recipes: the continuous tokenizer (a learned conv autoencoder, or PCA of
+patches), the continuous AR target (backbone + mixture head + diffusion head, MAR's joint loss) and
+its small draft, optionally distilled to the target.
 
-``train_continuous_tokenizer`` fits in seconds (no gradient steps). ``train_continuous_ar`` and
-``train_continuous_draft`` train ``ContinuousARModel`` on ``ShapesDataset(style=AR_DATA_STYLE)`` latents
+``train_continuous_tokenizer`` trains the conv tokenizer in minutes (or fits PCA in seconds).
+``train_continuous_ar`` and ``train_continuous_draft`` train ``ContinuousARModel`` on ``ShapesDataset(style=AR_DATA_STYLE)`` latents
 on the shared ``train_loop``. The draft's acceptance booster (``distill > 0``; not in the papers):
 the frozen target teaches the draft on the same teacher-forced inputs, (i) the mixture head by the
 cross-entropy of target-mixture samples (a Monte-Carlo forward KL(p_target || q_draft) up to the
@@ -13,6 +14,7 @@ weighted epsilon distance), raising ``path``'s.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from functools import partial
@@ -21,17 +23,19 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from ...core.errors import check
+from ...core.errors import check, check_choice
 from ...models import load_checkpoint
 from ...models.continuous import ContinuousARModel
-from ...models.continuous_tokenizer import PatchPCATokenizer
+from ...models.continuous_tokenizer import ConvTokenizer, PatchPCATokenizer
 from ..data import CLASS_NAMES, CLASS_PROMPTS, NUM_CLASSES, ShapesDataset
 from ..loop import new_accelerator, train_loop
 from .ar_image import AR_DATA_STYLE
 from .common import (batch_indices, check_checkpoint_dir, check_out_dir, check_run_args, heldout_seed, json_config,
                      save_atomically, stack, warmup_cosine)
 
-__all__ = ["DEFAULT_DRAFT_CONFIG", "DEFAULT_TARGET_CONFIG", "encode_dataset", "train_continuous_ar",
+Tokenizer = ConvTokenizer | PatchPCATokenizer
+
+__all__ = ["TOKENIZER_KINDS", "DEFAULT_DRAFT_CONFIG", "DEFAULT_TARGET_CONFIG", "encode_dataset", "train_continuous_ar",
            "train_continuous_draft", "train_continuous_tokenizer"]
 
 # The sampling chain: MAR's 20-step respacing of the 1,000-step cosine schedule without its first
@@ -63,18 +67,44 @@ def recon_accuracy(classifier, images: torch.Tensor, labels: torch.Tensor) -> fl
     return class_accuracy(classifier, images.clamp(-1, 1), labels)
 
 
-def train_continuous_tokenizer(out_dir: str | Path, *, dataset_size: int = 2000, seed: int = 0,
-                               heldout_size: int = 256, latent_dim: int = 16, patch_size: int = 8,
-                               classifier_dir: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
-    """Fit ``PatchPCATokenizer`` on ``ShapesDataset(dataset_size, seed, style=AR_DATA_STYLE)`` and save it
-    to ``out_dir`` (fp16 safetensors, atomically) with ``train_log.json``, whose dict is returned:
-    ``recipe``, ``seed``, ``config``, ``train``, ``heldout_recon_mse`` (of the saved fp16
-    tokenizer, on ``heldout_size`` held-out images), ``latent_std`` (held-out, after the global
-    scale), ``classifier_dir`` with ``classifier_accuracy`` on the originals and
-    ``recon_accuracy`` on the reconstructions (None without ``classifier_dir``), ``wall_time_s``."""
+TOKENIZER_KINDS = ("conv", "pca")
+
+
+def train_continuous_tokenizer(out_dir: str | Path, *, kind: str = "conv", dataset_size: int = 2000, seed: int = 0,
+                               heldout_size: int = 256, latent_dim: int | None = None, patch_size: int = 8,
+                               steps: int = 1500, batch_size: int = 32, lr: float = 2e-3, latent_noise: float = 0.2,
+                               classifier_dir: str | Path | None = None, log_every: int = 100,
+                               log: Callable[[str], None] = print) -> dict:
+    """Build a continuous tokenizer on ``ShapesDataset(dataset_size, seed, style=AR_DATA_STYLE)`` and
+    save it to ``out_dir`` (fp16 safetensors, atomically) with ``train_log.json``, whose dict is
+    returned.
+
+    ``kind="conv"`` (default) trains a ``ConvTokenizer`` (``patch_size`` a power of two: one
+    stride-2 level per factor of 2, widths 32, 64, 64, ...; ``latent_dim`` channels, default 8)
+    for ``steps`` Adam steps of ``batch_size`` at ``lr`` (warm-up, cosine) with ``latent_noise``
+    on its latents before decoding, then measures its latent statistics on the training images.
+    ``kind="pca"`` fits a ``PatchPCATokenizer`` in closed form (``latent_dim`` default 16; the
+    step arguments are unused).
+
+    The record: ``recipe``, ``kind``, ``seed``, ``config``, ``train``, ``heldout_recon_mse`` (of
+    the saved fp16 tokenizer, on ``heldout_size`` held-out images), ``latent_std`` (held-out),
+    ``classifier_dir`` with ``classifier_accuracy`` on the originals, ``recon_accuracy`` on the
+    reconstructions and ``noisy_recon_accuracy`` on decodes of the held-out latents plus N(0, 0.3^2)
+    noise (how gracefully the decoder takes a sampler's errors; None without ``classifier_dir``),
+    ``wall_time_s``."""
     out = check_out_dir(out_dir)
-    for name, value, low in (("dataset_size", dataset_size, 1), ("seed", seed, 0), ("heldout_size", heldout_size, 1)):
+    check_choice("kind", kind, TOKENIZER_KINDS)
+    for name, value, low in (("dataset_size", dataset_size, 1), ("seed", seed, 0), ("heldout_size", heldout_size, 1),
+                             ("steps", steps, 1), ("batch_size", batch_size, 1), ("patch_size", patch_size, 1),
+                             ("log_every", log_every, 1)):
         check(isinstance(value, int) and not isinstance(value, bool) and value >= low, name, f"an int >= {low}", value)
+    check(latent_dim is None or (isinstance(latent_dim, int) and not isinstance(latent_dim, bool) and latent_dim >= 1),
+          "latent_dim", "None or an int >= 1", latent_dim)
+    check(kind == "pca" or patch_size & (patch_size - 1) == 0 and patch_size >= 2, "patch_size",
+          "a power of two >= 2 with kind='conv'", patch_size)
+    check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0, "lr", "a number > 0", lr)
+    check(isinstance(latent_noise, (int, float)) and not isinstance(latent_noise, bool) and latent_noise >= 0,
+          "latent_noise", "a number >= 0", latent_noise)
     check(callable(log), "log", "a callable taking one str (e.g. print)", log)
     classifier = None
     if classifier_dir is not None:
@@ -83,30 +113,57 @@ def train_continuous_tokenizer(out_dir: str | Path, *, dataset_size: int = 2000,
         path = check_checkpoint_dir(classifier_dir, "classifier_dir", "a folder saved by 'mmspec train classifier'")
         classifier = load_checkpoint(ShapesClassifier, path)
     start = time.perf_counter()
-    tokenizer = PatchPCATokenizer(patch_size=patch_size, latent_dim=latent_dim)
-    images, _ = stack(ShapesDataset(dataset_size, seed, tokenizer.config.sample_size, style=AR_DATA_STYLE))
-    tokenizer.fit(images)
-    del images
-    with torch.no_grad():  # report what ships: fp16 weights
+    images, _ = stack(ShapesDataset(dataset_size, seed, 64, style=AR_DATA_STYLE))
+    if kind == "pca":
+        tokenizer = PatchPCATokenizer(patch_size=patch_size, latent_dim=latent_dim or 16)
+        tokenizer.fit(images)
+        train = {"dataset_size": dataset_size, "data_style": AR_DATA_STYLE, "method": "SVD of centred patches"}
+    else:
+        levels = patch_size.bit_length() - 1
+        torch.manual_seed(seed)
+        tokenizer = ConvTokenizer(latent_channels=latent_dim or 8, channels=[32] + [64] * (levels - 1),
+                                  stem_channels=16, sample_size=64, latent_noise=latent_noise)
+        optimizer = torch.optim.Adam(tokenizer.parameters(), lr=lr)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=50, steps=steps))
+        order, noise = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
+        batches = (images[idx] for idx in batch_indices(dataset_size, batch_size, steps, order))
+        train_loop(tokenizer, optimizer, batches, lambda m, x: m.loss(x, noise), steps=steps,
+                   accelerator=new_accelerator("continuous-tokenizer"), schedule=schedule,
+                   name="continuous-tokenizer", log=log, log_every=log_every)
+        tokenizer.eval()
+        train = {"dataset_size": dataset_size, "data_style": AR_DATA_STYLE, "steps": steps, "batch_size": batch_size,
+                 "lr": lr, "optimizer": "Adam", "schedule": "linear warmup 50 steps, cosine to 10%"}
+    with torch.no_grad():  # report what ships: fp16 weights (the latent statistics from them)
         for p in tokenizer.parameters():
             p.copy_(p.half().float())
+        if kind == "conv":
+            tokenizer.set_latent_stats(images)
+            for b in tokenizer.buffers():
+                b.copy_(b.half().float())
+    del images
     held_seed = heldout_seed(seed)
-    held, held_labels = stack(ShapesDataset(heldout_size, held_seed, tokenizer.config.sample_size, style=AR_DATA_STYLE))
+    held, held_labels = stack(ShapesDataset(heldout_size, held_seed, 64, style=AR_DATA_STYLE))
     with torch.no_grad():
-        recon = tokenizer(held)
+        latents = tokenizer.encode(held)
+        recon = tokenizer.decode(latents)
         mse = F.mse_loss(recon, held).item()
-        latent_std = tokenizer.encode(held).std().item()
-    acc = acc_recon = None
+        latent_std = latents.std().item()
+        noisy = tokenizer.decode(latents + 0.3 * torch.randn(latents.shape, generator=torch.Generator().manual_seed(
+            held_seed)))
+    acc = acc_recon = acc_noisy = None
     if classifier is not None:
         acc, acc_recon = recon_accuracy(classifier, held, held_labels), recon_accuracy(classifier, recon, held_labels)
-    log(f"continuous-tokenizer held-out reconstruction MSE {mse:.5f}, latent std {latent_std:.3f}"
-        + ("" if acc is None else f", classifier accuracy {acc_recon:.3f} on reconstructions ({acc:.3f} on originals)"))
+        acc_noisy = recon_accuracy(classifier, noisy, held_labels)
+    log(f"continuous-tokenizer ({kind}) held-out reconstruction MSE {mse:.5f}, latent std {latent_std:.3f}"
+        + ("" if acc is None else f", classifier accuracy {acc_recon:.3f} on reconstructions ({acc:.3f} on "
+                                  f"originals, {acc_noisy:.3f} with latent noise 0.3)"))
     record = {
-        "recipe": "continuous-tokenizer", "seed": seed, "config": json_config(tokenizer),
-        "train": {"dataset_size": dataset_size, "data_style": AR_DATA_STYLE, "method": "SVD of centred patches"},
-        "heldout_recon_mse": mse, "latent_std": latent_std, "heldout": {"size": heldout_size, "seed": held_seed},
+        "recipe": "continuous-tokenizer", "kind": kind, "seed": seed, "config": json_config(tokenizer),
+        "train": train, "heldout_recon_mse": mse, "latent_std": latent_std,
+        "heldout": {"size": heldout_size, "seed": held_seed},
         "classifier_dir": None if classifier_dir is None else str(Path(classifier_dir).resolve()),
-        "classifier_accuracy": acc, "recon_accuracy": acc_recon, "wall_time_s": time.perf_counter() - start,
+        "classifier_accuracy": acc, "recon_accuracy": acc_recon, "noisy_recon_accuracy": acc_noisy,
+        "torch_threads": torch.get_num_threads(), "wall_time_s": time.perf_counter() - start,
     }
     save_atomically(tokenizer, out, record)
     return record
@@ -115,7 +172,7 @@ def train_continuous_tokenizer(out_dir: str | Path, *, dataset_size: int = 2000,
 # ---------------------------------------------------------------------------------- AR models
 
 @torch.no_grad()
-def encode_dataset(tokenizer: PatchPCATokenizer, size: int, seed: int, style: str = AR_DATA_STYLE,
+def encode_dataset(tokenizer: Tokenizer, size: int, seed: int, style: str = AR_DATA_STYLE,
                    chunk: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
     """``ShapesDataset(size, seed, style=style)`` as (labels (N,), latents (N, T, d) float32),
     rendered and encoded ``chunk`` images at a time (memory holds latents, not pixels)."""
@@ -142,17 +199,21 @@ def heldout_losses(model: ContinuousARModel, labels: torch.Tensor, latents: torc
     return {k: v / len(labels) for k, v in totals.items()}
 
 
-def _load_tokenizer(tokenizer_dir) -> tuple[Path, PatchPCATokenizer]:
+def _load_tokenizer(tokenizer_dir) -> tuple[Path, Tokenizer]:
     path = check_checkpoint_dir(tokenizer_dir, "tokenizer_dir",
                                 "a folder saved by 'mmspec train continuous-tokenizer'")
-    return path, load_checkpoint(PatchPCATokenizer, path)
+    name = json.loads((path / "config.json").read_text()).get("_class_name")
+    classes = {c.__name__: c for c in (ConvTokenizer, PatchPCATokenizer)}
+    check(name in classes, "tokenizer_dir", f"a folder holding a {' or a '.join(classes)} (config.json's _class_name)",
+          f"{tokenizer_dir} ({name})")
+    return path, load_checkpoint(classes[name], path)
 
 
-def _model_config(tokenizer: PatchPCATokenizer, defaults: dict, model_config: dict | None) -> dict:
+def _model_config(tokenizer: Tokenizer, defaults: dict, model_config: dict | None) -> dict:
     model_config = dict(model_config or {})
     check(not set(model_config) & set(_DERIVED), "model_config",
           f"free of {', '.join(_DERIVED)} (they come from the tokenizer and the dataset)", model_config)
-    return {**defaults, **model_config, "token_dim": tokenizer.config.latent_dim, "grid_size": tokenizer.grid_size,
+    return {**defaults, **model_config, "token_dim": tokenizer.token_dim, "grid_size": tokenizer.grid_size,
             "num_classes": NUM_CLASSES,
             "id2label": {str(i): f"{p}, {n}" for i, (p, n) in enumerate(zip(CLASS_PROMPTS, CLASS_NAMES))}}
 
@@ -291,9 +352,9 @@ def train_continuous_draft(out_dir: str | Path, *, tokenizer_dir: str | Path, st
         tpath = check_checkpoint_dir(target_dir, "target_dir", "a folder written by 'mmspec train continuous-ar'")
         target = load_checkpoint(ContinuousARModel, tpath)
         target.requires_grad_(False)
-        check(target.config.token_dim == tokenizer.config.latent_dim and target.config.grid_size == tokenizer.grid_size,
+        check(target.config.token_dim == tokenizer.token_dim and target.config.grid_size == tokenizer.grid_size,
               "target_dir", f"a target over this tokenizer's {tokenizer.grid_size}x{tokenizer.grid_size} grid of "
-              f"{tokenizer.config.latent_dim}-dim latents", str(target_dir))
+              f"{tokenizer.token_dim}-dim latents", str(target_dir))
         for key in _SHARED_WITH_TARGET:
             check(key not in model_config, "model_config", f"free of {key} (copied from the target)", model_config)
             model_config[key] = target.config[key]
