@@ -1,13 +1,14 @@
 """``mmspec bench continuous``: every continuous-token method on the bundled pipeline, in one run.
 
 As the AR image bench: image i asks for class ``i % 16`` with generator seed ``seed + i``, one
-image per call (batch 1), CFG 2.0 with MAR's linear schedule, temperature 1; images outer and rows
+image per call (batch 1), constant CFG 3.0, temperature 1; images outer and rows
 inner after one untimed warm-up call per row; diffusion-head rows run the first
 ``diffusion_images`` images only (each of their tokens costs K sequential head calls). Rows
 (``DEFAULT_ROWS``): ``none`` (mixture head, target only), ``sd`` (mixture), ``sd+distill`` (``sd`` with the draft distilled to the target,
 the acceptance booster; needs ``booster_dir``), ``none-diffusion`` (the diffusion head's target-only
 baseline), ``path`` (diffusion, lossless), ``cspd`` at inner temperature 1, 10 and 42 (lossy),
-``sd`` after 5% and 15% target-only warm-up tokens.
+``sd`` after 5% and 15% target-only warm-up tokens, ``sjd`` (MC-SJD on densities, window 8, no draft
+model), ``sjd-w12`` (window 12) and ``sjd-independent`` (SJD's independent redrafts).
 
 Columns per row: backbone passes per image (``nfe``, prefill included) and ``nfe_speedup`` over
 ``none``, draft backbone passes (``draft_nfe``), head calls and rows of target and draft
@@ -61,10 +62,13 @@ DEFAULT_ROWS = (
     ("cspd-t42", "cspd", {"cspd_inner_temperature": 42.0}, None),
     ("sd-warmup5", "sd", {"sd_warmup": 0.05}, None),
     ("sd-warmup15", "sd", {"sd_warmup": 0.15}, None),
+    ("sjd", "sjd", {}, None),
+    ("sjd-w12", "sjd", {"sjd_window": 12}, None),
+    ("sjd-independent", "sjd-independent", {}, None),
 )
 BASELINES = ("none", "none-diffusion")
 # the showcase's rows: mixture-head rows only (a diffusion-head image costs 5-25 s here)
-SHOWCASE_ROWS = ("none", "sd", "sd+distill")
+SHOWCASE_ROWS = ("none", "sd", "sd+distill", "sjd")
 
 
 @dataclass
@@ -78,10 +82,10 @@ class ContinuousBenchConfig:
     # sequential head calls (measured at one thread on a barely trained full-size pair: none 1.2 s,
     # none-diffusion 5.9 s, path 25 s, cspd 29 s per image), so 128 images of every row would take ~4.5 h
     diffusion_images: int | None = 32
-    # constant CFG as the VQ bench; scale 6 drew the right class most often on held-out seeds (96
-    # images each, seeds 5000..: 0.115, 0.104, 0.177, 0.104 at 4, 5, 6, 7). MAR's linear schedule
-    # is weak early in raster order, where objects start (0.047 at 2, 0.062 at 4 on seeds 0..63)
-    guidance_scale: float = 6.0
+    # constant CFG as the VQ bench; on the bundled (conv-tokenizer) target, scale 3 and 4 drew the
+    # asked class equally often on held-out seeds (128 images each, seeds 5000..: 0.648 at 3 and 4,
+    # 0.531 at 5, 0.44 at 6 over 64), and the lower scale departs less from the model
+    guidance_scale: float = 3.0
     guidance_schedule: str = "constant"
     temperature: float = 1.0
     seed: int = 0
