@@ -33,6 +33,7 @@ import torch
 from .errors import check, check_choice
 
 LAYOUTS = ("half", "interleaved")
+PREFIX_ROPES = ("identity", "zero")  # GridRope2D: what its prefix (condition) tokens get
 
 
 def frequencies(dim: int, theta: float) -> torch.Tensor:
@@ -155,22 +156,37 @@ class GridRope2D(RotaryEmbedding):
     condition tokens (LlamaGen's ``cls_token_num``).
 
     Sequence position p >= prefix is raster index ``p - prefix``: the first D/4 pairs turn by its
-    row, the last D/4 by its column, each with frequencies ``base ** (-4j / D)``. The prefix is
-    not rotated. Positions past the grid continue the raster rows.
+    row, the last D/4 by its column, each with frequencies ``base ** (-4j / D)``. Positions past
+    the grid continue the raster rows.
+
+    ``prefix_rope`` says what the prefix tokens get: ``"identity"`` (default) leaves them
+    unrotated; ``"zero"`` multiplies them by cos = sin = 0, i.e. zeroes their queries and keys,
+    which is what LlamaGen's released code does (``precompute_freqs_cis_2d`` prepends zero rows,
+    not identity rows), so its checkpoints need it to be reproduced exactly. It applies to (B, T)
+    positions; explicit (A, B, T) coordinates carry no prefix.
     """
 
-    def __init__(self, head_dim: int, grid_size: int, base: float = 10000.0, prefix: int = 1):
+    def __init__(self, head_dim: int, grid_size: int, base: float = 10000.0, prefix: int = 1,
+                 prefix_rope: str = "identity"):
         _check_dim(head_dim, 4)
         check(isinstance(grid_size, int) and grid_size >= 1, "grid_size", "an int >= 1", grid_size)
         check(base > 0, "base", "> 0", base)
         check(isinstance(prefix, int) and prefix >= 0, "prefix", "an int >= 0", prefix)
+        check_choice("prefix_rope", prefix_rope, PREFIX_ROPES)
         freq = frequencies(head_dim // 2, base)  # == base ** (-4j / D)
         super().__init__(torch.cat([freq, freq]), sections=(head_dim // 4, head_dim // 4), layout="interleaved")
-        self.grid_size, self.prefix = grid_size, prefix
+        self.grid_size, self.prefix, self.prefix_rope = grid_size, prefix, prefix_rope
 
     def coordinates(self, positions):
         raster = (positions - self.prefix).clamp(min=0)
         return torch.stack([raster // self.grid_size, raster % self.grid_size]), positions < self.prefix
+
+    def tables(self, positions: torch.Tensor) -> RopeTables:
+        tables = super().tables(positions)
+        if self.prefix_rope == "identity" or positions.dim() != 2:
+            return tables
+        keep = (positions >= self.prefix)[:, None, :, None].to(tables.cos.dtype)  # (B, 1, T, 1)
+        return RopeTables(tables.cos * keep, tables.sin * keep)
 
 
 class MRope(RotaryEmbedding):

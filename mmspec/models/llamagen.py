@@ -25,8 +25,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..core.cache import StaticKVCache
-from ..core.errors import check
-from ..core.rope import GridRope2D, RopeTables, RotaryEmbedding
+from ..core.errors import check, check_choice
+from ..core.rope import PREFIX_ROPES, GridRope2D, RopeTables, RotaryEmbedding
 from ..core.types import ModelOutput
 
 
@@ -75,6 +75,9 @@ class LlamaGenModel(ModelMixin, ConfigMixin):
         initializer_range: std of the normal init of every linear and embedding weight.
         id2label: ``{"0": "a red circle, red circle", ...}``: each class id's names, comma-separated
             (diffusers' DiT convention); saved with the config so a pipeline maps prompts to ids.
+        cls_rope: what the RoPE does to the class token's query and key: ``"identity"`` (no
+            rotation) or ``"zero"`` (zeroed, as LlamaGen's released code does;
+            ``mmspec.models.llamagen_convert`` sets it for LlamaGen checkpoints).
     """
 
     config_name = "config.json"
@@ -83,7 +86,7 @@ class LlamaGenModel(ModelMixin, ConfigMixin):
     def __init__(self, vocab_size: int = 512, grid_size: int = 16, num_classes: int = 16, dim: int = 256,
                  n_layers: int = 4, n_heads: int = 4, mlp_hidden: int = 688, class_dropout_prob: float = 0.1,
                  rope_base: float = 10000.0, norm_eps: float = 1e-5, initializer_range: float = 0.02,
-                 id2label: dict[str, str] | None = None):
+                 id2label: dict[str, str] | None = None, cls_rope: str = "identity"):
         super().__init__()
         sizes = dict(vocab_size=vocab_size, grid_size=grid_size, num_classes=num_classes, dim=dim,
                      n_layers=n_layers, n_heads=n_heads, mlp_hidden=mlp_hidden)
@@ -98,6 +101,7 @@ class LlamaGenModel(ModelMixin, ConfigMixin):
         check(id2label is None or (isinstance(id2label, dict) and sorted(map(str, id2label)) == sorted(
             str(i) for i in range(num_classes)) and all(isinstance(v, str) and v.strip() for v in id2label.values())),
               "id2label", f"None or a dict of names for every class id '0' .. '{num_classes - 1}'", id2label)
+        check_choice("cls_rope", cls_rope, PREFIX_ROPES)
         self.cls_embedding = nn.Embedding(num_classes + 1, dim)
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleList(LlamaGenBlock(i, dim, n_heads, mlp_hidden, norm_eps)
@@ -108,7 +112,7 @@ class LlamaGenModel(ModelMixin, ConfigMixin):
             if p.dim() == 2:
                 nn.init.normal_(p, std=initializer_range)
         # the 2-D RoPE, also the caches' ``rope(x (B, H, T, D), positions (B, T))``
-        self.rope = GridRope2D(dim // n_heads, grid_size, rope_base)
+        self.rope = GridRope2D(dim // n_heads, grid_size, rope_base, prefix_rope=cls_rope)
 
     @property
     def vocab_size(self) -> int:
