@@ -23,7 +23,7 @@ from ..core.errors import check
 from . import checks
 from .base import SpeculativePipeline
 # diffusers loads components only from modules already imported: name them here
-from ..models import eagle as _eagle, llamagen as _llamagen, vq as _vq  # noqa: F401
+from ..models import eagle as _eagle, llamagen as _llamagen, llamagen_vq as _llamagen_vq, vq as _vq  # noqa: F401
 
 OUTPUT_TYPES = ("pil", "np", "pt", "latent")
 
@@ -46,10 +46,10 @@ def _normal(label: str) -> str:
 class SpeculativeARImagePipeline(SpeculativePipeline):
     """A LlamaGen-style AR transformer over a VQ tokenizer's grid, plus optional drafters.
 
-    Components: ``transformer`` (``LlamaGenModel``), ``vqvae`` (``TinyVQModel``), and optionally
-    ``draft_model`` (a small ``LlamaGenModel``, for ``sd``), ``eagle_head``
-    (``EagleDraftHead``, for ``eagle`` and ``lantern``) and ``medusa_head`` (``GridMedusaHeads``,
-    for ``medusa``). Class names come from the transformer's
+    Components: ``transformer`` (``LlamaGenModel``), ``vqvae`` (``TinyVQModel``, or LlamaGen's own
+    tokenizer as ``LlamaGenVQModel``), and optionally ``draft_model`` (a small ``LlamaGenModel``,
+    for ``sd``), ``eagle_head`` (``EagleDraftHead``, for ``eagle`` and ``lantern``) and
+    ``medusa_head`` (``GridMedusaHeads``, for ``medusa``). Class names come from the transformer's
     config (``id2label``, as diffusers' DiT keeps them): ``pipe.labels``, ``pipe.get_label_ids``.
     """
 

@@ -1,12 +1,15 @@
 """Network definitions no library provides.
 
-The diffusers-based models (``LlamaGenModel``, ``TinyVQModel``, ``ShapesClassifier``) import lazily:
+The diffusers-based models (``LlamaGenModel``, ``TinyVQModel``, ``ShapesClassifier``) and
+``load_llamagen_gpt`` (LlamaGen's released c2i GPT checkpoints as a ``LlamaGenModel``),
+``LlamaGenVQModel`` and ``load_llamagen_vq`` (its VQ tokenizers in their own layout) import lazily:
 the core and its tests should not pay for importing diffusers.
 """
 
 from .tiny_lm import TinyCausalLM, TinyLMConfig
 
-_LAZY = {"LlamaGenModel": ".llamagen", "ShapesClassifier": ".classifier", "TinyVQModel": ".vq"}
+_LAZY = {"LlamaGenModel": ".llamagen", "ShapesClassifier": ".classifier", "TinyVQModel": ".vq",
+         "load_llamagen_gpt": ".llamagen_convert", "LlamaGenVQModel": ".llamagen_vq", "load_llamagen_vq": ".llamagen_vq"}
 
 __all__ = ["TinyCausalLM", "TinyLMConfig", "load_checkpoint", *_LAZY]
 

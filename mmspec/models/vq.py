@@ -131,7 +131,29 @@ class VectorQuantizer(nn.Module):
         return z + (z_q - z).detach(), ids, losses
 
 
-class TinyVQModel(ModelMixin, ConfigMixin):
+class IdGridMixin:
+    """What an image <-> id-grid VQ model shares: ``grid_size`` and the checks of ``encode``'s
+    images and ``decode``'s ids (from ``downsample_factor`` and ``config.sample_size`` /
+    ``config.in_channels``)."""
+
+    @property
+    def grid_size(self) -> int:
+        """Side of the id grid of a ``sample_size`` image (16 for TinyVQModel's default 64 px)."""
+        return self.config.sample_size // self.downsample_factor
+
+    def _check_images(self, images: torch.Tensor) -> None:
+        f, c = self.downsample_factor, self.config.in_channels
+        check(images.dim() == 4 and images.shape[1] == c and images.shape[2] % f == 0
+              and images.shape[3] % f == 0, "images", f"a (B, {c}, H, W) tensor with H and W multiples of {f}",
+              tuple(images.shape))
+
+    @staticmethod
+    def _check_ids(ids: torch.Tensor) -> None:
+        check(ids.dim() == 3 and not ids.is_floating_point(), "ids", "a (B, h, w) integer tensor",
+              f"{tuple(ids.shape)} {ids.dtype}")
+
+
+class TinyVQModel(IdGridMixin, ModelMixin, ConfigMixin):
     """Image <-> grid of VQ token ids. ``save_pretrained(dir)`` writes ``config.json`` and
     safetensors weights; ``TinyVQModel.from_pretrained(dir, use_safetensors=True)`` reads them
     back from a local folder without the network."""
@@ -166,23 +188,12 @@ class TinyVQModel(ModelMixin, ConfigMixin):
     def downsample_factor(self) -> int:
         return 2 ** (len(self.config.block_out_channels) - 1)
 
-    @property
-    def grid_size(self) -> int:
-        """Side of the id grid of a ``sample_size`` image (16 for the default 64 px)."""
-        return self.config.sample_size // self.downsample_factor
-
     # codebook, encode and decode read the weights outside forward: under model offload the hook
     # must move the model first
     @apply_forward_hook
     def codebook(self) -> torch.Tensor:
         """The l2-normalised code embeddings the ids index, (K, D)."""
         return self.quantizer.codebook()
-
-    def _check_images(self, images: torch.Tensor) -> None:
-        f, c = self.downsample_factor, self.config.in_channels
-        check(images.dim() == 4 and images.shape[1] == c and images.shape[2] % f == 0
-              and images.shape[3] % f == 0, "images", f"a (B, {c}, H, W) tensor with H and W multiples of {f}",
-              tuple(images.shape))
 
     @apply_forward_hook
     @torch.no_grad()
@@ -194,8 +205,7 @@ class TinyVQModel(ModelMixin, ConfigMixin):
     @apply_forward_hook
     def decode(self, ids: torch.Tensor) -> torch.Tensor:
         """ids (B, h, w) -> images (B, C, h * f, w * f), roughly in [-1, 1] (not clamped)."""
-        check(ids.dim() == 3 and not ids.is_floating_point(), "ids", "a (B, h, w) integer tensor",
-              f"{tuple(ids.shape)} {ids.dtype}")
+        self._check_ids(ids)
         z_q = self.codebook()[ids].permute(0, 3, 1, 2)  # (B, D, h, w)
         return self.decoder(z_q)
 
