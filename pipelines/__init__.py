@@ -2,6 +2,7 @@
 
 _LAZY = {"SpeculativePipeline": ".base",
          "SpeculativeARImagePipeline": ".ar_image", "ARImagePipelineOutput": ".ar_image",
+         "SpeculativeGlmImagePipeline": ".glm_image", "GlmImageSpeculativeOutput": ".glm_image",
          "SpeculativeContinuousARPipeline": ".continuous", "ContinuousARPipelineOutput": ".continuous",
          "SpeculativeVLMPipeline": ".vlm", "VLMPipelineOutput": ".vlm",
          "StreamingVideoPipeline": ".video", "StreamingVideoPipelineOutput": ".video", "VideoChunk": ".video",
