@@ -19,6 +19,9 @@
     mmspec bench compile [--json PATH]
                                      torch.compile on the bundled AR target per method: eager vs compiled wall,
                                      first-call (compile) time
+    mmspec bench glm-image [--json PATH]
+                                     SpeculativeGlmImagePipeline on a tiny RANDOM-weight GLM-Image (acceptance
+                                     not representative): prior passes per image and prior wall vs none
     mmspec generate ar-image --method gsd --prompt "a red circle" --out DIR
                                      write PNGs from the bundled AR image pipeline
     mmspec generate continuous --method sd --prompt "a red circle" --out DIR
@@ -68,7 +71,7 @@ from pathlib import Path
 
 from .utils import one_line
 
-BENCHES = ("core", "ar-image", "vlm", "video", "kernels", "continuous", "cost", "compile")
+BENCHES = ("core", "ar-image", "vlm", "video", "kernels", "continuous", "cost", "compile", "glm-image")
 VIDEO_GROUPS = ("window-sweep", "prompt-switch", "multi-switch", "frames", "wan-tiny")
 
 
@@ -120,6 +123,10 @@ def cmd_bench(args) -> int:
         from .bench import cost
 
         print(cost.format_report(result))
+    elif args.name == "glm-image":  # a header and footnote: the weights are random
+        from .bench import glm_image
+
+        print(glm_image.format_report(result, columns))
     else:
         print(report.format_table(result["rows"], columns))
     footer = monitor.footer()
@@ -184,6 +191,12 @@ def _run_bench(args) -> tuple[dict, list]:
         cfg = kernels.KernelBenchConfig.quick() if args.quick else kernels.KernelBenchConfig()
         result = kernels.run(cfg, progress=None if args.quiet else _progress)
         columns = kernels.KERNELS_COLUMNS
+    elif args.name == "glm-image":
+        from .bench import glm_image
+
+        cfg = glm_image.GlmImageBenchConfig.quick() if args.quick else glm_image.GlmImageBenchConfig()
+        result = glm_image.run(cfg, progress=None if args.quiet else _progress)
+        columns = glm_image.GLM_IMAGE_COLUMNS
     else:
         from .bench import ar_image
 

@@ -1,56 +1,14 @@
-"""GLM-Image's AR prior as a core target and ``SpeculativeGlmImagePipeline``, on tiny random
-configs built here (no downloads; the processor is a stand-in that writes the prompt layout and
-target grids exactly as ``GlmImageProcessor`` does)."""
+"""GLM-Image's AR prior as a core target and ``SpeculativeGlmImagePipeline``, on the tiny random
+configs of ``mmspec.bench.glm_image`` (no downloads; the processor is a stand-in that writes the
+prompt layout and target grids exactly as ``GlmImageProcessor`` does)."""
 
 import pytest
 import torch
-from transformers import BatchFeature, GlmImageConfig, GlmImageForConditionalGeneration
-from transformers.models.glm_image.processing_glm_image import GlmImageProcessor
 
 from mmspec.adapters.glm_image import GlmImagePriorTarget, prior_logits, prior_prompts
+from mmspec.bench.glm_image import VISION_VOCAB as V  # vision_vocab_size: the image tokens the prior samples
+from mmspec.bench.glm_image import TinyGlmProcessor, tiny_glm_image_components, tiny_prior
 from mmspec.core import JacobiDrafter, SpeculativeDecoder
-
-V = 128  # vision_vocab_size: the image tokens the prior samples
-
-
-def tiny_prior(seed=0):
-    config = GlmImageConfig(
-        text_config={"vocab_size": 16512, "hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 2,
-                     "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 512,
-                     "vision_vocab_size": V, "pad_token_id": 16500, "rope_parameters": {"mrope_section": (4, 2, 2)}},
-        vision_config={"depth": 2, "hidden_size": 32, "num_heads": 2, "image_size": 32, "patch_size": 8,
-                       "intermediate_size": 32},
-        vq_config={"embed_dim": 32, "num_embeddings": V, "latent_channels": 32})
-    config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = GlmImageForConditionalGeneration(config).eval()
-    with torch.no_grad():  # random weights give near-uniform logits: sharpen them so argmax ties can't happen
-        model.lm_head.weight.mul_(50.0)
-    return model
-
-
-class TinyGlmProcessor:
-    """``GlmImageProcessor.apply_chat_template``'s text-to-image outputs from a toy byte tokenizer:
-    ``text <sop>h w<eop><sop>ph pw<eop><image start>`` and the two target grids."""
-
-    def __init__(self, image_start_token_id, sop=16400, eop=16401):
-        self.start, self.sop, self.eop = image_start_token_id, sop, eop
-
-    def _ids(self, text, h, w):
-        th, tw, ph, pw = GlmImageProcessor._get_target_shape(None, h, w)
-        body = [16000 + b for b in text.encode()[:60]]
-        return body + [self.sop, 16100 + th, 16100 + tw, self.eop, self.sop, 16100 + ph, 16100 + pw, self.eop,
-                       self.start], GlmImageProcessor._build_target_image_grid_thw(th, tw, ph, pw, True)
-
-    def apply_chat_template(self, messages, tokenize=True, padding=False, target_h=32, target_w=32,
-                            return_dict=True, return_tensors="pt"):
-        texts = [m[0]["content"][-1]["text"] for m in messages]
-        rows, grids = zip(*(self._ids(t, target_h, target_w) for t in texts))
-        width = max(map(len, rows))
-        ids = torch.tensor([[0] * (width - len(r)) + r for r in rows])  # left padding, as the processor pads
-        mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-        return BatchFeature({"input_ids": ids, "attention_mask": mask, "image_grid_thw": torch.cat(grids),
-                             "images_per_sample": torch.tensor([2] * len(rows))})
 
 
 @pytest.fixture(scope="module")
@@ -121,35 +79,13 @@ def test_prior_logits_mirror_generate_defaults(prior):
 
 
 # -- the pipeline -----------------------------------------------------------------------------------
-def tiny_components():
-    from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, GlmImageTransformer2DModel
-    from transformers import ByT5Tokenizer, T5Config, T5EncoderModel
-
-    torch.manual_seed(0)
-    text_encoder = T5EncoderModel(T5Config(vocab_size=384, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4,
-                                           relative_attention_num_buckets=8)).eval()
-    prior = tiny_prior()
-    torch.manual_seed(0)
-    transformer = GlmImageTransformer2DModel(patch_size=2, in_channels=4, out_channels=4, num_layers=2,
-                                             attention_head_dim=8, num_attention_heads=2, text_embed_dim=32,
-                                             time_embed_dim=16, condition_dim=8, prior_vq_quantizer_codebook_size=V)
-    torch.manual_seed(0)
-    vae = AutoencoderKL(block_out_channels=(4, 8, 16, 16), in_channels=3, out_channels=3,
-                        down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
-                        latent_channels=4, norm_num_groups=4, sample_size=128, latents_mean=[0.0] * 4,
-                        latents_std=[1.0] * 4)
-    return {"tokenizer": ByT5Tokenizer(), "processor": TinyGlmProcessor(prior.config.image_start_token_id),
-            "text_encoder": text_encoder, "vision_language_encoder": prior, "vae": vae, "transformer": transformer,
-            "scheduler": FlowMatchEulerDiscreteScheduler()}
-
-
 @pytest.fixture(scope="module")
 def pipes():
     from diffusers import GlmImagePipeline
 
     from mmspec.pipelines.glm_image import SpeculativeGlmImagePipeline
 
-    components = tiny_components()
+    components = tiny_glm_image_components()
     ours, theirs = SpeculativeGlmImagePipeline(**components), GlmImagePipeline(**components)
     for pipe in (ours, theirs):
         pipe.set_progress_bar_config(disable=True)
