@@ -294,7 +294,7 @@ CLI_CASES = [
     ("--model not a folder", AR_ARGS + ["--model", "missing_dir"],
      "mmspec generate ar-image", "argument --model: no such folder: 'missing_dir'"),
     ("unknown bench", ["bench", "audio"],
-     "mmspec bench", "argument name: invalid choice: 'audio' (choose from 'core', 'ar-image', 'vlm', 'video', 'kernels', 'continuous', 'cost', 'compile')"),
+     "mmspec bench", "argument name: invalid choice: 'audio' (choose from 'core', 'ar-image', 'vlm', 'video', 'kernels', 'continuous', 'cost', 'compile', 'glm-image')"),
     ("bench --json names a folder", ["bench", "core", "--json", "empty_dir"],
      "mmspec bench", "argument --json: must be a file path, got the existing folder 'empty_dir'"),
     ("bench --json under a file", ["bench", "core", "--json", "a_file/core.json"],
