@@ -34,9 +34,9 @@ from diffusers import GlmImagePipeline
 from diffusers.pipelines.glm_image.pipeline_output import GlmImagePipelineOutput
 
 from ..adapters.glm_image import GlmImagePriorTarget, prior_logits, prior_prompts
-from ..core import JacobiDrafter, SpeculativeDecoder
+from .. import methods
+from ..core import SpeculativeDecoder
 from ..core.errors import check
-from ..core.relaxed import GroupedAcceptance
 from . import checks
 
 MODALITY = "ar-image"
@@ -114,8 +114,8 @@ class SpeculativeGlmImagePipeline(GlmImagePipeline):
         logits = prior_logits(model)
         if call["temperature"] is not None:
             logits = dataclasses.replace(logits, temperature=float(call["temperature"]))
-        drafter, rule = build_parts(call["recipe"], target)
-        decoder = SpeculativeDecoder(target, drafter, rule=rule, logits=logits, device=device)
+        parts = methods.build(call["recipe"], {"target": target})  # no schedule: check_method refuses zipar
+        decoder = SpeculativeDecoder(target, parts.drafter, rule=parts.rule, logits=logits, device=device)
         rows, conditioning = prior_prompts(inputs)
         out = decoder.generate(rows, max_new_tokens, conditioning=conditioning,
                                generator=_prior_generators(call["generator"], device),
@@ -146,19 +146,6 @@ def check_method(method, method_knobs):
               cfg.init)
         check(cfg.interval == "full", "sjd_interval", "'full' (the reference interval counts one grid)", cfg.interval)
     return recipe
-
-
-def build_parts(recipe, target: GlmImagePriorTarget):
-    """The recipe's drafter and rule over the prior (``None``: the decoder's defaults)."""
-    drafter = rule = None
-    name = recipe.part("drafter")
-    if name is not None:
-        cfg = recipe.configs[name]
-        drafter = JacobiDrafter(target.vocab_size, window=cfg.window, init=cfg.init,
-                                coupling="maximal" if name == "mcsjd" else "independent")
-    if recipe.part("rule") == "gsd":
-        rule = GroupedAcceptance(target.tok_embeddings.weight, recipe.configs["gsd"])
-    return drafter, rule
 
 
 def _prior_generators(generator, device):

@@ -180,7 +180,7 @@ def test_bad_checkpoints_are_refused_naming_the_key(edit, match):
 def test_bad_arguments_are_refused(tmp_path):
     with pytest.raises(ValueError, match="config must be one of 'VQ-8', 'VQ-16'"):
         load_llamagen_vq(original_state_dict(), config="VQ-32")
-    with pytest.raises(ValueError, match="checkpoint must be an existing .safetensors file"):
+    with pytest.raises(ValueError, match=r"checkpoint must be a path to an existing \.safetensors file"):
         load_llamagen_vq(tmp_path / "vq_ds16_c2i.pt")
     with pytest.raises(ValueError, match="sample_size must be a multiple of the downsampling factor 16"):
         LlamaGenVQModel(sample_size=200)

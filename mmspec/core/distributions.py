@@ -160,8 +160,8 @@ class Residual:
     the accepted y has density ``p (1 - q/p)^+ / (1 - beta) = r``. Each try succeeds with
     probability ``1 - beta``, so a rejection costs ``1 / (1 - beta)`` tries on average (they are
     drawn ``tries_per_round`` at a time; tries after a row's first success are drawn, not counted,
-    not used). After ``max_tries`` tries (``None``: no cap) the last proposal from p is taken instead and counted in
-    ``meter.residual_fallbacks`` (a fraction ``(1 - beta) beta^max_tries`` of residual draws is
+    not used). After ``max_tries`` tries (``None``: no cap) the last proposal from p is taken
+    instead and counted in ``meter.residual_fallbacks`` (a fraction ``(1 - beta) beta^max_tries`` of residual draws is
     then biased towards p). Rows draw independently (row r only from generator r of a per-row
     tuple, and only while it has not succeeded). Its normaliser ``1 - beta`` has no closed form,
     so ``log_prob`` is refused; that is why continuous tokens need chains (a tree's sibling
@@ -219,9 +219,10 @@ class Residual:
             if self.meter is not None:
                 self.meter.residual_tries += int(torch.where(hit, first + 1, k).sum())
                 self.meter.residual_fallbacks += int((take & ~hit).sum())
-            chosen = y.token.view((m, k) + tuple(y.token.shape[1:]))[torch.arange(m, device=device), first]
-            tokens[pending[take]] = chosen[take].to(tokens.dtype)
-            log_p[pending[take]] = logp.view(m, k)[torch.arange(m, device=device), first][take]
+            rows = torch.arange(m, device=device)
+            done = pending[take]
+            tokens[done] = y.token.view((m, k) + tuple(y.token.shape[1:]))[rows, first][take].to(tokens.dtype)
+            log_p[done] = logp.view(m, k)[rows, first][take]
             pending = pending[~take]
         if self.meter is not None:
             self.meter.residual_rows += n

@@ -99,7 +99,9 @@ def _jacobi(coupling: str):
     """The builder of a Jacobi drafter part: SJD's independent redrafts or MC-SJD's coupled ones."""
 
     def build(cfg: SJDConfig, components):
-        grid = _grid(components)
+        # only the spatial init and the reference interval read the grid (a target that decodes
+        # several grids, e.g. GLM-Image's prior, has no single one)
+        grid = _grid(components) if cfg.init == "spatial" or cfg.interval == "reference" else None
         # the reference LlamaGen script's jacobi_loop_interval: (1, N - L - 2) for N image tokens
         interval = (1, grid * grid - cfg.window - 2) if cfg.interval == "reference" else None
         return JacobiDrafter(components["target"].vocab_size, window=cfg.window, init=cfg.init, grid_width=grid,

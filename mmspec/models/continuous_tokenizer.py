@@ -158,13 +158,13 @@ class ConvTokenizer(FrameAutoencoder):
         check(images.dim() == 4 and tuple(images.shape[1:]) == (c, s, s), "images",
               f"a (batch, {c}, {s}, {s}) tensor", tuple(images.shape))
 
+    # the hook first (an offloaded model is onloaded, in its compute dtype, before its dtype is read)
     @apply_forward_hook
     def encode(self, images: torch.Tensor) -> torch.Tensor:
-        """(B, C, H, W) in [-1, 1] -> (B, N, d) normalised latents in raster order."""
+        """(B, C, H, W) in [-1, 1] -> (B, N, d) normalised latents in raster order (the frame
+        autoencoder's normalised (B, d, g, g) grid, cell (r, c) as token r * g + c)."""
         self._check_images(images)
-        z = self.encoder(images.to(self.latent_std.dtype))
-        z = (z - self.latent_mean[:, None, None]) / self.latent_std[:, None, None]
-        return z.flatten(2).transpose(1, 2)
+        return super().encode(images.to(self.latent_std.dtype)).flatten(2).transpose(1, 2)
 
     @apply_forward_hook
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
@@ -172,8 +172,7 @@ class ConvTokenizer(FrameAutoencoder):
         N, d, g = self.num_tokens, self.token_dim, self.grid_size
         check(latents.dim() == 3 and tuple(latents.shape[1:]) == (N, d), "latents", f"a (batch, {N}, {d}) tensor",
               tuple(latents.shape))
-        z = latents.to(self.latent_std.dtype).transpose(1, 2).reshape(-1, d, g, g)
-        return self.decoder(z * self.latent_std[:, None, None] + self.latent_mean[:, None, None])
+        return super().decode(latents.to(self.latent_std.dtype).transpose(1, 2).reshape(-1, d, g, g))
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         """The reconstruction ``decode(encode(images))``."""

@@ -24,8 +24,8 @@ trust, e.g. a training checkpoint that pickles its argparse ``args``)::
     from safetensors.torch import save_file
 
     for name in ("c2i_B_256.pt", "vq_ds16_c2i.pt"):
-        sd = torch.load(hf_hub_download("FoundationVision/LlamaGen", name), map_location="cpu",
-                        weights_only=True)["model"]
+        pt = hf_hub_download("FoundationVision/LlamaGen", name)
+        sd = torch.load(pt, map_location="cpu", weights_only=True)["model"]
         save_file({k: v.contiguous() for k, v in sd.items()}, name.replace(".pt", ".safetensors"))
 
     from mmspec.models.llamagen_convert import load_llamagen_gpt
@@ -60,8 +60,9 @@ _BUFFERS = ("freqs_cis",)  # may be present, carries no weights
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
 
-def _unwrap(checkpoint) -> tuple[Mapping, str | None]:
-    """The bare state dict and the ``gpt_type`` of the training args when a wrapper carries them."""
+def unwrap_state_dict(checkpoint) -> tuple[Mapping, str | None]:
+    """The bare state dict (of a GPT or a VQ checkpoint) and the ``gpt_type`` of the training args
+    when a wrapper (``"model"``, ``"module"``, ``"state_dict"``) carries them."""
     check(isinstance(checkpoint, Mapping), "checkpoint", "a path to a .safetensors file or a state dict",
           type(checkpoint).__name__)
     if "tok_embeddings.weight" not in checkpoint:
@@ -69,6 +70,22 @@ def _unwrap(checkpoint) -> tuple[Mapping, str | None]:
             if isinstance(checkpoint.get(key), Mapping):
                 return checkpoint[key], getattr(checkpoint.get("args"), "gpt_type", None)
     return checkpoint, None
+
+
+def read_checkpoint(checkpoint) -> Mapping:
+    """A LlamaGen checkpoint as a mapping: a ``.safetensors`` path is read (safetensors only: the
+    released ``.pt`` pickles are converted once outside mmspec), a mapping is returned as it is
+    (bare or wrapped; ``unwrap_state_dict`` takes the state dict out)."""
+    if isinstance(checkpoint, (str, os.PathLike)):
+        check(str(checkpoint).endswith(".safetensors") and os.path.isfile(checkpoint), "checkpoint",
+              "a path to an existing .safetensors file (convert LlamaGen's .pt first: see the docstring) "
+              "or a state dict", str(checkpoint))
+        from safetensors.torch import load_file
+
+        return load_file(str(checkpoint))
+    check(isinstance(checkpoint, Mapping), "checkpoint", "a path to a .safetensors file or a state dict",
+          type(checkpoint).__name__)
+    return checkpoint
 
 
 def _refuse_t2i(state_dict: Mapping, gpt_type: str | None) -> None:
@@ -117,7 +134,7 @@ def llamagen_config_from_state_dict(state_dict: Mapping, *, gpt_model: str | Non
     Raises a one-line ``ValueError`` naming the key for a missing key, a wrong shape, an extra key
     or a text-to-image checkpoint.
     """
-    state_dict, gpt_type = _unwrap(state_dict)
+    state_dict, gpt_type = unwrap_state_dict(state_dict)
     _refuse_t2i(state_dict, gpt_type)
     vocab_size, dim = _shape(state_dict, "tok_embeddings.weight")
     rows = _shape(state_dict, "cls_embedding.embedding_table.weight")[0]
@@ -191,16 +208,10 @@ def load_llamagen_gpt(checkpoint, *, gpt_model: str | None = None, n_head: int |
     at sequence position p predicts image token p. See the module docstring for a full example.
     """
     from_file = isinstance(checkpoint, (str, os.PathLike))
-    if from_file:
-        check(str(checkpoint).endswith(".safetensors") and os.path.isfile(checkpoint), "checkpoint",
-              "a path to an existing .safetensors file (convert LlamaGen's .pt first: see the docstring) "
-              "or a state dict", str(checkpoint))
-        from safetensors.torch import load_file
-
-        checkpoint = load_file(checkpoint)
+    checkpoint = read_checkpoint(checkpoint)
     config = llamagen_config_from_state_dict(checkpoint, gpt_model=gpt_model, n_head=n_head, grid_size=grid_size,
                                              num_classes=num_classes)
-    state_dict, _ = _unwrap(checkpoint)
+    state_dict, _ = unwrap_state_dict(checkpoint)
     model = LlamaGenModel(**config, id2label=id2label)
     # assign: the parameters take the checkpoint's tensors in ``dtype`` (copies of a caller's dict)
     weights = {_our_key(k): v.to(dtype, copy=not from_file) for k, v in state_dict.items() if k not in _BUFFERS}

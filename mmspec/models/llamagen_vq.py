@@ -16,7 +16,8 @@ upsampling and a conv between levels). ``LlamaGenVQModel`` keeps the interface o
 ``grid_size``), so ``SpeculativeARImagePipeline`` takes it as its ``vqvae``.
 
 ``load_llamagen_vq`` builds one from a checkpoint's state dict (a ``.safetensors`` file or an
-in-memory dict, optionally under ``"model"`` as LlamaGen saves them), refusing a missing,
+in-memory dict, optionally under ``"model"`` as LlamaGen saves them; read as ``load_llamagen_gpt``
+reads GPT checkpoints), refusing a missing,
 unexpected or misshapen key in one line that names it. The released files are PyTorch pickles
 (``vq_ds16_c2i.pt``); mmspec loads weights with safetensors only, so convert once, outside
 mmspec, in a session that trusts the file::
@@ -34,7 +35,6 @@ mmspec, in a session that trusts the file::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
@@ -44,6 +44,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..core.errors import check, check_choice
+from .llamagen_convert import read_checkpoint, unwrap_state_dict
 from .vq import IdGridMixin
 
 __all__ = ["LLAMAGEN_VQ_CONFIGS", "LlamaGenVQModel", "load_llamagen_vq"]
@@ -283,7 +284,7 @@ def load_llamagen_vq(checkpoint, *, config: str | Mapping = "VQ-16", codebook_si
     Every model parameter must be in the checkpoint with the model's shape, and the checkpoint
     may hold nothing else (but LlamaGen's ``quantize.codebook_used`` usage buffer): otherwise a
     ``ValueError`` names the first offending key."""
-    state = _read_state_dict(checkpoint)
+    state = dict(unwrap_state_dict(read_checkpoint(checkpoint))[0])
     if isinstance(config, str):
         check_choice("config", config, LLAMAGEN_VQ_CONFIGS)
         args = dict(LLAMAGEN_VQ_CONFIGS[config])
@@ -308,20 +309,3 @@ def load_llamagen_vq(checkpoint, *, config: str | Mapping = "VQ-16", codebook_si
           if extra else None)
     model.load_state_dict({k: state[k].to(torch.float32) for k in expected})
     return model.eval()
-
-
-def _read_state_dict(checkpoint) -> dict[str, torch.Tensor]:
-    if isinstance(checkpoint, (str, Path)):
-        path = Path(checkpoint)
-        check(path.suffix == ".safetensors" and path.is_file(), "checkpoint",
-              "an existing .safetensors file (convert LlamaGen's .pt once; see the module docstring) or a state "
-              "dict", str(checkpoint))
-        from safetensors.torch import load_file
-
-        return load_file(str(path))
-    check(isinstance(checkpoint, Mapping), "checkpoint", "a .safetensors path or a state dict",
-          type(checkpoint).__name__)
-    state = checkpoint.get("model", checkpoint) if "model" in checkpoint else checkpoint
-    check(isinstance(state, Mapping) and all(isinstance(v, torch.Tensor) for v in state.values()), "checkpoint",
-          "a state dict of tensors (or one under 'model')", type(state).__name__)
-    return dict(state)

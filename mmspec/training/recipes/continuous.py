@@ -30,6 +30,7 @@ from ...models.continuous_tokenizer import ConvTokenizer, PatchPCATokenizer
 from ..data import CLASS_NAMES, CLASS_PROMPTS, NUM_CLASSES, ShapesDataset
 from ..loop import new_accelerator, train_loop
 from .ar_image import AR_DATA_STYLE
+from .video import fit_autoencoder
 from .common import (batch_indices, check_checkpoint_dir, check_out_dir, check_run_args, heldout_seed, json_config,
                      save_atomically, stack, warmup_cosine)
 
@@ -123,14 +124,9 @@ def train_continuous_tokenizer(out_dir: str | Path, *, kind: str = "conv", datas
         torch.manual_seed(seed)
         tokenizer = ConvTokenizer(latent_channels=latent_dim or 8, channels=[32] + [64] * (levels - 1),
                                   stem_channels=16, sample_size=64, latent_noise=latent_noise)
-        optimizer = torch.optim.Adam(tokenizer.parameters(), lr=lr)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=50, steps=steps))
-        order, noise = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed + 1)
-        batches = (images[idx] for idx in batch_indices(dataset_size, batch_size, steps, order))
-        train_loop(tokenizer, optimizer, batches, lambda m, x: m.loss(x, noise), steps=steps,
-                   accelerator=new_accelerator("continuous-tokenizer"), schedule=schedule,
-                   name="continuous-tokenizer", log=log, log_every=log_every)
-        tokenizer.eval()
+        fit_autoencoder(tokenizer, images, steps=steps, batch_size=batch_size, lr=lr, seed=seed, warmup=50,
+                        accelerator=new_accelerator("continuous-tokenizer"), name="continuous-tokenizer", log=log,
+                        log_every=log_every)
         train = {"dataset_size": dataset_size, "data_style": AR_DATA_STYLE, "steps": steps, "batch_size": batch_size,
                  "lr": lr, "optimizer": "Adam", "schedule": "linear warmup 50 steps, cosine to 10%"}
     with torch.no_grad():  # report what ships: fp16 weights (the latent statistics from them)

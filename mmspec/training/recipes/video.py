@@ -80,6 +80,24 @@ def heldout_recon(ae: FrameAutoencoder, frames: torch.Tensor, batch_size: int = 
     return {"mse": mse, "psnr_db": 10 * math.log10(4.0 / mse)}  # peak-to-peak 2 in [-1, 1]
 
 
+def fit_autoencoder(ae: FrameAutoencoder, images: torch.Tensor, *, steps: int, batch_size: int, lr: float,
+                    seed: int, warmup: int, accelerator, name: str, log: Callable[[str], None],
+                    log_every: int) -> float:
+    """Train a ``FrameAutoencoder`` (or a subclass) on ``images`` with Adam, linear warm-up and
+    cosine decay, batches drawn with a generator seeded ``seed`` and latent noise from one seeded
+    ``seed + 1``; leave it in eval mode and return the final loss. The video autoencoder and the
+    continuous-token ``ConvTokenizer`` recipes share it; each then measures its latent statistics."""
+    optimizer = torch.optim.Adam(ae.parameters(), lr=lr)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, steps=steps))
+    order = torch.Generator().manual_seed(seed)
+    noise = torch.Generator().manual_seed(seed + 1)
+    batches = (images[idx] for idx in batch_indices(len(images), batch_size, steps, order))
+    final_loss = train_loop(ae, optimizer, batches, lambda m, x: m.loss(x, noise), steps=steps,
+                            accelerator=accelerator, schedule=schedule, name=name, log=log, log_every=log_every)
+    ae.eval()
+    return final_loss
+
+
 def train_video_ae(out_dir: str | Path, *, steps: int, batch_size: int = 32, lr: float, seed: int = 0,
                    dataset_size: int, clip_frames: int = 8, heldout_size: int = 32, model_config: dict | None = None,
                    log_every: int = 50, warmup: int = 50, log: Callable[[str], None] = print) -> dict:
@@ -104,14 +122,8 @@ def train_video_ae(out_dir: str | Path, *, steps: int, batch_size: int = 32, lr:
                                            style=VIDEO_DATA_STYLE))[0].flatten(0, 1)
     frames = frames[:dataset_size]
     log(f"video-ae rendered {len(frames)} frames ({clips} clips) in {time.perf_counter() - start:.0f}s")
-    optimizer = torch.optim.Adam(ae.parameters(), lr=lr)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, steps=steps))
-    order = torch.Generator().manual_seed(seed)
-    noise = torch.Generator().manual_seed(seed + 1)
-    batches = (frames[idx] for idx in batch_indices(len(frames), batch_size, steps, order))
-    final_loss = train_loop(ae, optimizer, batches, lambda m, x: m.loss(x, noise), steps=steps,
-                            accelerator=accelerator, schedule=schedule, name="video-ae", log=log, log_every=log_every)
-    ae.eval()
+    final_loss = fit_autoencoder(ae, frames, steps=steps, batch_size=batch_size, lr=lr, seed=seed, warmup=warmup,
+                                 accelerator=accelerator, name="video-ae", log=log, log_every=log_every)
     ae.set_latent_stats(frames)
     held_seed = heldout_seed(seed)
     held = render_clips(VideoClipDataset(heldout_size, held_seed, clip_frames, size, switch_prob=0.3,
