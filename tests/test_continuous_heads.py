@@ -303,7 +303,7 @@ def test_continuous_methods_resolve_build_and_run(pair):
     and declares its head and losslessness; trees and schedules do not compose."""
     target, draft = pair
     assert methods.names("continuous") == ("none", "none-diffusion", "sd", "sd-warmup", "path", "cspd", "sjd",
-                                           "sjd-independent")
+                                           "sjd-mc", "sjd-independent")
     heads = {}
     for name in methods.names("continuous"):
         recipe = methods.resolve("continuous", name)
@@ -316,7 +316,8 @@ def test_continuous_methods_resolve_build_and_run(pair):
         assert out.sequences.shape == (2, 3, 2, 2) and torch.isfinite(out.sequences).all(), name
     assert heads == {"none": ("mixture", True), "none-diffusion": ("diffusion", True), "sd": ("mixture", True),
                      "sd-warmup": ("mixture", True), "path": ("diffusion", True), "cspd": ("diffusion", False),
-                     "sjd": ("mixture", True), "sjd-independent": ("mixture", True)}
+                     "sjd": ("mixture", True), "sjd-mc": ("mixture", True),
+                     "sjd-independent": ("mixture", True)}
     assert methods.resolve("continuous", "sd-warmup").configs["sd"].warmup == 0.15
     assert methods.resolve("continuous", "cspd", {"cspd_inner_temperature": 10}).configs["cspd"].inner_temperature == 10
     with pytest.raises(ValueError, match="sd_warmup must be a float in \\[0, 0.95\\], got 1.0"):

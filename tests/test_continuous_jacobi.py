@@ -1,5 +1,5 @@
-"""Speculative Jacobi decoding on densities (``JacobiDensityDrafter``; methods ``sjd`` and
-``sjd-independent``): exactness by the Rosenblatt (PIT) test on the toy AR density model of
+"""Speculative Jacobi decoding on densities (``JacobiDensityDrafter``; methods ``sjd`` (fixed
+noise per position), ``sjd-mc`` (maximal coupling) and ``sjd-independent``): exactness by the Rosenblatt (PIT) test on the toy AR density model of
 ``test_continuous_core.py``, broken controls that fail the same test, target passes on a target
 whose distribution ignores its context, refused knobs and heads, and the pipeline's
 reproducibility and batch rows.
@@ -46,15 +46,16 @@ def pit(target, drafter, pipeline=PLAIN, rule=None, seed=0):
     return min(ks_uniform_pvalue(u.flatten(1)), grid_chisquare_pvalue(u[..., 0])), out.stats
 
 
-def jacobi(target, coupling="maximal", window=WINDOW):
+def jacobi(target, coupling="noise", window=WINDOW):
     return JacobiDensityDrafter(target.token_shape, window=window, coupling=coupling)
 
 
 # -- exactness ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("coupling, pipeline", [("maximal", PLAIN), ("maximal", GUIDED), ("independent", PLAIN)],
-                         ids=["mcsjd", "mcsjd-cfg-linear-T0.9", "sjd"])
+@pytest.mark.parametrize("coupling, pipeline", [("maximal", PLAIN), ("maximal", GUIDED), ("independent", PLAIN),
+                                                ("noise", PLAIN), ("noise", GUIDED)],
+                         ids=["mcsjd", "mcsjd-cfg-linear-T0.9", "sjd", "noise", "noise-cfg-linear-T0.9"])
 def test_jacobi_on_densities_passes_the_rosenblatt_test(target, coupling, pipeline):
-    """Both couplings keep the target's law (guided and tempered too); drafts are accepted and
+    """Every coupling keeps the target's law (guided and tempered too); drafts are accepted and
     rejected, fewer target passes than tokens, no residual falls back; only the maximal coupling
     draws from the coupling's residual (on the draft meter)."""
     p, stats = pit(target, jacobi(target, coupling), pipeline)
@@ -92,10 +93,27 @@ class AcceptAll(SpeculativeSampling):
                           next_token=p_all[:, G].sample(generator).token)
 
 
-@pytest.mark.parametrize("broken", ["stale-draft", "accept-all"])
+class SlotTiedNoise(JacobiDensityDrafter):
+    """Broken: the noise stays with the window's slot instead of the position, so a position is
+    drawn with noise that already made (and may have committed) an earlier position's token."""
+
+    def update(self, state, draft, acceptance, target_probs, target_out):
+        kept = self.noise
+        super().update(state, draft, acceptance, target_probs, target_out)
+        B, n = kept.shape[:2]
+        self.noise = kept
+        flat = self.q[torch.arange(B)[:, None].expand(B, n).reshape(-1), torch.arange(n).repeat(B)]
+        x = flat.from_noise(kept.flatten(0, 1))
+        self.draws = Draw(x.token.unflatten(0, (B, n)), log_prob=x.log_prob.unflatten(0, (B, n)))
+
+
+@pytest.mark.parametrize("broken", ["stale-draft", "accept-all", "slot-tied-noise"])
 def test_broken_jacobi_fails_the_rosenblatt_test(target, broken):
-    """The same seed and N: a stale draft scored under the new q, and accepting every draft, fail."""
-    drafter = StaleDraft(target.token_shape, window=WINDOW) if broken == "stale-draft" else jacobi(target)
+    """The same seed and N: a stale draft scored under the new q, accepting every draft, and noise
+    tied to the window's slot rather than the position, fail."""
+    drafter = {"stale-draft": lambda: StaleDraft(target.token_shape, window=WINDOW, coupling="maximal"),
+               "slot-tied-noise": lambda: SlotTiedNoise(target.token_shape, window=WINDOW, coupling="noise"),
+               "accept-all": lambda: jacobi(target)}[broken]()
     p, _ = pit(target, drafter, rule=AcceptAll() if broken == "accept-all" else None)
     assert p < P_THRESHOLD, p
 
@@ -110,7 +128,7 @@ def context_free_target():
     return model
 
 
-@pytest.mark.parametrize("coupling", ["maximal", "independent"])
+@pytest.mark.parametrize("coupling", ["maximal", "independent", "noise"])
 @pytest.mark.parametrize("window", [4, 8])
 def test_context_free_target_accepts_every_draft(coupling, window):
     """q is the target's own distribution everywhere, so every draft is accepted: n tokens take the
@@ -131,23 +149,24 @@ def test_context_free_target_accepts_every_draft(coupling, window):
 def test_bad_knobs_and_heads_are_refused_naming_the_argument(target):
     with pytest.raises(ValueError, match="sjd_window must be an int >= 2, got 1"):
         methods.resolve("continuous", "sjd", {"sjd_window": 1})
-    with pytest.raises(ValueError, match="sjd_coupling must be one of 'independent', 'maximal', got 'greedy'"):
+    with pytest.raises(ValueError, match="sjd_coupling must be one of 'independent', 'maximal', 'noise', got 'greedy'"):
         methods.resolve("continuous", "sjd", {"sjd_coupling": "greedy"})
     with pytest.raises(ValueError, match="method must be 'path' with a drafter among sd or none"):
         methods.resolve("continuous", "sjd+path")
     with pytest.raises(ValueError, match="window must be an int >= 2"):
         JacobiDensityDrafter(target.token_shape, window=1)
-    with pytest.raises(ValueError, match="coupling must be one of 'independent', 'maximal'"):
+    with pytest.raises(ValueError, match="coupling must be one of 'independent', 'maximal', 'noise'"):
         JacobiDensityDrafter(target.token_shape, coupling="coupled")
     with pytest.raises(ValueError, match="token_shape must be a non-empty tuple"):
         JacobiDensityDrafter(())
     with pytest.raises(ValueError, match="the head must be one whose tokens are their own draws"):
         generate(target, jacobi(target), DensityPipeline(head="diffusion"), [0], 3, 0)
     recipe = methods.resolve("continuous", "sjd")
-    assert recipe.requires == () and recipe.lossless and recipe.knobs == {"sjd_window": 8, "sjd_coupling": "maximal"}
+    assert recipe.requires == () and recipe.lossless and recipe.knobs == {"sjd_window": 8, "sjd_coupling": "noise"}
     built = methods.build(recipe, {"target": target}).drafter
-    assert isinstance(built, JacobiDensityDrafter) and built.window == 8 and built.coupling == "maximal"
+    assert isinstance(built, JacobiDensityDrafter) and built.window == 8 and built.coupling == "noise"
     assert methods.resolve("continuous", "sjd-independent").configs["sjd"].coupling == "independent"
+    assert methods.resolve("continuous", "sjd-mc").configs["sjd"].coupling == "maximal"
 
 
 # -- the pipeline ---------------------------------------------------------------------------------
@@ -158,7 +177,7 @@ def pipe():
     return pipe
 
 
-@pytest.mark.parametrize("method", ["sjd", "sjd-independent"])
+@pytest.mark.parametrize("method", ["sjd", "sjd-mc", "sjd-independent"])
 def test_pipeline_is_reproducible_and_batch_rows_equal_single_rows(pipe, method):
     """CFG on (the pipeline's default 2.0, linear): a fixed generator reproduces a call bit for bit
     and another seed changes it; with a generator list image r of a batch equals that class
@@ -189,8 +208,8 @@ def test_coupling_reuses_the_rules_scores_bit_for_bit(target):
     """The rule's float64 log p of every draft (``Acceptance.log_p``) is what the maximal coupling
     would compute itself: 200 rows of 6 tokens come out identical either way."""
     labels = torch.arange(200) % 3
-    reused = generate(target, jacobi(target), PLAIN, labels, N_TOKENS, 3)
-    recomputed = generate(target, jacobi(target), PLAIN, labels, N_TOKENS, 3, ScoresDropped())
+    reused = generate(target, jacobi(target, "maximal"), PLAIN, labels, N_TOKENS, 3)
+    recomputed = generate(target, jacobi(target, "maximal"), PLAIN, labels, N_TOKENS, 3, ScoresDropped())
     assert torch.equal(reused.sequences, recomputed.sequences)
     assert reused.stats.alpha == recomputed.stats.alpha
 
@@ -207,3 +226,23 @@ def test_residual_reports_the_targets_log_density_of_its_draws(target):
     draw, log_p = p.residual(q).sample_with_log_p(torch.Generator().manual_seed(1))
     torch.testing.assert_close(log_p, p.log_prob(draw), rtol=0, atol=1e-9)
     assert torch.equal(draw.token, p.residual(q).sample(torch.Generator().manual_seed(1)).token)
+
+
+def test_a_mixture_draw_is_a_function_of_its_noise(target):
+    """``GaussianMixture.sample(g) == from_noise(noise(g))`` bit for bit (what the noise coupling
+    relies on, with the old random stream kept), the same noise gives the same draw, and a
+    distribution without noise refuses by name."""
+    from mmspec.core import DensityPipeline as DP, TokenDist
+    from mmspec.core.types import ModelOutput
+
+    z = torch.randn(3, 5, target.config.dim, generator=gen(0), dtype=torch.float64)
+    q = DP(guidance_scale=None)(ModelOutput(logits=None, cond=z, heads=target.heads),
+                                torch.ones(3, 5, dtype=torch.long), 8)[:, 2]
+    a = q.sample(torch.Generator().manual_seed(5))
+    noise = q.noise(torch.Generator().manual_seed(5))
+    b = q.from_noise(noise)
+    assert torch.equal(a.token, b.token) and torch.equal(a.log_prob, b.log_prob)
+    assert torch.equal(q.from_noise(noise).token, b.token)
+    torch.testing.assert_close(b.log_prob, q.log_prob(b), rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="has no noise/from_noise"):
+        TokenDist.noise(q)

@@ -7,8 +7,9 @@ inner after one untimed warm-up call per row; diffusion-head rows run the first
 (``DEFAULT_ROWS``): ``none`` (mixture head, target only), ``sd`` (mixture), ``sd+distill`` (``sd`` with the draft distilled to the target,
 the acceptance booster; needs ``booster_dir``), ``none-diffusion`` (the diffusion head's target-only
 baseline), ``path`` (diffusion, lossless), ``cspd`` at inner temperature 1, 10 and 42 (lossy),
-``sd`` after 5% and 15% target-only warm-up tokens, ``sjd`` (MC-SJD on densities, window 8, no draft
-model), ``sjd-w12`` (window 12) and ``sjd-independent`` (SJD's independent redrafts).
+``sd`` after 5% and 15% target-only warm-up tokens, ``sjd`` (a Jacobi window of 8 on densities, each
+position redrawn with its own fixed noise; no draft model), ``sjd-w12`` and ``sjd-w16`` (windows 12
+and 16), ``sjd-mc`` (MC-SJD's maximal coupling) and ``sjd-independent`` (SJD's independent redrafts).
 
 Columns per row: backbone passes per image (``nfe``, prefill included) and ``nfe_speedup`` over
 ``none``, draft backbone passes (``draft_nfe``), head calls and rows of target and draft
@@ -64,6 +65,8 @@ DEFAULT_ROWS = (
     ("sd-warmup15", "sd", {"sd_warmup": 0.15}, None),
     ("sjd", "sjd", {}, None),
     ("sjd-w12", "sjd", {"sjd_window": 12}, None),
+    ("sjd-w16", "sjd", {"sjd_window": 16}, None),
+    ("sjd-mc", "sjd-mc", {}, None),
     ("sjd-independent", "sjd-independent", {}, None),
 )
 BASELINES = ("none", "none-diffusion")

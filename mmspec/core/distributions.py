@@ -142,6 +142,18 @@ class TokenDist:
         """Float64 log-density of each draw, shape ``batch_shape``."""
         raise NotImplementedError
 
+    def noise(self, generator: Generators = None) -> torch.Tensor:
+        """The randomness ``sample`` consumes, as a float64 (n, k) tensor for a 1-D batch of n
+        (entry r from generator r of a per-row tuple), for ``from_noise``. Optional: only
+        distributions whose draws are a function of fixed noise implement it."""
+        raise NotImplementedError(f"{type(self).__name__} has no noise/from_noise (a draw as a function of "
+                                  "fixed noise); use a coupling that does not need it")
+
+    def from_noise(self, noise: torch.Tensor) -> Draw:
+        """The draw ``sample`` would make from ``noise`` (``sample(g) == from_noise(noise(g))`` bit
+        for bit): a deterministic map of noise of a fixed law to a draw of this distribution."""
+        raise NotImplementedError(f"{type(self).__name__} has no noise/from_noise")
+
     def score(self, draw: Draw) -> tuple[torch.Tensor, torch.Tensor]:
         """``(log_prob(draw), tokens the target emits when it accepts draw)``; the draw itself here."""
         return self.log_prob(draw), draw.token

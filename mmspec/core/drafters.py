@@ -583,7 +583,16 @@ class JacobiDensityDrafter(DrafterBase):
       ``(q_new - q_old)^+ / (1 - beta)`` (``TokenDist.residual``'s exact sampler, its tries counted
       on the ``"draft"`` meter). The result has density q_new and equals x with probability
       ``beta = int min(q_new, q_old)``, the most any coupling achieves, so successive passes agree
-      more often.
+      more often;
+    - ``coupling="noise"``: each position keeps the noise it was first drawn with
+      (``TokenDist.noise``) until it is committed, and every redraft is ``q_new.from_noise`` of
+      that noise: fixed-noise Jacobi iteration (Song et al., 2021, "Accelerating Feedforward
+      Computation via Parallel Nonlinear Equation Solving", which samples autoregressive models
+      this way), here under the exact test. A position's noise only ever feeds its own draws, and
+      its q is computed from earlier positions alone, so the draft has density q_new given
+      everything the rule conditions on; the draft moves smoothly with q (the same component and
+      normals) instead of jumping to a residual draw, and no residual is drawn to redraft. When
+      the context before a position stops changing, its draft stops changing too.
 
     Fresh positions, which no target pass has scored yet (the slots past the last pass's bonus
     position, the whole window after an all-accepted pass, and the first window), have no
@@ -604,19 +613,22 @@ class JacobiDensityDrafter(DrafterBase):
     Args:
         token_shape: the target's token shape (the decoder checks it against the target's).
         window: L, tokens verified per pass (root included): ``window - 1`` drafts.
-        coupling: ``"maximal"`` (MC-SJD) or ``"independent"`` (SJD).
+        coupling: ``"noise"`` (fixed noise per position, the default; the head's distribution must
+            implement ``noise`` / ``from_noise``), ``"maximal"`` (MC-SJD) or ``"independent"`` (SJD).
     """
 
-    def __init__(self, token_shape: tuple[int, ...], window: int = 8, coupling: str = "maximal"):
+    COUPLINGS = ("independent", "maximal", "noise")
+
+    def __init__(self, token_shape: tuple[int, ...], window: int = 8, coupling: str = "noise"):
         check(isinstance(token_shape, tuple) and len(token_shape) > 0 and all(
             isinstance(n, int) and n >= 1 for n in token_shape), "token_shape",
               "a non-empty tuple of ints >= 1 (continuous tokens)", token_shape)
         check(isinstance(window, int) and not isinstance(window, bool) and window >= 2, "window", "an int >= 2",
               window)
-        check_choice("coupling", coupling, ("independent", "maximal"))
+        check_choice("coupling", coupling, self.COUPLINGS)
         self.token_shape, self.window, self.coupling = token_shape, window, coupling
         self.max_block = window
-        self.draws = self.q = None
+        self.draws = self.q = self.noise = None
 
     def start(self, state: DecodeState) -> None:
         out = state.prefill
@@ -630,11 +642,18 @@ class JacobiDensityDrafter(DrafterBase):
         q = state.distribution(root, at[:, None], meter)  # (B, 1): the root's own distribution
         n = self.window - 1
         src = torch.zeros(state.batch_size, n, dtype=torch.long, device=state.lengths.device)
-        self.q, self.draws = self._fresh(state, q, src)
-        check(not self.draws.aux, "the head", "one whose tokens are their own draws (the mixture head): a "
-              "diffusion head's draws carry their denoising path, which Jacobi redraws from the residual "
-              "(maximal coupling) do not keep; use the mixture head with JacobiDensityDrafter",
-              type(q).__name__)
+        self.noise = None
+        if self.coupling == "noise" and type(q).noise is not TokenDist.noise:
+            self.q, flat, gen = self._gather(state, q, src)
+            self.noise = self._fresh_noise(flat, gen, state.batch_size, n)
+            self.draws = _unflatten(flat.from_noise(self.noise.flatten(0, 1)), state.batch_size, n)
+        else:
+            self.q, self.draws = self._fresh(state, q, src)
+        check(not self.draws.aux and self.draws.log_prob is not None and (
+            self.coupling != "noise" or self.noise is not None), "the head",
+              "one whose tokens are their own draws (the mixture head): a diffusion head's draws carry their "
+              "denoising path, which Jacobi redraws (fixed noise, residuals) do not keep; use the mixture head "
+              "with JacobiDensityDrafter", type(q).__name__)
 
     @staticmethod
     def _gather(state: DecodeState, dists: TokenDist, src: torch.Tensor):
@@ -644,6 +663,11 @@ class JacobiDensityDrafter(DrafterBase):
         rows = torch.arange(B, device=src.device)[:, None].expand(B, n)
         return dists[rows, src], dists[rows.reshape(-1), src.reshape(-1)], select_rows(state.generator,
                                                                                       rows.reshape(-1))
+
+    @staticmethod
+    def _fresh_noise(flat: TokenDist, gen, B: int, n: int) -> torch.Tensor:
+        """(B, n, k) fresh noise for the (B n,) flat distributions (entry (b, k) from row b's generator)."""
+        return flat.noise(gen).unflatten(0, (B, n))
 
     def _fresh(self, state: DecodeState, dists: TokenDist, src: torch.Tensor) -> tuple[TokenDist, Draw]:
         """Independent draws from ``dists[b, src[b, k]]``: ((B, n) q, (B, n) draws with log q)."""
@@ -668,6 +692,14 @@ class JacobiDensityDrafter(DrafterBase):
         src = pos.clamp(max=G)
         if self.coupling == "independent":
             self.q, self.draws = self._fresh(state, target_probs, src)
+            return
+        if self.coupling == "noise":  # held slots keep their noise, the others get fresh noise
+            self.q, flat, gen = self._gather(state, target_probs, src)
+            rows = torch.arange(B, device=device)[:, None]
+            held = self.noise[rows, pos.clamp(max=G - 1)]
+            noise = torch.where((pos < G)[..., None], held, self._fresh_noise(flat, gen, B, n))
+            self.noise = noise
+            self.draws = _unflatten(flat.from_noise(noise.flatten(0, 1)), B, n)
             return
         q2, q_new, gen = self._gather(state, target_probs, src)  # (B, n) and (B n,)
         old = (pos < G).reshape(-1)  # slots that held a draft (drawn from q_old)

@@ -89,8 +89,14 @@ def sample(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
     """probs (B, ..., V), rows summing to > 0 -> (B, ...) indices drawn from each row.
 
     With a per-row tuple of generators, ``probs[r]`` draws from generator r."""
+    return inverse_cdf(probs, rand(probs.shape[:-1] + (1,), generator, probs.device, probs.dtype))
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """probs (B, ..., V), rows summing to > 0, and uniforms u (B, ..., 1) in [0, 1) -> (B, ...)
+    indices: the first index whose cumulative mass exceeds ``u`` times the row's total (``sample``
+    with its uniforms given)."""
     cdf = probs.cumsum(-1)  # (B, ..., V)
-    u = rand(cdf.shape[:-1] + (1,), generator, cdf.device, cdf.dtype)
     total = cdf[..., -1:]
     # kept strictly below the total even when u * total rounds up to it
     target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))

@@ -55,19 +55,21 @@ class ContinuousSDConfig:
 
 @dataclass(frozen=True)
 class ContinuousSJDConfig:
-    """Speculative Jacobi Decoding on densities (Teng et al., 2025, SJD), by default with MC-SJD's
-    maximal coupling of successive drafts (So et al., 2025), carried to densities; lossless, no
-    draft model (``mmspec.core.JacobiDensityDrafter``).
+    """Speculative Jacobi Decoding on densities (Teng et al., 2025, SJD), by default with each
+    position's noise fixed across passes (fixed-noise Jacobi, Song et al., 2021), or MC-SJD's
+    maximal coupling (So et al., 2025) carried to densities; lossless, no draft model
+    (``mmspec.core.JacobiDensityDrafter``).
 
     Args:
         window: L, tokens verified per target pass (root included): ``window - 1`` drafts.
         coupling: ``"maximal"`` (MC-SJD: a redraft keeps the old draft with probability
-            ``min(1, q_new / q_old)``, else draws from the exact residual) or ``"independent"``
-            (SJD: a fresh draw from q_new).
+            ``min(1, q_new / q_old)``, else draws from the exact residual), ``"independent"``
+            (SJD: a fresh draw from q_new) or ``"noise"`` (each position keeps its noise and is
+            redrawn from q_new with it: fixed-noise Jacobi, Song et al., 2021).
     """
 
     window: int = knob(8, min=2)
-    coupling: str = knob("maximal", choices=("independent", "maximal"))
+    coupling: str = knob("noise", choices=JacobiDensityDrafter.COUPLINGS)
 
     def __post_init__(self):
         check_config(self)
@@ -118,8 +120,9 @@ register_part(
     name="sjd", kind="drafter", config=ContinuousSJDConfig,
     build=lambda cfg, c: JacobiDensityDrafter(tuple(c["target"].token_shape), window=cfg.window,
                                               coupling=cfg.coupling),
-    doc="a Jacobi window on densities: the target's previous pass drafts its next tokens, redrafts maximally "
-        "coupled (Teng et al., 2025, SJD; So et al., 2025, MC-SJD); no draft model, mixture head",
+    doc="a Jacobi window on densities: the target's previous pass drafts its next tokens, each position redrawn "
+        "with its own fixed noise or maximally coupled (Teng et al., 2025, SJD; Song et al., 2021; So et al., 2025, "
+        "MC-SJD); no draft model, mixture head",
     modalities=(MODALITY,))
 # the diffusion head's rules verify a draft model's denoising paths; Jacobi redraws keep no path
 register_part(
@@ -141,8 +144,10 @@ for _name, _parts, _knobs, _doc in (
     ("sd-warmup", "sd", {"sd_warmup": 0.15}, "sd after 15% target-only tokens (CSpD's pre-filling); exact"),
     ("path", "sd+path", None, "sd with the diffusion head, exact on the whole denoising path"),
     ("cspd", "sd+cspd", None, "sd with the diffusion head and CSpD's reference rule (lossy, inner temperature 42)"),
-    ("sjd", "sjd", None, "MC-SJD on densities: the target drafts a Jacobi window from its previous pass, redrafts "
-     "maximally coupled; no draft model, exact speculative sampling on the mixture head (lossless)"),
+    ("sjd", "sjd", None, "SJD on densities: the target drafts a Jacobi window from its previous pass, each position "
+     "redrawn with its own fixed noise; no draft model, exact speculative sampling on the mixture head (lossless)"),
+    ("sjd-mc", "sjd", {"sjd_coupling": "maximal"},
+     "MC-SJD on densities: redrafts maximally coupled with the previous draft (exact residual); lossless, mixture head"),
     ("sjd-independent", "sjd", {"sjd_coupling": "independent"},
      "SJD on densities: the Jacobi window redrawn independently each pass; lossless, mixture head"),
 ):

@@ -35,7 +35,7 @@ from torch.nn import functional as F
 from ..core.acceptance import check_chain
 from ..core.distributions import DensityPipeline, Draw, HeadMeter, TokenDist, normal_log_prob
 from ..core.errors import check
-from ..core.sampling import Generators, rand, randn, sample, select_rows
+from ..core.sampling import Generators, inverse_cdf, rand, randn, sample, select_rows
 from ..core.tree import DraftTree
 from ..core.types import Acceptance
 
@@ -112,20 +112,32 @@ class GaussianMixture(TokenDist):
             lp = lp + normal_log_prob(state, a * latent, torch.full_like(state, b)).sum(-1)
         return lp
 
-    def sample(self, generator: Generators = None) -> Draw:
+    def noise(self, generator: Generators = None) -> torch.Tensor:
+        """(n, 1 + d [+ d]) float64: the component's uniform, the latent's d normals and, when
+        ``b > 0``, the state's d normals, drawn per row in that order."""
         n, d = self.log_pi.shape[0], self.mu.shape[-1]
         device = self.log_pi.device
-        k = sample(self.log_pi.exp(), generator)  # (n,) components, inverse CDF
-        rows = torch.arange(n, device=device)
+        parts = [rand((n, 1), generator, device, torch.float64), randn((n, d), generator, device, torch.float64)]
+        if self.state_kernel[1] > 0:
+            parts.append(randn((n, d), generator, device, torch.float64))
+        return torch.cat(parts, -1)
+
+    def from_noise(self, noise: torch.Tensor) -> Draw:
+        n, d = self.log_pi.shape[0], self.mu.shape[-1]
+        k = inverse_cdf(self.log_pi.exp(), noise[:, :1])  # (n,) components
+        rows = torch.arange(n, device=noise.device)
         mu, sigma = self.mu[rows, k], self.sigma[rows, k]  # (n, d)
-        latent = (mu + sigma * randn((n, d), generator, device, torch.float64)).to(self.token_dtype).double()
+        latent = (mu + sigma * noise[:, 1:1 + d]).to(self.token_dtype).double()
         a, b = self.state_kernel
         state = a * latent
         if b > 0:
-            state = state + b * randn((n, d), generator, device, torch.float64)
+            state = state + b * noise[:, 1 + d:]
         draw = Draw(_token(state, latent, self.token_dtype))
         draw.log_prob = self.log_prob(draw)
         return draw
+
+    def sample(self, generator: Generators = None) -> Draw:
+        return self.from_noise(self.noise(generator))
 
     def rosenblatt(self, latent: torch.Tensor) -> torch.Tensor:
         """The Rosenblatt transform (*batch, d) -> (*batch, d): ``u_j = F(x_j | x_<j)`` under the
