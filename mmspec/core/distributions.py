@@ -107,6 +107,15 @@ class TokenDist:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                 if isinstance(getattr(self, f.name), torch.Tensor)}
 
+    def _with(self, fields: dict[str, torch.Tensor]) -> "TokenDist":
+        """A shallow copy with ``fields`` replaced, without re-running ``__init__`` (the decode loop
+        indexes distributions several times per pass: ``dataclasses.replace`` cost more than the
+        indexing itself)."""
+        new = object.__new__(type(self))
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(fields)
+        return new
+
     @property
     def batch_shape(self) -> torch.Size:
         """The batch dims (shared by every tensor field)."""
@@ -124,7 +133,7 @@ class TokenDist:
 
     def __getitem__(self, index) -> "TokenDist":
         index = index if isinstance(index, tuple) else (index,)
-        return dataclasses.replace(self, **{k: v[index] for k, v in self._tensor_fields().items()})
+        return self._with({k: v[index] for k, v in self.__dict__.items() if isinstance(v, torch.Tensor)})
 
     @classmethod
     def stack(cls, dists: list["TokenDist"], dim: int) -> "TokenDist":
