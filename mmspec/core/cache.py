@@ -109,8 +109,11 @@ class StaticKVCache:
     Keys are stored already rotated (RoPE applied at write).
 
     Args:
-        num_layers, batch_size, num_heads, head_dim: the buffer shape. ``num_layers=0`` gives a
-            cache that only tracks lengths (for table models with no attention).
+        num_layers: layers in the buffer; ``num_layers=0`` gives a cache that only tracks lengths
+            (for table models with no attention).
+        batch_size: rows.
+        num_heads: key/value heads.
+        head_dim: channels per head.
         max_len: slots per row; a write past it raises.
         rope: rotary embedding applied to queries and keys; ``None`` for no rotation.
     """
@@ -239,9 +242,10 @@ class SinkWindowCache(StaticKVCache):
       latents, chunk-causally, at the same cache positions.
 
     Args:
-        sink, window, max_block: frames (``frame_size`` tokens each): pinned frames, recent
-            frames, and the largest block appended past them (a draft tree; the chunk for video,
-            default ``chunk``).
+        sink: pinned frames (``frame_size`` tokens each).
+        window: recent frames.
+        max_block: frames of the largest block appended past them (a draft tree; the chunk for
+            video, default ``chunk``).
         frame_size: tokens per frame.
         chunk: frames per Self-Forcing chunk (enables ``begin_chunk`` / ``begin_recache``); sink
             and window must then be multiples of it, so evictions and re-caches cut whole chunks.

@@ -116,7 +116,8 @@ class NextSetSchedule:
     ``start`` returns, so one schedule object serves concurrent or nested calls.
 
     Args:
-        grid_height, grid_width: the token grid (H rows of W tokens, raster order).
+        grid_height: rows of the token grid (H; raster order).
+        grid_width: tokens per row (W).
         window: ZipAR's ``s`` in [1, W]; the reference's LlamaGen default is 8 (for W = 24).
         mode: ``"paper"`` or ``"reference"`` (above).
     """

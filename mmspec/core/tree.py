@@ -147,7 +147,9 @@ def dynamic_tree(root_logp: torch.Tensor, step: StepFn, top_k: int, depth: int,
     Args:
         root_logp: (B, V) draft log-probabilities for the root's children.
         step: runs the draft on a frontier; see ``StepFn``.
-        top_k, depth, total_tokens: EAGLE-2's knobs; the tree has ``depth + 1`` levels at most.
+        top_k: EAGLE-2's children per frontier node.
+        depth: EAGLE-2's depth; the tree has ``depth + 1`` levels at most.
+        total_tokens: EAGLE-2's node budget (the root included).
         masks: build the frontier masks ``step`` receives (False: it gets None, for drafts that
             read no tree, such as parallel heads; the tree is the same).
     """
