@@ -12,7 +12,8 @@ server listens on 127.0.0.1 unless ``--host`` says otherwise.
 
 Method dropdowns and knob inputs come from the method registry (``mmspec.methods``), so a new
 method shows up here by itself. A new modality is one ``*_tab()`` builder below, one entry in
-``TABS``, and its runner in ``mmspec/serve.py``.
+``TABS``, and its runner in ``mmspec/serve/``; what the tabs draw beside the outputs (the
+per-token picture, the frame strip, the stats lines) is in ``demos/render.py``.
 """
 
 from __future__ import annotations
@@ -26,11 +27,11 @@ import uuid
 from pathlib import Path
 
 import gradio as gr
-import numpy as np
 
 if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from demos import render  # noqa: E402
 from mmspec import methods, serve  # noqa: E402
 
 log = logging.getLogger("mmspec.demo")
@@ -142,14 +143,14 @@ def ar_generate(prompt, method, seed, guidance_scale, *knob_values):
     except Exception as err:  # shown in the page, never as a dead page
         return (*AR_EMPTY[:5], _error(err))
     if ours.commit_pass is not None:
-        grid = serve.commit_grid_image(ours.commit_pass)
+        grid = render.commit_grid_image(ours.commit_pass)
         passes = int(ours.commit_pass.max()) + 1
         grid_note = (f"{passes} passes for 256 tokens: cells of one colour were committed by one target pass "
                      "(white: the prefill's token)")
     else:
         grid, grid_note = None, "the per-token picture is not available for ZipAR's next-set schedule yet"
-    base_md = f"**baseline (none)** - {serve.stats_line(base.stats)}"
-    ours_md = f"**{method}** - {serve.stats_line(ours.stats, base.stats)}\n\n{note}\n\n{grid_note}"
+    base_md = f"**baseline (none)** - {render.stats_line(base.stats)}"
+    ours_md = f"**{method}** - {render.stats_line(ours.stats, base.stats)}\n\n{note}\n\n{grid_note}"
     return base.image, ours.image, grid, base_md, ours_md, ""
 
 
@@ -209,8 +210,8 @@ def continuous_generate(prompt, method, seed, guidance_scale, *knob_values):
     if ours.extra["head"] != base.extra["head"]:  # the wall-clock ratio then also compares two heads
         note += (f"\n\n{method} decodes with the {ours.extra['head']} head, the baseline with the "
                  f"{base.extra['head']} head (none-diffusion is the {ours.extra['head']} head's own baseline)")
-    base_md = f"**baseline (none)** - {serve.stats_line(base.stats)}"
-    ours_md = f"**{method}** - {serve.stats_line(ours.stats, base.stats)}\n\n{note}"
+    base_md = f"**baseline (none)** - {render.stats_line(base.stats)}"
+    ours_md = f"**{method}** - {render.stats_line(ours.stats, base.stats)}\n\n{note}"
     return base.image, ours.image, base_md, ours_md, ""
 
 
@@ -268,17 +269,17 @@ def vlm_answer(image, question, method, max_new_tokens, *knob_values):
                 ours = result
                 if result is None:  # the answer so far, drafted words marked as they are accepted
                     done = len(partial.tokens)
-                    yield (serve.vlm_pieces(MODELS, partial.tokens, partial.commit_pass), "",
+                    yield (render.vlm_pieces(MODELS, partial.tokens, partial.commit_pass), "",
                            f"**{method}** decoding ... {done} tokens so far", "")
             base = ours if method == "none" else serve.run_vlm(MODELS, [image], [question], [0], "none", {}, max_new)[0]
         except Exception as err:
             yield None, "", "", _error(err)
             return
-    pieces = serve.vlm_pieces(MODELS, ours.tokens, ours.commit_pass)
+    pieces = render.vlm_pieces(MODELS, ours.tokens, ours.commit_pass)
     drafted = sum(1 for _, label in pieces if label == "draft")
     same = "yes, token for token" if ours.tokens == base.tokens else "**NO: the answers differ**"
-    base_md = f"**baseline (none)** - {serve.stats_line(base.stats)}"
-    ours_md = (f"**{method}** - {serve.stats_line(ours.stats, base.stats)}\n\n"
+    base_md = f"**baseline (none)** - {render.stats_line(base.stats)}"
+    ours_md = (f"**{method}** - {render.stats_line(ours.stats, base.stats)}\n\n"
                f"{drafted} of {len(pieces)} words came from accepted drafts (marked). "
                f"Greedy answer equal to the baseline's: {same}")
     yield pieces, base_md, ours_md, ""
@@ -328,7 +329,7 @@ def _video_progress(pieces: list, total: int) -> str:
 def _video_view(pieces: list, total: int):
     """(latest frame 8x, a strip of each chunk's first frame, the progress line)."""
     latest = pieces[-1].frames[-1]
-    return (latest.repeat(8, 0).repeat(8, 1), serve.frame_strip([p.frames[0] for p in pieces], per_row=16),
+    return (latest.repeat(8, 0).repeat(8, 1), render.frame_strip([p.frames[0] for p in pieces], per_row=16),
             _video_progress(pieces, total))
 
 
@@ -363,7 +364,7 @@ def video_generate(prompt, switch_prompt, switch_frame, num_frames, method, seed
             yield (*VIDEO_EMPTY, _error(err))
             return
     try:
-        yield (*_video_view(pieces, frames), str(clip), f"**{method}** - {serve.video_stats_line(result.stats)}", "")
+        yield (*_video_view(pieces, frames), str(clip), f"**{method}** - {render.video_stats_line(result.stats)}", "")
     finally:  # gradio copied the clip to its cache when it took this update (or the request is gone)
         clip.unlink(missing_ok=True)
 
