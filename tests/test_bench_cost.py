@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmspec import cli
+from mmspec import commands
 from mmspec.bench import cost
 from mmspec.core import LogitsPipeline, ModelChainDrafter, ModelOutput, SpeculativeDecoder
 from mmspec.core.cache import StaticKVCache
@@ -183,8 +183,8 @@ def bench(tmp_path_factory):
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
         mp.setattr(cost.CostBenchConfig, "quick", classmethod(lambda cls, **kw: cls(**{**small, **kw})))
-        assert cli.main(["bench", "cost", "--quick", "--quiet", "--json", str(root / "cost.json"),
-                         "--gpu-curve", str(EXAMPLE)]) == 0
+        assert commands.main(["bench", "cost", "--quick", "--quiet", "--json", str(root / "cost.json"),
+                              "--gpu-curve", str(EXAMPLE)]) == 0
     return json.loads((root / "cost.json").read_text()), out.getvalue()
 
 
@@ -291,7 +291,7 @@ def test_bad_gpu_curve_is_refused_before_loading(tmp_path, monkeypatch, capsys, 
     path = tmp_path / "curve.json"
     path.write_text(content if isinstance(content, str) else json.dumps(content))
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["bench", "cost", "--gpu-curve", str(path)])
+        commands.main(["bench", "cost", "--gpu-curve", str(path)])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith("mmspec bench: error: ") and message in err, err
@@ -302,7 +302,7 @@ def test_gpu_curve_is_for_bench_cost_only(tmp_path, monkeypatch, capsys):
 
     monkeypatch.setattr(core, "run", lambda *a, **k: pytest.fail("the bench ran"))
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["bench", "core", "--gpu-curve", str(EXAMPLE)])
+        commands.main(["bench", "core", "--gpu-curve", str(EXAMPLE)])
     assert exit_.value.code == 2
     assert "--gpu-curve is for 'bench cost' only, got 'bench core'" in capsys.readouterr().err
 

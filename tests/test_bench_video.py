@@ -12,12 +12,17 @@ import pytest
 import torch
 
 from mmspec.bench import video as vb
+from mmspec.bench.video import quality as vq
+from mmspec.bench.video import runner
+from mmspec.bench.video import timing as vt
 from mmspec.models import load_checkpoint
 from mmspec.models.video_ae import FrameAutoencoder
 from mmspec.models.video_dit import VideoDiTModel
 from mmspec.models.video_judge import FrameJudge
 from mmspec.pipelines import StreamingVideoPipeline
 from mmspec.training.data.video import VideoPrompt, render_clip
+
+pytestmark = pytest.mark.slow
 
 RED, BLUE, RED_UP = (VideoPrompt.parse(t) for t in ("a red circle moving right", "a blue circle moving right",
                                                     "a red circle moving up"))
@@ -99,14 +104,14 @@ def test_speed_index_removes_the_machines_drift_not_a_rows_growth():
 def test_the_speed_index_ignores_full_cache():
     """Three constant-cost rows and a full-cache row whose latency explodes: the index is the
     constant rows' alone, so their adjusted latencies are unmoved by it."""
-    runs = [vb._Run(label={"method": m}, kwargs={}, frames=9, keep=(1, 1), latency=list(lat), rounds=[0, 1, 2])
+    runs = [vt._Run(label={"method": m}, kwargs={}, frames=9, keep=(1, 1), latency=list(lat), rounds=[0, 1, 2])
             for m, lat in (("rolling", (1.0, 2.0, 1.0)), ("no-sink", (1.0, 2.0, 1.0)),
                            ("window-recompute", (3.0, 6.0, 3.0)), ("full-cache", (1.0, 50.0, 900.0)))]
-    vb._adjust(runs)
+    vt._adjust(runs)
     assert runs[0].adjusted == pytest.approx([1.0, 1.0, 1.0])  # the machine slowed down in round 1
     assert runs[2].adjusted == pytest.approx([3.0, 3.0, 3.0])
     assert runs[3].adjusted == pytest.approx([1.0, 25.0, 900.0])
-    vb._adjust(runs[2:])  # one constant-cost stream: no index
+    vt._adjust(runs[2:])  # one constant-cost stream: no index
     assert all(np.isnan(runs[2].adjusted))
 
 
@@ -162,7 +167,7 @@ def test_rss_falls_back_to_the_peak_without_proc(monkeypatch):
         return real_open(path, *args, **kw)
 
     monkeypatch.setattr(builtins, "open", no_proc)
-    assert vb.rss_mb() >= vb._peak_rss_mb() * 0.99 > 0
+    assert vb.rss_mb() >= vt._peak_rss_mb() * 0.99 > 0
 
 
 # -- prompt switches on rendered clips -------------------------------------------------------------
@@ -214,12 +219,12 @@ def test_switch_row_on_a_synthetic_stream_with_a_known_answer():
     old, new = [RED.text, RED.text], [BLUE.text, BLUE.text]
     clips = [rendered([(0, RED), (at, BLUE)], seed=5 + i)[0] for i, at in enumerate((15, 12))]
     cfg = vb.VideoBenchConfig(switch_at=12, switch_frames=30, hold_frames=3, quality_frames=30, reference_frames=8)
-    run = vb._Run(label={}, kwargs={}, frames=30, keep=(30, 30), buffer=vb.FrameBuffer(30, 30), done=30,
+    run = vt._Run(label={}, kwargs={}, frames=30, keep=(30, 30), buffer=vb.FrameBuffer(30, 30), done=30,
                   latency=[0.01] * 10, switched=[c == 4 for c in range(10)])
     for c in range(10):
         run.buffer.add(torch.stack(clips)[:, 3 * c:3 * c + 3])
-    quality = vb._quality(run, old, [(12, new)], None, cfg)
-    got = vb._switch_measures(run, quality, old, new, "colour", cfg, 3, judged=False)
+    quality = vq._quality(run, old, [(12, new)], None, cfg)
+    got = vq._switch_measures(run, quality, old, new, "colour", cfg, 3, judged=False)
     assert got["switch_frames_to_new_each"] == [3, 0] and got["switch_frames_to_new"] == 1.5
     assert got["switch_within_2_chunks"] == 1.0 and got["switch_old_before"] == 1.0
     assert got["switch_jump_max_ratio"] > 2 and got["switch_real_jump_ratio"] > 2
@@ -232,16 +237,16 @@ def test_multi_switch_measures_each_segment_on_a_stream_with_a_known_answer():
     """Two rendered videos cycling red -> green -> blue every 10 frames; the second turns blue 4
     frames late. Per segment colour accuracy and per switch frames-to-new say exactly that, and
     the worst segment is the second video's blue one (its first 4 frames still green: 6 of 10)."""
-    schedule = vb._colour_cycle([RED.text, RED.text], 3, 10, {"colour": ["red", "green", "blue", "yellow"]})
+    schedule = vq._colour_cycle([RED.text, RED.text], 3, 10, {"colour": ["red", "green", "blue", "yellow"]})
     assert [s for s, _ in schedule] == [0, 10, 20]
     green = VideoPrompt(1, RED.shape, RED.direction)
     clips = [rendered([(0, RED), (10, green), (at, BLUE)], seed=5 + i)[0] for i, at in enumerate((20, 24))]
     cfg = vb.VideoBenchConfig(hold_frames=3, quality_frames=30, reference_frames=8)
-    run = vb._Run(label={}, kwargs={}, frames=30, keep=(30, 30), buffer=vb.FrameBuffer(30, 30), done=30)
+    run = vt._Run(label={}, kwargs={}, frames=30, keep=(30, 30), buffer=vb.FrameBuffer(30, 30), done=30)
     for c in range(10):
         run.buffer.add(torch.stack(clips)[:, 3 * c:3 * c + 3])
-    quality = vb._quality(run, schedule[0][1], schedule[1:], None, cfg)
-    got = vb._segment_measures(quality, schedule, 30, cfg, 3, judged=False)
+    quality = vq._quality(run, schedule[0][1], schedule[1:], None, cfg)
+    got = vq._segment_measures(quality, schedule, 30, cfg, 3, judged=False)
     assert got["switch_frames_to_new_each"] == [0, 0, 0, 4]
     assert np.allclose(got["colour_segments"], [[1.0, 1.0, 1.0], [1.0, 1.0, 0.6]])
     assert got["colour_min_segment"] == pytest.approx(0.6) and got["multi_switch_within_2_chunks"] == 1.0
@@ -372,7 +377,7 @@ def test_wan_rows_measure_rolling_against_recompute(folders):
 
 def test_an_interrupted_bench_leaves_the_finished_groups(folders, tmp_path, monkeypatch):
     calls = []
-    original = vb._lockstep
+    original = vt._lockstep
 
     def interrupted(*args, **kw):
         calls.append(1)
@@ -380,7 +385,7 @@ def test_an_interrupted_bench_leaves_the_finished_groups(folders, tmp_path, monk
             raise KeyboardInterrupt
         return original(*args, **kw)
 
-    monkeypatch.setattr(vb, "_lockstep", interrupted)
+    monkeypatch.setattr(runner, "_lockstep", interrupted)  # where run finds it
     path = tmp_path / "video.json"
     with pytest.raises(KeyboardInterrupt):
         vb.run(tiny_config(folders, windows=(1,)), json_path=path)
@@ -397,6 +402,10 @@ def test_a_stream_past_the_memory_limit_is_stopped_and_says_so(folders):
         assert row["frames_done"] == 2
 
 
+def test_public_drops_the_private_keys():
+    assert vb.public({"bench": "video", "rows": [], "_pipe": object()}) == {"bench": "video", "rows": []}
+
+
 def test_bad_settings_fail_before_loading(tmp_path):
     for kw, name in ((dict(frames=(0,)), "frames"), (dict(methods=("rolling", "cached")), "methods"),
                      (dict(switch_at=200, switch_frames=144), "switch_at"), (dict(switches=("shape",)), "switches")):
@@ -407,25 +416,25 @@ def test_bad_settings_fail_before_loading(tmp_path):
 
 
 def test_cli_groups_pick_the_video_rows(capsys):
-    from mmspec import cli
+    from mmspec import commands
 
     with pytest.raises(SystemExit) as e:
-        cli.main(["bench", "core", "--groups", "wan-tiny"])
+        commands.main(["bench", "core", "--groups", "wan-tiny"])
     assert e.value.code == 2 and "--groups is for 'bench video' only, got 'bench core'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        cli.main(["bench", "video", "--groups", "everything"])
-    args = cli.build_parser().parse_args(["bench", "video", "--groups", "wan-tiny", "frames"])
+        commands.main(["bench", "video", "--groups", "everything"])
+    args = commands.build_parser().parse_args(["bench", "video", "--groups", "wan-tiny", "frames"])
     assert args.groups == ["wan-tiny", "frames"]
 
 
 def test_cli_frames_is_for_the_video_bench(capsys):
-    from mmspec import cli
+    from mmspec import commands
 
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["bench", "core", "--frames", "100"])
+        commands.main(["bench", "core", "--frames", "100"])
     assert exit_.value.code == 2
     assert "--frames is for 'bench video' only, got 'bench core'" in capsys.readouterr().err
-    args = cli.build_parser().parse_args(["bench", "video", "--frames", "100", "1000", "--quick"])
+    args = commands.build_parser().parse_args(["bench", "video", "--frames", "100", "1000", "--quick"])
     assert args.name == "video" and args.frames == [100, 1000] and args.quick
 
 

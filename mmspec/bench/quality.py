@@ -23,6 +23,9 @@ from torch import nn
 
 from ..core.errors import check
 from ..training.data import ShapesDataset
+# the bootstrap intervals live in .stats; named here too, where the image benches and their tests look
+from .stats import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CI_LEVEL, bootstrap_indices, centred_interval,  # noqa: F401
+                    mean_ci, nan_percentile_interval, percentile_interval)
 
 # a sqrtm of two PSD covariances' product is real in exact arithmetic: larger imaginary parts
 # on its diagonal mean the covariances are broken, not rounding (pytorch-fid's tolerance)
@@ -137,39 +140,7 @@ def image_quality(classifier: nn.Module, images: torch.Tensor, labels: torch.Ten
     return {"fd": frechet_distance(feats, reference), "class_acc": correct / len(labels)}
 
 
-# -- uncertainty: bootstrap 95% intervals over the generated images ---------------------------------
-BOOTSTRAP_RESAMPLES = 1000
-BOOTSTRAP_SEED = 0
-CI_LEVEL = 0.95
-
-
-def bootstrap_indices(n: int, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = BOOTSTRAP_SEED) -> np.ndarray:
-    """(resamples, n) image indices drawn with replacement (numpy ``default_rng(seed)``). One
-    matrix serves every method of a run: image i of every method shares class and seed, so
-    resampling the same indices pairs them (ratios between methods keep that pairing)."""
-    check(isinstance(n, int) and n >= 1, "n", "an int >= 1", n)
-    check(isinstance(resamples, int) and resamples >= 1, "resamples", "an int >= 1", resamples)
-    return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
-
-
-def percentile_interval(values, level: float = CI_LEVEL) -> tuple[float, float]:
-    """The central ``level`` interval of bootstrap replicates (resamples,): the percentile method."""
-    check(0 < level < 1, "level", "a float in (0, 1)", level)
-    values = np.asarray(values, np.float64)
-    tail = 100 * (1 - level) / 2
-    low, high = np.percentile(values, [tail, 100 - tail])
-    return float(low), float(high)
-
-
-def mean_ci(values, idx: np.ndarray | None = None, level: float = CI_LEVEL) -> tuple[float, float]:
-    """Bootstrap interval of the mean of ``values`` (n,) (class accuracy: 0/1 per image) over the
-    resampled indices ``idx`` (``bootstrap_indices(n)`` by default)."""
-    values = np.asarray(values, np.float64)
-    check(values.ndim == 1 and len(values) >= 1, "values", "a (n,) array with n >= 1", values.shape)
-    idx = bootstrap_indices(len(values)) if idx is None else idx
-    return percentile_interval(values[idx].mean(1), level)
-
-
+# -- uncertainty: bootstrap replicates over the generated images (their intervals: .stats) ---------
 class FrechetToReference:
     """FD of many feature sets against one ``ReferenceStats``, fast enough for bootstraps.
 
@@ -209,30 +180,6 @@ def fd_replicates(feats, reference: ReferenceStats | FrechetToReference, idx: np
     check(idx.ndim == 2 and idx.max() < len(feats), "idx", f"an (R, n) index array into {len(feats)} rows",
           idx.shape)
     return fd.many(feats[idx])
-
-
-def centred_interval(replicates, estimate: float, level: float = CI_LEVEL, log: bool = False,
-                     lower: float | None = None) -> tuple[float, float]:
-    """The percentile interval of ``replicates`` moved so that their median sits on ``estimate``
-    (in log space with ``log=True``, for ratios), its ends clipped at ``lower`` (FD: 0, which a
-    shift can cross when the estimate is near 0, as the real-vs-real floor is).
-
-    FD needs this: a resample repeats images, which shrinks the covariance's rank and inflates
-    FD (measured at n = 128, F = 128 on Gaussian features: the replicates' median 36% above the
-    estimate, the plain percentile interval entirely above it), while its spread still measures
-    the image sample's noise. The centred interval is that spread around the estimate: an
-    interval for the FD of a fresh set of n images, not for the infinite-sample FD."""
-    values = np.asarray(replicates, np.float64)
-    if log:
-        check(estimate > 0 and (values > 0).all(), "replicates", "positive values with log=True", estimate)
-        low, high = centred_interval(np.log(values), float(np.log(estimate)), level)
-        return float(np.exp(low)), float(np.exp(high))
-    low, high = percentile_interval(values, level)
-    shift = estimate - float(np.median(values))
-    low, high = low + shift, high + shift
-    if lower is not None:
-        low, high = max(low, lower), max(high, lower)
-    return low, high
 
 
 # -- the primary figures: KID (unbiased at any N), a paired permutation test (exact at any N) ---
@@ -315,12 +262,6 @@ class KIDToReference:
         estimate = _offdiag_mean(kaa) + self.real_term - 2 * kar.mean()
         cross = ((self.counts @ kar) * self.real_counts).sum(1) / (n * m)  # (R,)
         return float(estimate), _within(kaa, self.counts) + self.real_reps - 2 * cross
-
-
-def nan_percentile_interval(values, level: float = CI_LEVEL) -> tuple[float, float]:
-    """``percentile_interval`` over the finite replicates (``_within``'s NaN: a resample of one item)."""
-    values = np.asarray(values, np.float64)
-    return percentile_interval(values[np.isfinite(values)], level)
 
 
 def kid_interval(replicates: tuple[float, np.ndarray], level: float = CI_LEVEL) -> tuple[float, float, float]:

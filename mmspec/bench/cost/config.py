@@ -1,0 +1,63 @@
+"""The cost bench's settings: the bundled targets, their rows and the curve grid."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ... import methods
+
+ASSETS = Path(__file__).resolve().parents[3] / "assets"
+TARGET = "target"
+VERIFY_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+DRAFT_GRID_MAX = 16  # draft curves: the grid's widths up to here, plus every width a row used
+WITHIN = 0.15  # issue 14: measured wall speed-up within 15% of the ceiling
+# the drafter part of a method -> the pipeline component whose passes are its draft passes
+DRAFT_ROLES = {"sd": "draft_model", "eagle": "eagle_head", "specvlm": "specvlm_head", "vispec": "vispec_head",
+               "medusa": "medusa_head"}
+TARGETS = ("ar-image", "vlm", "continuous")
+SMALL_EAGLE = {"eagle_top_k": 2, "eagle_depth": 1, "eagle_total_tokens": 3}
+DEFAULT_ROWS = {  # (label, method, knobs) per target; "none" first, the baseline of the ratios
+    "ar-image": (("none", "none", {}), ("sd", "sd", {}), ("eagle", "eagle", {}),
+                 ("eagle-small", "eagle", SMALL_EAGLE), ("medusa", "medusa", {})),
+    "vlm": (("none", "none", {}), ("sd", "sd", {}), ("eagle", "eagle", {}), ("specvlm", "specvlm", {}),
+            ("medusa", "medusa", {})),
+    "continuous": (("none", "none", {}), ("sd", "sd", {})),
+}
+
+
+@dataclass
+class CostBenchConfig:
+    """One run; ``quick()`` is the smaller version (2 prompts per target, at least 7 passes per
+    curve point). The bundled targets are named after their modality (``rows`` keys)."""
+
+    targets: tuple = TARGETS
+    ar_image_dir: str = str(ASSETS / "ar-image")
+    vlm_dir: str = str(ASSETS / "vlm")
+    continuous_dir: str = str(ASSETS / "continuous")
+    rows: dict = field(default_factory=lambda: dict(DEFAULT_ROWS))
+    prompts: int = 8  # per target: image i asks for class i % 16 with seed + i; VLM: held-out scene i
+    widths: tuple = VERIFY_WIDTHS
+    repeats: int = 21  # at least this many passes per curve point (the median is kept)
+    warmup: int = 2  # untimed passes per curve point first
+    ar_guidance_scale: float = 2.0  # as `mmspec bench ar-image`
+    continuous_guidance_scale: float = 6.0  # as `mmspec bench continuous`
+    continuous_guidance_schedule: str = "constant"
+    temperature: float = 1.0  # AR and continuous; the VLM decodes greedily (its generation config)
+    vlm_max_new_tokens: int = 128
+    seed: int = 0
+    gpu_curve: "GPUCurve | None" = None
+
+    @classmethod
+    def quick(cls, **kw) -> "CostBenchConfig":
+        return cls(**{"prompts": 2, "repeats": 7, **kw})
+
+    def drafters(self) -> tuple[str, ...]:
+        """The drafter parts of the rows of ``targets`` that run a draft model (sorted)."""
+        found = set()
+        for target in self.targets:
+            for _, method, knobs in self.rows[target]:
+                drafter = methods.resolve(target, method, knobs).part("drafter")
+                if drafter in DRAFT_ROLES:
+                    found.add(drafter)
+        return tuple(sorted(found))
