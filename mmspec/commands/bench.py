@@ -1,0 +1,189 @@
+"""``mmspec bench NAME``: one benchmark as a table (``--json PATH`` writes the rows too).
+
+Each bench is one entry of ``BENCHES``: a function that runs it from the parsed arguments and
+returns ``(result, columns)``; the subcommand's choices are that table's names."""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable
+
+from .common import existing_dir, existing_file, output_file, positive_int, progress, set_threads
+
+NAME = "bench"
+
+BENCHES: dict[str, Callable] = {}
+"""``{name: run(args) -> (result, columns)}``, in the order ``mmspec bench --help`` lists them."""
+
+VIDEO_GROUPS = {"window-sweep": ("windows", ()), "prompt-switch": ("switches", ()),
+                "multi-switch": ("multi_switches", 0), "frames": ("frames", ()), "wan-tiny": ("wan_frames", 0)}
+"""``bench video --groups``: each row group, the ``VideoBenchConfig`` field that sizes it and the
+value that turns it off."""
+
+
+def _bench(name: str):
+    def register(fn):
+        BENCHES[name] = fn
+        return fn
+
+    return register
+
+
+def _progress(args):
+    return None if args.quiet else progress
+
+
+@_bench("core")
+def _core(args):
+    from ..bench import core, report
+
+    cfg = core.CoreBenchConfig.quick() if args.quick else core.CoreBenchConfig()
+    return core.run(cfg, progress=_progress(args)), report.CORE_COLUMNS
+
+
+@_bench("ar-image")
+def _ar_image(args):
+    from ..bench import ar_image
+
+    cfg = ar_image.ARImageBenchConfig.quick() if args.quick else ar_image.ARImageBenchConfig()
+    if args.images is not None:
+        cfg.images = args.images
+    return ar_image.public(ar_image.run(cfg, progress=_progress(args))), ar_image.AR_IMAGE_COLUMNS
+
+
+@_bench("vlm")
+def _vlm(args):
+    from ..bench import vlm
+
+    cfg = vlm.VLMBenchConfig.quick() if args.quick else vlm.VLMBenchConfig()
+    if args.pipeline is not None:
+        cfg.pipeline_dir = args.pipeline
+    return vlm.run(cfg, progress=_progress(args)), vlm.VLM_COLUMNS
+
+
+@_bench("video")
+def _video(args):
+    from ..bench import video
+
+    cfg = video.VideoBenchConfig.quick() if args.quick else video.VideoBenchConfig()
+    if args.frames is not None:
+        cfg.frames = tuple(args.frames)
+    groups = set(args.groups or VIDEO_GROUPS)
+    for group, (field, off) in VIDEO_GROUPS.items():
+        if group not in groups:
+            setattr(cfg, field, off)
+    # rewritten after every group: an interrupted run leaves the groups it finished
+    result = video.public(video.run(cfg, progress=_progress(args), json_path=args.json))
+    return result, video.VIDEO_COLUMNS
+
+
+@_bench("kernels")
+def _kernels(args):
+    from ..bench import kernels
+
+    cfg = kernels.KernelBenchConfig.quick() if args.quick else kernels.KernelBenchConfig()
+    return kernels.run(cfg, progress=_progress(args)), kernels.KERNELS_COLUMNS
+
+
+@_bench("continuous")
+def _continuous(args):
+    from ..bench import continuous
+
+    cfg = continuous.ContinuousBenchConfig.quick() if args.quick else continuous.ContinuousBenchConfig()
+    return continuous.public(continuous.run(cfg, progress=_progress(args))), continuous.CONTINUOUS_COLUMNS
+
+
+@_bench("cost")
+def _cost(args):
+    from ..bench import cost
+
+    cfg = cost.CostBenchConfig.quick() if args.quick else cost.CostBenchConfig()
+    cfg.gpu_curve = args.gpu_curve  # checked and loaded by check
+    result = cost.public(cost.run(cfg, progress=_progress(args)))
+    return result, cost.columns(result)
+
+
+@_bench("compile")
+def _compile(args):
+    from ..bench import compile as compiled
+
+    cfg = compiled.CompileBenchConfig.quick() if args.quick else compiled.CompileBenchConfig()
+    return compiled.run(cfg, progress=_progress(args)), compiled.COMPILE_COLUMNS
+
+
+@_bench("glm-image")
+def _glm_image(args):
+    from ..bench import glm_image
+
+    cfg = glm_image.GlmImageBenchConfig.quick() if args.quick else glm_image.GlmImageBenchConfig()
+    return glm_image.run(cfg, progress=_progress(args)), glm_image.GLM_IMAGE_COLUMNS
+
+
+def register_subcommand(subparsers) -> None:
+    bench = subparsers.add_parser(NAME, help="benchmark one part; prints a table, --json writes the rows")
+    bench.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads (default 1)")
+    bench.add_argument("name", choices=tuple(BENCHES))
+    bench.add_argument("--json", type=output_file, metavar="PATH", help='write {"bench": name, "rows": [...]} here')
+    bench.add_argument("--quick", action="store_true", help="smaller sample counts (the showcase's)")
+    bench.add_argument("--pipeline", type=existing_dir, metavar="DIR",
+                       help="vlm only: the pipeline folder (default assets/vlm)")
+    bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.add_argument("--images", type=positive_int, metavar="N",
+                       help="ar-image only: images per method (default 128, 16 with --quick); KID intervals "
+                            "narrow as 1/sqrt(N); p vs none is exact at any N")
+    bench.add_argument("--frames", type=positive_int, nargs="+", metavar="N",
+                       help="video only: stream lengths of the per-method rows (default 100 1000 10000, "
+                            "100 300 with --quick)")
+    bench.add_argument("--groups", nargs="+", choices=tuple(VIDEO_GROUPS), metavar="GROUP",
+                       help=f"video only: the row groups to run, among {', '.join(VIDEO_GROUPS)} (default all)")
+    bench.add_argument("--gpu-curve", type=existing_file, metavar="FILE",
+                       help="cost only: a JSON cost curve of another machine (verify cost ratio by T, draft/target "
+                            "cost ratios; see assets/cost_curves/); adds a projected column, labelled as not measured")
+
+
+# options that belong to one bench: (argument, attribute, the bench)
+_ONLY = (("--pipeline", "pipeline", "vlm"), ("--frames", "frames", "video"), ("--groups", "groups", "video"),
+         ("--images", "images", "ar-image"), ("--gpu-curve", "gpu_curve", "cost"))
+
+
+def check(args) -> None:
+    """Options given to a bench they are not for; ``--gpu-curve`` loaded (``ValueError`` if bad)."""
+    for option, attr, name in _ONLY:
+        if getattr(args, attr) is not None and args.name != name:
+            raise ValueError(f"{option} is for 'bench {name}' only, got 'bench {args.name}'")
+    if args.gpu_curve is not None:
+        from ..bench import cost
+
+        args.gpu_curve = cost.load_gpu_curve(args.gpu_curve, "--gpu-curve", cost.CostBenchConfig().drafters())
+
+
+def run(args) -> int:
+    from ..bench import report
+    from ..bench.machine import LoadMonitor
+
+    set_threads(args.threads)
+    with LoadMonitor() as monitor:
+        result, columns = run_bench(args)
+    result.setdefault("setup", {})["machine"] = monitor.record()
+    if args.json:
+        report.write_json(args.json, result)
+    if args.name == "cost":  # a curve table per target, then the method table
+        from ..bench import cost
+
+        print(cost.format_report(result))
+    elif args.name == "glm-image":  # a header and footnote: the weights are random
+        from ..bench import glm_image
+
+        print(glm_image.format_report(result, columns))
+    else:
+        print(report.format_table(result["rows"], columns))
+    footer = monitor.footer()
+    print("\n" + "\n".join(footer))
+    if monitor.quiet is False:
+        print(footer[-1], file=sys.stderr)
+    return 0
+
+
+def run_bench(args) -> tuple[dict, list]:
+    """The bench ``args.name`` run: ``(result, columns)``."""
+    return BENCHES[args.name](args)

@@ -1,0 +1,319 @@
+"""``mmspec train RECIPE``: rebuild a tiny checkpoint from a seed with one of the training recipes
+(``mmspec.training.recipes``). Each recipe is one entry of ``RECIPES``: its help line, the options
+of its own and the call that runs it; the kinds and methods a recipe accepts are read from its
+table (``ar_draft.KINDS``, ``vlm_draft.METHODS``, ...)."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from .common import (TableChoices, existing_dir, non_negative_int, number, output_dir, positive_float, positive_int,
+                     set_threads)
+
+NAME = "train"
+
+# defaults sized from measured step times on a 2-core CPU at 2 threads (0.24 s per VQ step at
+# batch 16; 0.62-0.70 s per AR step at batch 32): about 6 and 35 minutes (3,000 AR steps: at 2,000
+# the target still drew blobs; the bundled one ran at one thread beside other jobs, 3,640 s)
+TRAIN_DEFAULTS = {
+    "vq": dict(steps=1500, batch_size=16, lr=1e-3, dataset_size=4096),
+    "ar-image": dict(steps=3000, batch_size=32, lr=1e-3, dataset_size=32768),
+    # one thread, batch 16: ~0.33 s per eagle step (the frozen target's forward dominates), ~0.2 s
+    # per chain step; about 5 and 3.5 minutes with tokenizing
+    "ar-draft": dict(steps=800, batch_size=16, lr=1e-3, dataset_size=4096),
+    # one thread, batch 32: ~0.11 s per step; about 3 minutes, held-out accuracy ~0.965
+    "classifier": dict(steps=1600, batch_size=32, lr=3e-3, dataset_size=4096),
+    # two threads, batch 32: ~0.95 s per target step (~26 min), ~0.1 s per draft-VLM step
+    "vlm": dict(steps=1600, batch_size=32, lr=1e-3, dataset_size=16000),
+    "vlm-draft": dict(steps=1000, batch_size=16, lr=1e-3, dataset_size=8000),
+    # two threads, alone: the autoencoder (dataset_size in frames) 57 s with rendering; the video
+    # transformer (dataset_size in clips of 18 frames) ~0.53 s per step with self-rollouts on 30%
+    # of them, 3,386 s for the bundled weights: 57.4 minutes from a seed
+    "video-ae": dict(steps=1500, batch_size=16, lr=2e-3, dataset_size=4096),
+    "video": dict(steps=6000, batch_size=8, lr=1e-3, dataset_size=4096),
+    # one thread, batch 64: ~0.12 s per step, about 2.5 minutes with rendering (dataset_size in frames)
+    "video-judge": dict(steps=1000, batch_size=64, lr=3e-3, dataset_size=16384),
+    # --kind conv (default): 1,500 Adam steps of a small conv autoencoder; --kind pca: an SVD, seconds
+    "continuous-tokenizer": dict(steps=1500, batch_size=32, lr=2e-3, dataset_size=4096),
+    # batch 32, 64 tokens of 8 channels: 0.12 s per target step at two threads (9,000: 19 min), 0.08 s per plain
+    # draft step, 0.18 s per distilled draft step at one thread each (the two drafts side by side)
+    "continuous-ar": dict(steps=9000, batch_size=32, lr=1e-3, dataset_size=16384),
+    "continuous-draft": dict(steps=4000, batch_size=32, lr=2e-3, dataset_size=16384),
+}
+
+
+# the video recipe's self-rollouts (mmspec.training.recipes.video.TwoStreamLoss)
+VIDEO_ROLLOUT = dict(rollout_prob=0.3, rollout_strength=[0.3, 0.8])
+
+
+class Recipe(NamedTuple):
+    """One ``mmspec train`` subcommand: its help line, ``options(parser)`` adding the recipe's own
+    options, and ``run(args, common)`` training and printing the held-out figures (``common``: the
+    keyword arguments every recipe takes)."""
+
+    help: str
+    options: Callable
+    run: Callable
+
+
+def _agreement(top1) -> str:
+    """A recipe's held-out top-1 agreement: one figure, or one per parallel head."""
+    return ", ".join(f"{x:.4f}" for x in top1) if isinstance(top1, list) else f"{top1:.4f}"
+
+
+def _vq_option(p, required: bool = True, help: str = "folder written by 'mmspec train vq'") -> None:
+    p.add_argument("--vq", required=required, type=existing_dir, metavar="DIR", help=help)
+
+
+def _no_options(p) -> None:
+    pass
+
+
+def _run_vq(args, common) -> None:
+    from ..training import recipes
+
+    record = recipes.train_vq(args.out, **common)
+    print(f"saved {args.out}: held-out reconstruction MSE {record['heldout_recon_mse']:.4f}, "
+          f"{record['wall_time_s']:.0f} s")
+
+
+def _run_ar_image(args, common) -> None:
+    from ..training import recipes
+
+    record = recipes.train_ar_image(args.out, vq_dir=args.vq, **common)
+    print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f}, {record['wall_time_s']:.0f} s")
+
+
+def _ar_draft_options(p) -> None:
+    p.add_argument("--kind", required=True,
+                   help="eagle: feature head on the target; medusa: parallel heads on the target's "
+                        "features (root token, token above, column); chain: a small AR model",
+                   ).choices = TableChoices("mmspec.training.recipes.ar_draft", "KINDS")
+    p.add_argument("--target", type=existing_dir, metavar="DIR",
+                   help="folder written by 'mmspec train ar-image' (required for --kind eagle and medusa)")
+    p.add_argument("--heads", type=positive_int, default=None,
+                   help="medusa only: parallel heads, the tree's depth below the root (default 4, "
+                        "less than the grid's width)")
+    _vq_option(p)
+
+
+def _run_ar_draft(args, common) -> None:
+    from ..training import recipes
+
+    record = recipes.train_ar_draft(args.out, kind=args.kind, vq_dir=args.vq, target_dir=args.target,
+                                    **({} if args.heads is None else {"medusa_heads": args.heads}), **common)
+    metric = (f"held-out top-1 agreement {_agreement(record['heldout_top1'])}" if args.kind != "chain"
+              else f"held-out loss {record['heldout_loss']:.4f}")
+    print(f"saved {args.out}: {metric}, {record['wall_time_s']:.0f} s")
+
+
+def _classifier_options(p) -> None:
+    _vq_option(p, required=False, help="also report the accuracy on this VQ's reconstructions of held-out images")
+
+
+def _run_classifier(args, common) -> None:
+    from ..training import recipes
+
+    record = recipes.train_classifier(args.out, vq_dir=args.vq, **common)
+    on_vq = "" if args.vq is None else f", {record['vq_recon_accuracy']:.4f} on VQ reconstructions"
+    print(f"saved {args.out}: held-out accuracy {record['heldout_accuracy']:.4f}{on_vq}, "
+          f"{record['wall_time_s']:.0f} s")
+
+
+def _vlm_options(p) -> None:
+    p.add_argument("--size", default="target",
+                   help="target: the model the VLM methods accelerate; draft: the small VLM of "
+                        "'sd' and the transformers peer (default target)",
+                   ).choices = TableChoices("mmspec.models.vlm", "SIZES")
+
+
+def _run_vlm(args, common) -> None:
+    from ..training import recipes
+
+    record = recipes.train_vlm(args.out, size=args.size, **common)
+    print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f} nats/answer token, "
+          f"{record['wall_time_s']:.0f} s")
+
+
+def _vlm_draft_options(p) -> None:
+    p.add_argument("--method", required=True,
+                   help="eagle: all image tokens; specvlm: elastic visual compressor; "
+                        "vispec: vision adaptor + global image feature; medusa: parallel heads "
+                        "(root token + global image feature)",
+                   ).choices = TableChoices("mmspec.training.recipes.vlm_draft", "METHODS")
+    p.add_argument("--target", required=True, type=existing_dir, metavar="DIR",
+                   help="folder written by 'mmspec train vlm' (the VLM it drafts for)")
+    p.add_argument("--rollout-steps", type=positive_int, default=None,
+                   help="anti-shortcut rollout steps (default: 2 for vispec, 1 otherwise)")
+    p.add_argument("--heads", type=positive_int, default=None,
+                   help="medusa only: parallel heads, the tree's depth below the root (default 6)")
+
+
+def _run_vlm_draft(args, common) -> None:
+    from ..training import recipes
+
+    record = recipes.train_vlm_draft(args.out, method=args.method, target_dir=args.target,
+                                     rollout_steps=args.rollout_steps,
+                                     **({} if args.heads is None else {"medusa_heads": args.heads}), **common)
+    if record is not None:  # None on the other processes of an accelerate launch
+        print(f"saved {args.out}: held-out top-1 agreement {_agreement(record['heldout_top1'])}, "
+              f"{record['wall_time_s']:.0f} s on {record['processes']} process(es)")
+
+
+def _run_video_ae(args, common) -> None:
+    from ..training import recipes
+
+    record = recipes.train_video_ae(args.out, **common)
+    print(f"saved {args.out}: held-out reconstruction MSE {record['heldout_recon_mse']:.5f} "
+          f"(PSNR {record['heldout_psnr_db']:.1f} dB), {record['wall_time_s']:.0f} s")
+
+
+def _video_options(p) -> None:
+    p.add_argument("--ae", required=True, type=existing_dir, metavar="DIR",
+                   help="folder written by 'mmspec train video-ae'")
+    p.add_argument("--rollout-prob", type=number(float, 0, strict=False, high=1),
+                   default=VIDEO_ROLLOUT["rollout_prob"],
+                   help="share of steps whose context is the model's own stream through the rolling cache "
+                        f"(self-rollout; default {VIDEO_ROLLOUT['rollout_prob']})")
+    p.add_argument("--rollout-strength", type=number(float, 0, strict=True, high=1), nargs=2,
+                   metavar=("LOW", "HIGH"), default=VIDEO_ROLLOUT["rollout_strength"],
+                   help="each rollout starts its chunks from the clip's at a strength drawn from "
+                        "[LOW, HIGH] (default %(default)s)")
+
+
+def _run_video(args, common) -> None:
+    from ..training import recipes
+
+    record = recipes.train_video(args.out, ae_dir=args.ae, rollout_prob=args.rollout_prob,
+                                 rollout_strength=tuple(args.rollout_strength), **common)
+    print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f}, rollout colour accuracy "
+          f"{record['rollout']['colour_acc']:.3f}, direction accuracy {record['rollout']['direction_acc']:.3f}, "
+          f"{record['wall_time_s']:.0f} s")
+
+
+def _video_judge_options(p) -> None:
+    p.add_argument("--ae", type=existing_dir, metavar="DIR",
+                   help="also report the accuracy on this autoencoder's reconstructions of held-out frames")
+
+
+def _run_video_judge(args, common) -> None:
+    from ..training import recipes
+
+    record = recipes.train_video_judge(args.out, ae_dir=args.ae, **common)
+    on_ae = "" if record["ae_recon"] is None else f", {record['ae_recon']['both']:.4f} on reconstructions"
+    print(f"saved {args.out}: held-out accuracy (colour and shape) {record['heldout_accuracy']:.4f}{on_ae}, "
+          f"{record['wall_time_s']:.0f} s")
+
+
+def _continuous_tokenizer_options(p) -> None:
+    p.add_argument("--kind", default="conv",
+                   help="conv: a small noise-regularised conv autoencoder, 8 channels per 8x8 patch "
+                        "(default); pca: PCA of 8x8 patches, 16 coefficients (closed form; steps unused)",
+                   ).choices = TableChoices("mmspec.training.recipes.continuous", "TOKENIZER_KINDS")
+    p.add_argument("--classifier", type=existing_dir, metavar="DIR",
+                   help="also report this classifier's accuracy on reconstructions (e.g. assets/classifier)")
+
+
+def _run_continuous_tokenizer(args, common) -> None:
+    from ..training import recipes
+
+    record = recipes.train_continuous_tokenizer(args.out, kind=args.kind, classifier_dir=args.classifier, **common)
+    acc = "" if record["recon_accuracy"] is None else f", classifier accuracy {record['recon_accuracy']:.3f}"
+    print(f"saved {args.out}: held-out reconstruction MSE {record['heldout_recon_mse']:.5f}{acc}, "
+          f"{record['wall_time_s']:.0f} s")
+
+
+def _continuous_options(p, draft: bool) -> None:
+    p.add_argument("--tokenizer", required=True, type=existing_dir, metavar="DIR",
+                   help="folder written by 'mmspec train continuous-tokenizer'")
+    p.add_argument("--input-noise", type=number(float, 0, strict=False), default=0.25,
+                   help="std of extra noise on the teacher-forced input latents (default 0.25; training only)")
+    if draft:
+        p.add_argument("--target", type=existing_dir, metavar="DIR",
+                       help="folder written by 'mmspec train continuous-ar' (its diffusion schedule is copied; "
+                            "required with --distill)")
+        p.add_argument("--distill", type=number(float, 0, strict=False, high=1), default=0.0,
+                       help="weight of distillation to the target's heads, in [0, 1] (default 0: data only)")
+
+
+def _run_continuous(args, common) -> None:
+    from ..training import recipes
+
+    if args.recipe == "continuous-ar":
+        record = recipes.train_continuous_ar(args.out, tokenizer_dir=args.tokenizer, input_noise=args.input_noise,
+                                             **common)
+    else:
+        record = recipes.train_continuous_draft(args.out, tokenizer_dir=args.tokenizer, target_dir=args.target,
+                                                distill=args.distill, input_noise=args.input_noise, **common)
+    print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f} (mixture "
+          f"{record['heldout_losses']['mixture']:.4f}), {record['s_per_step']:.2f} s/step, "
+          f"{record['wall_time_s']:.0f} s")
+
+
+RECIPES = {
+    "vq": Recipe("the VQ tokenizer on procedural shapes", _no_options, _run_vq),
+    "ar-image": Recipe("the class-conditional AR image model on a trained VQ's ids", _vq_option, _run_ar_image),
+    "ar-draft": Recipe("a draft for the AR image model: EAGLE's feature head, Medusa heads or a small chain model",
+                       _ar_draft_options, _run_ar_draft),
+    "classifier": Recipe("the shapes classifier whose features the AR image bench's FD uses", _classifier_options,
+                         _run_classifier),
+    "vlm": Recipe("a tiny LLaVA-architecture VLM on procedural image/question/answer data", _vlm_options, _run_vlm),
+    "vlm-draft": Recipe("a draft head for the VLM (eagle, specvlm, vispec, medusa) by online-logit distillation",
+                        _vlm_draft_options, _run_vlm_draft),
+    "video-ae": Recipe("the streaming video model's per-frame autoencoder on procedural moving shapes", _no_options,
+                       _run_video_ae),
+    "video": Recipe("the chunk-causal video transformer on a trained frame autoencoder's latents", _video_options,
+                    _run_video),
+    "video-judge": Recipe("the video bench's frame judge (colour and shape) on rendered frames", _video_judge_options,
+                          _run_video_judge),
+    "continuous-tokenizer": Recipe("the continuous tokenizer (a conv autoencoder, or --kind pca: closed form)",
+                                   _continuous_tokenizer_options, _run_continuous_tokenizer),
+    "continuous-ar": Recipe("the continuous-token AR target (backbone, mixture head, diffusion head)",
+                            lambda p: _continuous_options(p, draft=False), _run_continuous),
+    "continuous-draft": Recipe("a small continuous draft, optionally distilled to the target (--distill)",
+                               lambda p: _continuous_options(p, draft=True), _run_continuous),
+}
+"""``{recipe: Recipe}``, in the order ``mmspec train --help`` lists them (``TRAIN_DEFAULTS`` has
+the same keys)."""
+
+
+def register_subcommand(subparsers) -> None:
+    train = subparsers.add_parser(NAME, help="rebuild a tiny checkpoint from a seed")
+    recipes = train.add_subparsers(dest="recipe", required=True)
+    for name, recipe in RECIPES.items():
+        defaults = TRAIN_DEFAULTS[name]
+        p = recipes.add_parser(name, help=recipe.help)
+        recipe.options(p)
+        p.add_argument("--out", required=True, type=output_dir, metavar="DIR",
+                       help="checkpoint folder (replaced atomically)")
+        if "steps" in defaults:  # not for closed-form fits
+            p.add_argument("--steps", type=positive_int, default=defaults["steps"],
+                           help=f"optimizer steps (default {defaults['steps']})")
+            p.add_argument("--batch-size", type=positive_int, default=defaults["batch_size"],
+                           help=f"(default {defaults['batch_size']})")
+            p.add_argument("--lr", type=positive_float, default=defaults["lr"], help=f"(default {defaults['lr']})")
+        p.add_argument("--seed", type=non_negative_int, default=0, help="init, data and batch order (default 0)")
+        p.add_argument("--dataset-size", type=positive_int, default=defaults["dataset_size"],
+                       help=f"training images (default {defaults['dataset_size']})")
+        p.add_argument("--log-every", type=positive_int, default=50, help="steps between loss lines (default 50)")
+        p.add_argument("--threads", type=positive_int, default=2, help="torch intra-op threads (default 2)")
+
+
+def check(args) -> None:
+    """Arguments that need each other (``ValueError`` naming them)."""
+    if args.recipe == "ar-draft" and args.kind != "chain" and args.target is None:
+        raise ValueError(f"--kind {args.kind} needs --target DIR (the AR model it drafts for)")
+    if args.recipe == "ar-draft" and args.heads is not None and args.kind != "medusa":
+        raise ValueError(f"--heads is for --kind medusa only, got --kind {args.kind}")
+    if args.recipe == "vlm-draft" and args.heads is not None and args.method != "medusa":
+        raise ValueError(f"--heads is for --method medusa only, got --method {args.method}")
+    if args.recipe == "continuous-draft" and args.distill > 0 and args.target is None:
+        raise ValueError("--distill needs --target DIR (the continuous AR model it distills from)")
+
+
+def run(args) -> int:
+    set_threads(args.threads)
+    common = dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
+                  dataset_size=args.dataset_size, log_every=args.log_every, log=print)
+    RECIPES[args.recipe].run(args, common)
+    return 0
