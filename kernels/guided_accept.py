@@ -98,32 +98,18 @@ def _check_inputs(logits, tokens, q, u_accept, u_sample, guidance_scale, tempera
 # -- the torch reference ------------------------------------------------------------------------
 def process_logits(logits: torch.Tensor, guidance_scale: float | None = None, temperature: float = 1.0,
                    top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """(B or 2B, ..., V) -> (B, ..., V) float32 probabilities: ``LogitsPipeline``, op for op."""
-    logits = logits.float()
-    if guidance_scale is not None:
-        cond, uncond = logits.chunk(2, dim=0)
-        logits = uncond + guidance_scale * (cond - uncond)
-    if temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        kth = logits.topk(top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        logits = logits.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))
-    return logits.softmax(-1)
+    """(B or 2B, ..., V) -> (B, ..., V) float32 probabilities: the core's ``LogitsPipeline``."""
+    from ..core.logits import LogitsPipeline  # the core imports the kernels: import at call time
+
+    return LogitsPipeline(temperature, top_k, top_p, guidance_scale)(logits)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """(B, V) rows of positive mass, (B,) uniforms -> (B,) tokens: ``mmspec.core.sampling.sample``'s
-    draw with its uniforms given."""
-    cdf = probs.cumsum(-1)
-    total = cdf[..., -1:]
-    target = torch.minimum(u[:, None].to(cdf.dtype) * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    """(B, V) rows of positive mass, (B,) uniforms -> (B,) tokens: the core's ``inverse_cdf``
+    (``mmspec.core.sampling.sample``'s draw with its uniforms given)."""
+    from ..core.sampling import inverse_cdf as core_inverse_cdf
+
+    return core_inverse_cdf(probs, u[:, None].to(probs.dtype))
 
 
 def group_members(p: torch.Tensor, x: torch.Tensor, group: Grouping) -> torch.Tensor:

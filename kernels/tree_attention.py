@@ -28,16 +28,12 @@ if TRITON_AVAILABLE:
 
 
 def visibility(prefix_lens: torch.Tensor, T: int, S: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
-    """(B, 1, T, S) bool: the mask the kernel applies, materialised (the reference's input)."""
-    B = prefix_lens.shape[0]
-    device = prefix_lens.device
-    if tree_mask is None:
-        tree_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
-    W = tree_mask.shape[-1]
-    rel = torch.arange(S, device=device) - prefix_lens.to(device)[:, None]  # (B, S) slot - prefix
-    in_tree = (rel >= 0) & (rel < W)
-    picked = tree_mask.bool().gather(-1, rel.clamp(0, W - 1)[:, None, :].expand(B, T, S))  # (B, T, S)
-    return ((rel < 0)[:, None, :] | (in_tree[:, None, :] & picked)).unsqueeze(1)
+    """(B, 1, T, S) bool: the mask the kernel applies, materialised (the reference's input): the
+    core's ``visibility_mask`` for a block that ends ``W`` slots past ``prefix_lens``."""
+    from ..core.cache import visibility_mask  # the core imports the kernels: import at call time
+
+    W = T if tree_mask is None else tree_mask.shape[-1]
+    return visibility_mask(prefix_lens + W, T, S, None if tree_mask is None else tree_mask.bool())
 
 
 def _check_inputs(q, k, v, prefix_lens, tree_mask):

@@ -60,9 +60,9 @@ from typing import Any, Callable
 
 from . import methods, serve
 from .core.errors import check
+from .utils.atomic import atomic_path
 
 MANIFEST = "manifest.jsonl"
-TMP_TAG = ".tmp-"
 ATOMIC_TMP = re.compile(r"\..+\.[0-9a-f]{8}\.tmp(\.[A-Za-z0-9]+)?")
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
@@ -231,25 +231,13 @@ def parse_job(raw: dict, line: int, base: Path, from_csv: bool = False) -> Job:
     else:
         path = (base / params["image"]).resolve()
         check(path.is_file(), "image", "an existing image file (relative to the jobs file)", params["image"])
-        _load_image(path)
+        serve.open_image(path)
         params["image"] = str(path)
         check(params["question"].strip() != "", "question", "a non-empty question", params["question"])
         check(1 <= params["max_new_tokens"] <= 512, "max_new_tokens", "an int in [1, 512]", params["max_new_tokens"])
     if "temperature" in params:
         check(params["temperature"] >= 0, "temperature", "a number >= 0", params["temperature"])
     return Job(line, job_id, kind, method, seed, params, knobs)
-
-
-def _load_image(path: Path):
-    import numpy as np
-    import PIL.Image
-
-    try:
-        with PIL.Image.open(path) as im:
-            arr = np.asarray(im.convert("RGB"))
-    except (OSError, SyntaxError) as err:
-        raise ValueError(f"image must be a readable image file, got {str(path)!r} ({err})") from None
-    return serve.as_rgb(arr)
 
 
 def _rows(path: Path):
@@ -300,17 +288,6 @@ def load_jobs(path: str | Path) -> list[Job]:
 
 # ---------------------------------------------------------------- files and the manifest
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary name in ``path``'s folder, flush it to disk, then rename: a
-    reader (or a rerun after a crash) sees the old file or the whole new one, never a part."""
-    tmp = path.with_name(f".{path.name}{TMP_TAG}{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-
-
 def append_record(manifest: Path, record: dict) -> None:
     """Append one JSON line, whole: one ``write`` under an exclusive lock, then fsync."""
     data = (json.dumps(record, sort_keys=True) + "\n").encode()
@@ -348,9 +325,7 @@ def _repair(out: Path) -> None:
             data = fh.read()
             if data and not data.endswith(b"\n"):
                 fh.truncate(data.rfind(b"\n") + 1)
-    for tmp in out.glob(f".*{TMP_TAG}*"):
-        tmp.unlink(missing_ok=True)
-    for tmp in out.glob(".*.tmp*"):  # mmspec.utils.atomic's (video files): .<name>.<8 hex>.tmp<suffix>
+    for tmp in out.glob(".*.tmp*"):  # mmspec.utils.atomic's: .<name>.<8 hex>.tmp<suffix>
         if ATOMIC_TMP.fullmatch(tmp.name):
             tmp.unlink(missing_ok=True)
 
@@ -383,13 +358,14 @@ def make_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
 
 
 def _write(out: Path, job: Job, result: serve.Result) -> None:
-    """The job's file, whole or not at all: bytes through ``write_atomic``; videos through the
-    pipeline's writer, which writes a temporary file and renames it (``mmspec.utils.atomic``)."""
+    """The job's file, whole or not at all: images and answers written to a temporary file and
+    renamed (``mmspec.utils.atomic``); videos through the pipeline's writer, which does the same."""
     if job.kind == "video":
         p = job.params
         serve.write_video(result.frames, out / job.output, fps=p["fps"], scale=p["scale"])
     else:
-        write_atomic(out / job.output, _encode(job, result))
+        with atomic_path(out / job.output) as tmp:
+            tmp.write_bytes(_encode(job, result))
 
 
 def _encode(job: Job, result: serve.Result) -> bytes:
@@ -404,21 +380,8 @@ def _encode(job: Job, result: serve.Result) -> bytes:
 
 def _run(models: serve.Models, batch: list[Job]) -> list[serve.Result]:
     first = batch[0]
-    p = first.params
-    seeds = [j.seed for j in batch]
-    if first.kind == "ar-image":
-        return serve.run_ar(models, [j.params["prompt"] for j in batch], seeds, first.method, first.knobs,
-                            guidance_scale=p["guidance_scale"], temperature=p["temperature"], top_k=p["top_k"],
-                            top_p=p["top_p"])
-    if first.kind == "continuous":
-        return serve.run_continuous(models, [j.params["prompt"] for j in batch], seeds, first.method, first.knobs,
-                                    guidance_scale=p["guidance_scale"], temperature=p["temperature"])
-    if first.kind == "video":  # one job per call (video_batchable)
-        return [serve.run_video(models, p["prompt"], first.seed, p["frames"], first.method, first.knobs,
-                                p["switches"])]
-    images = [_load_image(Path(j.params["image"])) for j in batch]
-    return serve.run_vlm(models, images, [j.params["question"] for j in batch], seeds, first.method, first.knobs,
-                         max_new_tokens=p["max_new_tokens"], temperature=p["temperature"])
+    return serve.runner(first.kind).run_jobs(models, [j.params for j in batch], [j.seed for j in batch], first.method,
+                                             first.knobs)
 
 
 def _record(job: Job, status: str, stats: dict | None = None, error: str | None = None) -> dict:
@@ -502,7 +465,8 @@ def run(jobs_path: str | Path, out: str | Path, batch_size: int = 4, progress: b
     if state.is_main_process:
         latest = read_manifest(out / MANIFEST)
         lines = "".join(json.dumps(latest[j.id], sort_keys=True) + "\n" for j in jobs if j.id in latest)
-        write_atomic(out / MANIFEST, lines.encode())
+        with atomic_path(out / MANIFEST) as tmp:
+            tmp.write_bytes(lines.encode())
         if bar is not None:
             bar.n = len(done) + len(gathered)
             bar.set_postfix(failed=failed, refresh=False)

@@ -11,12 +11,12 @@ repository root: ``.venv/bin/python scripts/continuous_grid.py [PIPELINE_DIR] [O
 import sys
 
 import torch
-from diffusers.utils import make_image_grid
 
 from mmspec.bench.quality import class_accuracy
 from mmspec.models import load_checkpoint
 from mmspec.models.classifier import ShapesClassifier
 from mmspec.pipelines import SpeculativeContinuousARPipeline
+from mmspec.utils.images import save_image_grid
 
 
 def main(pipeline_dir: str = "assets/continuous", out: str = "assets/continuous_samples.png") -> None:
@@ -28,7 +28,7 @@ def main(pipeline_dir: str = "assets/continuous", out: str = "assets/continuous_
     classifier = load_checkpoint(ShapesClassifier, "assets/classifier")
     acc = class_accuracy(classifier, result.images * 2 - 1, torch.tensor(labels))
     pil = pipe.postprocess_images(result.images * 2 - 1, "pil")
-    make_image_grid([p.resize((128, 128)) for p in pil], rows=4, cols=8).save(out)
+    save_image_grid([p.resize((128, 128)) for p in pil], out, nrow=8)
     print(f"{out}: 32 images, classifier accuracy {acc:.3f}")
 
 

@@ -30,6 +30,7 @@ import torch
 
 from ..core.cache import SinkWindowCache
 from ..core.errors import check, check_choice
+from ..core.logits import cfg_merge
 
 SAMPLERS = ("euler", "renoise")
 
@@ -117,8 +118,7 @@ class FlowSampler:
             t, sigma = s.timesteps[i], float(sigmas[i])
             v = velocity(torch.cat([x, x]) if guided else x, sigma)
             if guided:
-                v_cond, v_uncond = v.chunk(2)
-                v = v_uncond + guidance_scale * (v_cond - v_uncond)
+                v = cfg_merge(*v.chunk(2), guidance_scale)
             if self.sampler == "euler":
                 x = s.step(v, t, x, return_dict=False)[0]
             elif i + 1 < len(s.timesteps):  # renoise: the prediction of x0, noised to the next sigma

@@ -17,7 +17,7 @@ KID's cubic kernel had too little power here): exact at any image count, so an e
 scores p < 0.05 in 5% of runs and a small p flags a change of distribution (one p per row: with
 six exact rows, one of them below 0.05 is expected in about a quarter of runs; divide 0.05 by
 the rows read together). Secondary: FD
-(``fd_ci_low``/``fd_ci_high``, re-centred on the estimate, see ``quality.centred_interval``), the
+(``fd_ci_low``/``fd_ci_high``, re-centred on the estimate, see ``stats.centred_interval``), the
 FD ratio to ``none`` with a paired bootstrap interval (measured on synthetic features at 32
 images it held 1.0 for 79% of exact pairs, not 95%: it is biased at small N, read it as a rough
 size, not a test), and class accuracy (percentile interval). Bootstraps use
@@ -54,10 +54,9 @@ from ..core import LogitsPipeline, SpeculativeDecoder
 from ..core.exactness import P_THRESHOLD, chisquare_pvalue
 from ..core.schedule import NextSetSchedule
 from ..training.recipes.ar_image import AR_DATA_STYLE
-from .quality import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CI_LEVEL, PERMUTATION_SEED, PERMUTATIONS,
-                      FrechetToReference, KIDToReference, ReferenceStats, bootstrap_indices, centred_interval,
-                      extract_features, fd_replicates, kid_interval, mmd_permutation_test, mean_ci,
-                      reference_features)
+from .quality import (PERMUTATION_SEED, PERMUTATIONS, FrechetToReference, KIDToReference, ReferenceStats,
+                      extract_features, fd_replicates, kid_interval, mmd_permutation_test, reference_features)
+from .stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CI_LEVEL, bootstrap_indices, centred_interval, mean_ci
 
 EXACT_CHUNK = 1000
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -288,21 +287,14 @@ AR_IMAGE_COLUMNS = [
 
 
 def save_grid(result: dict, path: str | Path, per_row: int = 16) -> None:
-    """A PNG: one row of samples per method (the first ``per_row`` images), labelled on stdout
-    by the caller; written to a temp file and renamed into place."""
-    import numpy as np
-    import PIL.Image
-
-    from ..utils.atomic import atomic_path
+    """A PNG: one row of samples per method (the first ``per_row`` images, fewer if a method has
+    fewer), labelled on stdout by the caller; written atomically (``save_image_grid``)."""
+    from ..utils.images import save_image_grid
 
     grids = result["_grids"]
-    rows = []
-    for label, images in grids.items():
-        imgs = ((images[:per_row] + 1) / 2).clamp(0, 1)
-        rows.append(torch.cat(list(imgs), 2))  # (3, H, per_row * W)
-    grid = torch.cat(rows, 1).permute(1, 2, 0).numpy()
-    with atomic_path(path) as tmp:
-        PIL.Image.fromarray((grid * 255).round().astype(np.uint8)).save(tmp)
+    per_row = min(per_row, *(len(images) for images in grids.values()))
+    images = torch.cat([images[:per_row] for images in grids.values()])  # (methods * per_row, 3, H, W)
+    save_image_grid(((images + 1) / 2).clamp(0, 1), path, nrow=per_row)
 
 
 def public(result: dict) -> dict:

@@ -45,6 +45,7 @@ from ..core import DensityPipeline, ModelOutput, SpeculativeDecoder
 from ..core.exactness import P_THRESHOLD, grid_chisquare_pvalue, ks_uniform_pvalue, two_sample_pvalue
 from ..methods.continuous import head_for
 from ..training.recipes.ar_image import AR_DATA_STYLE
+from .ar_image import save_grid
 from .quality import (PERMUTATION_SEED, PERMUTATIONS, FrechetToReference, ReferenceStats, extract_features,
                       kernel_inception_distance, mmd_permutation_test, reference_features)
 
@@ -316,13 +317,6 @@ SHOWCASE_COLUMNS = [c for c in CONTINUOUS_COLUMNS if c[0] in (
     "method", "nfe", "nfe_speedup", "draft_nfe", "alpha", "tau", "wall_s", "wall_speedup", "kid", "p_vs_none",
     "fd", "fd_ratio",
     "class_acc", "exact")]
-
-
-def save_grid(result: dict, path: str | Path, per_row: int = 16) -> None:
-    """A PNG with one row of samples per bench row (the first ``per_row`` images), written atomically."""
-    from .ar_image import save_grid as _save
-
-    _save(result, path, min(per_row, *(len(v) for v in result["_grids"].values())))
 
 
 def public(result: dict) -> dict:

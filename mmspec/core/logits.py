@@ -64,8 +64,7 @@ class LogitsPipeline:
         """(2B, ..., V) as [cond; uncond] -> (B, ..., V); identity without guidance."""
         if not self.uses_guidance:
             return logits
-        cond, uncond = logits.chunk(2, dim=0)
-        return uncond + self.guidance_scale * (cond - uncond)
+        return cfg_merge(*logits.chunk(2, dim=0), self.guidance_scale)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         """(B or 2B, ..., V) raw logits -> (B, ..., V) float32 probabilities."""
@@ -86,6 +85,13 @@ class LogitsPipeline:
             drop = drop_sorted.scatter(-1, order, drop_sorted)
             logits = logits.masked_fill(drop, float("-inf"))
         return logits.softmax(-1)
+
+
+def cfg_merge(cond: torch.Tensor, uncond: torch.Tensor, scale) -> torch.Tensor:
+    """Classifier-free guidance (Ho & Salimans, 2022): ``uncond + scale * (cond - uncond)``, the one
+    merge of conditional and unconditional logits, velocities or noise predictions; ``scale`` is a
+    number or a tensor that broadcasts against them."""
+    return uncond + scale * (cond - uncond)
 
 
 def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:

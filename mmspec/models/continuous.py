@@ -37,7 +37,7 @@ from ..core.errors import check
 from ..core.rope import GridRope2D
 from ..core.types import ModelOutput
 from .continuous_heads import DiffusionHead, GaussianMixtureHead
-from .llamagen import LlamaGenBlock
+from .llamagen import ClassPromptsMixin, LlamaGenBlock
 
 __all__ = ["ClassKVCache", "ContinuousARModel"]
 
@@ -50,7 +50,7 @@ class ClassKVCache(StaticKVCache):
     labels: torch.Tensor | None = None
 
 
-class ContinuousARModel(ModelMixin, ConfigMixin):
+class ContinuousARModel(ClassPromptsMixin, ModelMixin, ConfigMixin):
     """Class-conditional causal AR transformer over a grid of continuous tokens, with a
     Gaussian-mixture head and a diffusion head on its features.
 
@@ -129,26 +129,11 @@ class ContinuousARModel(ModelMixin, ConfigMixin):
         return self.config.grid_size ** 2
 
     @property
-    def null_class(self) -> int:
-        return self.config.num_classes
-
-    @property
     def state_kernel(self) -> tuple[float, float]:
         """(a, b): training feeds the backbone ``a x_0 + b eps`` for each latent x_0."""
         return self.heads["diffusion"].state_kernel
 
     # -- conditioning ---------------------------------------------------------------------------
-    def class_prompts(self, labels) -> list[list[int]]:
-        """One single-token prompt per label: the class id at position 0."""
-        labels = torch.as_tensor(labels).flatten().tolist()
-        check(all(0 <= c < self.config.num_classes for c in labels), "labels",
-              f"class ids in [0, {self.config.num_classes})", labels)
-        return [[c] for c in labels]
-
-    def uncond_prompts(self, batch_size: int) -> list[list[int]]:
-        """The unconditional half of a guided batch: the null class for every row."""
-        return [[self.null_class]] * batch_size
-
     def drop_labels(self, labels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Replace each label by the null class with probability ``class_dropout_prob``."""
         u = torch.rand(labels.shape, generator=generator).to(labels.device)

@@ -29,12 +29,14 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from diffusers.models.embeddings import get_timestep_embedding
 from torch import nn
 from torch.nn import functional as F
 
 from ..core.acceptance import check_chain
 from ..core.distributions import DensityPipeline, Draw, HeadMeter, TokenDist, normal_log_prob
 from ..core.errors import check
+from ..core.logits import cfg_merge
 from ..core.sampling import Generators, inverse_cdf, rand, randn, sample, select_rows
 from ..core.tree import DraftTree
 from ..core.types import Acceptance
@@ -273,15 +275,6 @@ class DiffusionSchedule:
         return math.sqrt(ab), math.sqrt(1 - ab)
 
 
-def _timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-    """Sinusoidal embedding of (n,) timesteps -> (n, dim): cosines then sines (DiT's, MAR's)."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-    args = t.float()[:, None] * freqs[None]
-    emb = torch.cat([torch.cos(args), torch.sin(args)], -1)
-    return F.pad(emb, (0, dim % 2))
-
-
 def _modulate(x, shift, scale):
     return x * (1 + scale) + shift
 
@@ -331,7 +324,9 @@ class SimpleMLPAdaLN(nn.Module):
     def forward(self, x: torch.Tensor, t: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         """(n, in) noisy inputs, (n,) original timesteps, (n, z) conditions -> (n, out)."""
         steps, which = t.unique(return_inverse=True)  # a call sees a few distinct steps: embed each once
-        emb = self.time_embed(_timestep_embedding(steps, self.freq_dim).to(x.dtype))[which]
+        # DiT's / MAR's sinusoids, cosines first
+        emb = get_timestep_embedding(steps, self.freq_dim, flip_sin_to_cos=True, downscale_freq_shift=0)
+        emb = self.time_embed(emb.to(x.dtype))[which]
         y = emb + self.cond_embed(c)
         h = self.input_proj(x)
         for block in self.res_blocks:
@@ -388,7 +383,7 @@ class DiffusionHead(nn.Module):
         out = out.double()
         eps = out[:n, :d]
         if z_u is not None:
-            eps = out[n:, :d] + scale.double()[:, None] * (eps - out[n:, :d])
+            eps = cfg_merge(eps, out[n:, :d], scale.double()[:, None])
         kc = k.cpu()
         col = lambda table: table[kc].to(x.device)[:, None]  # noqa: E731  (n, 1) per-row coefficient
         x = x.double()

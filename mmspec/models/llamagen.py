@@ -59,7 +59,27 @@ class LlamaGenBlock(nn.Module):
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
-class LlamaGenModel(ModelMixin, ConfigMixin):
+class ClassPromptsMixin:
+    """Class conditioning by a class token at position 0, for a model whose config has
+    ``num_classes``: id ``num_classes`` is the null (unconditional) class."""
+
+    @property
+    def null_class(self) -> int:
+        return self.config.num_classes
+
+    def class_prompts(self, labels) -> list[list[int]]:
+        """One single-token prompt per label: the class id at position 0."""
+        labels = torch.as_tensor(labels).flatten().tolist()
+        check(all(0 <= c < self.config.num_classes for c in labels), "labels",
+              f"class ids in [0, {self.config.num_classes})", labels)
+        return [[c] for c in labels]
+
+    def uncond_prompts(self, batch_size: int) -> list[list[int]]:
+        """The unconditional half of a guided batch: the null class for every row."""
+        return [[self.null_class]] * batch_size
+
+
+class LlamaGenModel(ClassPromptsMixin, ModelMixin, ConfigMixin):
     """Class-conditional AR transformer over a ``grid_size x grid_size`` VQ token grid.
 
     Args:
@@ -122,25 +142,10 @@ class LlamaGenModel(ModelMixin, ConfigMixin):
     def num_image_tokens(self) -> int:
         return self.config.grid_size ** 2
 
-    @property
-    def null_class(self) -> int:
-        return self.config.num_classes
-
     # -- conditioning ---------------------------------------------------------------------------
     def embed_classes(self, labels: torch.Tensor) -> torch.Tensor:
         """(B,) class ids (``num_classes`` = null) -> (B, dim) class-token embeddings."""
         return self.cls_embedding(labels)
-
-    def class_prompts(self, labels) -> list[list[int]]:
-        """One single-token prompt per label: the class id at position 0."""
-        labels = torch.as_tensor(labels).flatten().tolist()
-        check(all(0 <= c < self.config.num_classes for c in labels), "labels",
-              f"class ids in [0, {self.config.num_classes})", labels)
-        return [[c] for c in labels]
-
-    def uncond_prompts(self, batch_size: int) -> list[list[int]]:
-        """The unconditional half of a guided batch: the null class for every row."""
-        return [[self.null_class]] * batch_size
 
     def drop_labels(self, labels: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
         """Replace each label by the null class with probability ``class_dropout_prob``."""

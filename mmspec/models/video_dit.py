@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 from diffusers.configuration_utils import ConfigMixin, register_to_config
+from diffusers.models.embeddings import get_timestep_embedding
 from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 from torch.nn import functional as F
@@ -164,11 +165,11 @@ def _chunks(num_frames, chunk, sink_frames, window_frames):
 
 
 def timestep_embedding(t: torch.Tensor, dim: int, max_period: float = 10000.0) -> torch.Tensor:
-    """(..., dim) sinusoidal embedding of flow times t in [0, 1] (scaled by 1000, as DiT's steps)."""
-    half = dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
-    args = 1000.0 * t.float()[..., None] * freqs
-    return torch.cat([torch.cos(args), torch.sin(args)], -1)
+    """(..., dim) sinusoidal embedding of flow times t in [0, 1] (scaled by 1000, as DiT's steps):
+    diffusers' ``get_timestep_embedding``, cosines first."""
+    emb = get_timestep_embedding((1000.0 * t.float()).flatten(), dim, flip_sin_to_cos=True, downscale_freq_shift=0,
+                                 max_period=max_period)
+    return emb.view(*t.shape, dim)
 
 
 def modulate(x, shift, scale):
