@@ -4,12 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mmspec-installed
 
-.PHONY: run test install demo bench bench-ar-image bench-vlm bench-kernels bench-video assets clean gpu-check gpu-wheels
+.PHONY: run test test-fast install docs demo bench bench-ar-image bench-vlm bench-kernels bench-video assets clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[test]'
+	$(BIN)/python -m pip install --quiet -e '.[test,docs]'
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -19,6 +19,14 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# everything but the slow, statistical, browser and GPU tests (markers in pyproject.toml), on two workers
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and not statistical and not browser and not gpu and not cuda"
+
+# the docs site (MkDocs + Material, API pages from docstrings) into site/; strict: a broken link fails
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 # the Gradio demo on http://127.0.0.1:7860 (mmspec demo --host 0.0.0.0 to serve beyond this machine)
 demo: $(STAMP)

@@ -22,6 +22,7 @@ from ..core import LogitsPipeline
 from ..core.errors import check
 from . import checks
 from .base import SpeculativePipeline
+from .labels import ClassLabelsMixin
 # diffusers loads components only from modules already imported: name them here
 from ..models import eagle as _eagle, llamagen as _llamagen, llamagen_vq as _llamagen_vq, vq as _vq  # noqa: F401
 
@@ -39,11 +40,7 @@ class ARImagePipelineOutput(BaseOutput):
     stats: dict = field(default_factory=dict)
 
 
-def _normal(label: str) -> str:
-    return " ".join(str(label).lower().split())
-
-
-class SpeculativeARImagePipeline(SpeculativePipeline):
+class SpeculativeARImagePipeline(ClassLabelsMixin, SpeculativePipeline):
     """A LlamaGen-style AR transformer over a VQ tokenizer's grid, plus optional drafters.
 
     Components: ``transformer`` (``LlamaGenModel``), ``vqvae`` (``TinyVQModel``, or LlamaGen's own
@@ -72,25 +69,6 @@ class SpeculativeARImagePipeline(SpeculativePipeline):
     @property
     def num_classes(self) -> int:
         return self.transformer.config.num_classes
-
-    @property
-    def labels(self) -> dict[str, int]:
-        """Every class name (lower case, single spaces) -> its id, from the transformer config's
-        ``id2label`` (each id's names comma-separated, DiT's convention); sorted by name."""
-        id2label = getattr(self.transformer.config, "id2label", None) or {}
-        table = {_normal(name): int(i) for i, names in id2label.items() for name in names.split(",") if name.strip()}
-        return dict(sorted(table.items()))
-
-    def get_label_ids(self, label: str | list[str], name: str = "label") -> list[int]:
-        """Class ids of class names or prompts (``"a red circle"``, ``"Red  Circle"``): case and
-        whitespace do not matter. An unknown name raises ``ValueError`` listing the classes."""
-        labels, table = [label] if isinstance(label, str) else list(label), self.labels
-        id2label = getattr(self.transformer.config, "id2label", None)
-        check(bool(id2label), name, "class_labels: this transformer's config has no id2label to map names", label)
-        first = [id2label[str(i)].split(",")[0].strip() for i in range(self.num_classes)]
-        for text in labels:
-            check(_normal(text) in table, name, f"one of the class prompts: {', '.join(first)}", text)
-        return [table[_normal(text)] for text in labels]
 
     def method_components(self, requires: tuple[str, ...]) -> dict:
         # the codebook only when used: reading it onloads the VQ, which would then sit on the device
@@ -142,10 +120,17 @@ class SpeculativeARImagePipeline(SpeculativePipeline):
             output_type: ``"pil"``, ``"np"``, ``"pt"`` (``VaeImageProcessor``) or ``"latent"``
                 (the token grids).
             callback_on_step_end: ``callback(pipe, step, timestep, callback_kwargs) -> dict`` after
-                every decode pass; ``timestep`` is the tokens decoded so far per image
-                (``pipelines.base`` says what the returned dict may replace; ``pipe._interrupt =
-                True`` stops after this pass).
-            callback_on_step_end_tensor_inputs: among ``"tokens"``, ``"next_tokens"``.
+                every decode pass: ``step`` counts target passes from 0 (a pass commits a variable
+                number of tokens per image), ``timestep`` is the tokens decoded so far per image.
+                Setting ``pipe._guidance_scale`` changes the scale from the next pass on
+                (diffusers' CFG cut-off; ``SpeculativePipeline.decode`` says how, and why a call
+                started without guidance cannot switch it on); ``pipe._interrupt = True`` stops
+                after this pass.
+            callback_on_step_end_tensor_inputs: among ``"tokens"`` (read-only: the target has read
+                them, so returning them is refused) and ``"next_tokens"`` (each image's last token,
+                not yet read by the target: a returned one replaces it, and decoding continues from
+                it). Drafted tokens are never shown: each pass drafts anew from the (edited)
+                history and verifies every draft.
             method_knobs: the method's prefixed knobs, e.g. ``{"sjd_window": 16}``
                 (``mmspec.methods.knobs("ar-image", method)`` lists them).
         Returns:
@@ -174,7 +159,7 @@ class SpeculativeARImagePipeline(SpeculativePipeline):
         out = self.decode(recipe, logits, self.transformer.class_prompts(labels), N, tokens_done=tokens_done,
                           callback_on_step_end=callback_on_step_end,
                           callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
-                          generator=generator,
+                          guidance_scale=guidance_scale, generator=generator,
                           uncond_input_ids=self.transformer.uncond_prompts(len(labels)) if guided else None)
 
         # 4. tokens -> pixels -> output_type

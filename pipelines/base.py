@@ -27,6 +27,10 @@ decode pass; ``step`` counts passes from 0, ``timestep`` is the tokens decoded s
 - ``"next_tokens"``: (B,) each row's last emitted token, the one the next pass feeds the target;
   a returned ``"next_tokens"`` replaces it (in the output too), and decoding continues from it.
 
+Drafts are never callback inputs: each pass drafts anew from the (edited) history and the
+target verifies every draft. A callback may also set ``pipe._guidance_scale`` (diffusers' CFG
+cut-off): the next pass on uses the new scale (``SpeculativePipeline.decode``).
+
 The returned dict must be a dict (``{}`` to change nothing). Tensor inputs need a raster schedule
 (ZipAR decodes several lanes per image; ``method="zipar..."`` refuses them).
 
@@ -43,6 +47,7 @@ offload (``tests/test_offload.py``).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -58,7 +63,12 @@ from . import checks
 
 class PipelineBase(DiffusionPipeline):
     """What every mmspec pipeline shares, the speculative ones and the streaming video one:
-    ``from_pretrained`` with the folder checked first, ``interrupt``, and the callback checks."""
+    ``from_pretrained`` with the folder checked first, ``interrupt``, and the callback checks.
+
+    Weights are safetensors only. ``save_pretrained`` writes them (diffusers' default);
+    ``save_pretrained(safe_serialization=False)`` writes ``.bin`` pickles instead, which
+    ``from_pretrained`` refuses (``FileNotFoundError`` naming the ``.bin`` file it found): loading a
+    pickle can run code, so no mmspec loader reads one."""
 
     _callback_tensor_inputs: list[str] = []
 
@@ -139,42 +149,78 @@ class SpeculativePipeline(PipelineBase):
               f"[] with method {method!r} (its schedule decodes several lanes per output)", inputs)
         return recipe
 
+    @property
+    def guidance_scale(self) -> float | None:
+        """The classifier-free guidance scale in use (the call's ``guidance_scale``; ``None`` for a
+        pipeline without guidance). A ``callback_on_step_end`` may set ``pipe._guidance_scale``
+        (diffusers' pattern) and the next pass uses it; see ``decode``."""
+        return getattr(self, "_guidance_scale", None)
+
+    @property
+    def do_classifier_free_guidance(self) -> bool:
+        """Whether the current scale guides: not ``None`` and not 1 (0 is the unconditional model,
+        as the ``guidance_scale`` argument means it; diffusers' pipelines test ``> 1``)."""
+        return self.guidance_scale is not None and self.guidance_scale != 1.0
+
     # -- decoding ---------------------------------------------------------------------------------
     def decode(self, recipe: methods.Recipe, logits: LogitsPipeline, input_ids, max_new_tokens: int, *,
                tokens_done: Callable[[DecodeState], int], callback_on_step_end=None,
                callback_on_step_end_tensor_inputs=(), on_step: Callable[[DecodeState], None] | None = None,
-               **generate_kwargs) -> DecodeOutput:
+               guidance_scale: float | None = None, **generate_kwargs) -> DecodeOutput:
         """One ``SpeculativeDecoder.generate`` with ``recipe``'s parts, under the progress bar.
 
         ``tokens_done(state)``: the progress, in tokens per output (at most ``max_new_tokens``);
-        ``on_step(state)``: the subclass's own per-pass hook (a streamer); ``generate_kwargs``
-        go to ``generate`` (``generator``, ``conditioning``, ``eos_token_id``, ...)."""
+        ``on_step(state)``: the subclass's own per-pass hook (a streamer); ``guidance_scale``: the
+        call's, as given (``pipe.guidance_scale`` during the call); ``generate_kwargs`` go to
+        ``generate`` (``generator``, ``conditioning``, ``eos_token_id``, ...).
+
+        A step is one target pass, which commits a variable number of tokens per row (one for
+        ``method="none"``). When a callback sets ``pipe._guidance_scale``, drafts and verification
+        use the new scale from the next pass on: each row's tokens up to its committed length at
+        that pass used the old scale, the rest the new (a method equals ``"none"`` switched at the
+        same committed length, ``tests/test_callbacks.py``). A call that started guided keeps its
+        unconditional rows: ``None`` or 1 then merges with scale 1 (the conditional logits, to
+        float rounding), 0 gives the unconditional ones. A call that started without guidance
+        has no unconditional rows, so a guiding scale is refused (``ValueError`` naming
+        ``guidance_scale``)."""
         components = self.method_components(recipe.requires)  # before the onload: a getter may fire a hook
         self.onload_models(recipe)
         parts = methods.build(recipe, components)
         decoder = SpeculativeDecoder(components["target"], parts.drafter, rule=parts.rule, logits=logits,
                                      schedule=parts.schedule, device=self._execution_device)
         self._interrupt = False
+        self._guidance_scale = guidance_scale
         vocab = getattr(components["target"], "vocab_size", None)
         with self.progress_bar(total=max_new_tokens) as bar:
-            seen = 0
+            seen, applied = 0, guidance_scale
 
             def step_end(step: int, state: DecodeState) -> bool:
-                nonlocal seen
+                nonlocal seen, applied
                 done = min(max_new_tokens, tokens_done(state))
                 bar.update(max(0, done - seen))
                 seen = max(seen, done)
                 if on_step is not None:
                     on_step(state)
                 if callback_on_step_end is not None:
-                    kwargs = {k: _tensor_input(k, state) for k in callback_on_step_end_tensor_inputs}
+                    kwargs = {k: self.callback_tensor_input(k, state) for k in callback_on_step_end_tensor_inputs}
                     returned = callback_on_step_end(self, step - 1, done, kwargs)
-                    _apply_callback_outputs(returned, state, callback_on_step_end_tensor_inputs, vocab)
+                    self.apply_callback_outputs(returned, state, callback_on_step_end_tensor_inputs, vocab)
+                    if self._guidance_scale != applied:
+                        state.logits = _with_guidance(state.logits, self._guidance_scale)
+                        applied = self._guidance_scale
                 return self.interrupt
 
             out = decoder.generate(input_ids, max_new_tokens, callback=step_end, **generate_kwargs)
             bar.update(max(0, max_new_tokens - seen) if not self.interrupt else 0)
         return out
+
+    def callback_tensor_input(self, name: str, state: DecodeState) -> torch.Tensor:
+        """The tensor input ``name`` (one of ``_callback_tensor_inputs``) a callback receives."""
+        return _tensor_input(name, state)
+
+    def apply_callback_outputs(self, returned, state: DecodeState, requested, vocab: int | None) -> None:
+        """Honour what a callback returned (``_callback_replaceable`` inputs), else refuse it."""
+        _apply_callback_outputs(returned, state, requested, vocab)
 
     # -- outputs ----------------------------------------------------------------------------------
     @property
@@ -199,6 +245,18 @@ def onload(*modules) -> None:
         hook = getattr(module, "_hf_hook", None)
         if hook is not None:
             hook.pre_forward(module)
+
+
+def _with_guidance(logits, scale):
+    """The call's logits pipeline with a callback's new guidance scale (see ``decode``)."""
+    checks.check_number(scale, "guidance_scale", 0, optional=True)
+    off = scale is None or scale == 1.0
+    if not logits.uses_guidance:
+        check(off, "guidance_scale", "None or 1.0 when set by callback_on_step_end in a call that started "
+              "without guidance (its batch has no unconditional rows; pass a guidance_scale to the call "
+              "to switch guidance between passes)", scale)
+        return logits
+    return dataclasses.replace(logits, guidance_scale=1.0 if scale is None else float(scale))
 
 
 def _tensor_input(name: str, state: DecodeState) -> torch.Tensor:

@@ -29,8 +29,8 @@ from ..core import DensityPipeline
 from ..core.errors import check
 from ..methods.continuous import head_for
 from . import checks
-from .ar_image import _normal
 from .base import SpeculativePipeline
+from .labels import ClassLabelsMixin
 # diffusers loads components only from modules already imported: name them here
 from ..models import continuous as _continuous, continuous_tokenizer as _continuous_tokenizer  # noqa: F401
 
@@ -49,7 +49,7 @@ class ContinuousARPipelineOutput(BaseOutput):
     stats: dict = field(default_factory=dict)
 
 
-class SpeculativeContinuousARPipeline(SpeculativePipeline):
+class SpeculativeContinuousARPipeline(ClassLabelsMixin, SpeculativePipeline):
     """A continuous-token AR transformer with a mixture and a diffusion head, a continuous tokenizer,
     and optionally a small draft model (for ``sd``, ``sd-warmup``, ``path``, ``cspd``).
 
@@ -58,10 +58,18 @@ class SpeculativeContinuousARPipeline(SpeculativePipeline):
     transformer's config (``id2label``): ``pipe.labels``, ``pipe.get_label_ids``.
 
     Callbacks: ``callback_on_step_end(pipe, step, timestep, callback_kwargs) -> dict`` after every
-    decode pass (``timestep``: tokens decoded so far per image); the only tensor input is
-    ``"latents"``, (B, n, d) each image's latents so far (a copy; read-only, so the returned dict
-    must be empty). ``pipe._interrupt = True`` stops after the current pass (images then hold
-    zeros where no token was decoded).
+    decode pass: ``step`` counts target passes from 0 (a pass commits a variable number of tokens
+    per image), ``timestep`` is the tokens decoded so far per image. The only tensor input is
+    ``"latents"``, (B, n, d) each image's latents so far, zero-padded on the right (a copy). A
+    returned ``"latents"`` (same shape) may change each image's last latent, the one the next
+    pass feeds the target: decoding continues from the edited latent, whose state (the token
+    row the backbone reads) moves by ``a`` times the edit (``state_kernel``: for the mixture
+    head's ``a x_0 + b eps``, the same noise eps); the output holds the edit. Earlier latents are in the target's KV cache (and a draft's), so
+    changing one is refused (``ValueError`` naming the image and latent): an exact edit would
+    need a new prefill. Drafted tokens are never shown: every draft is verified by the next pass
+    against the edited history. ``pipe._guidance_scale`` set by a callback changes the guidance
+    scale from the next pass on (``SpeculativePipeline.decode``); ``pipe._interrupt = True``
+    stops after the current pass (images then hold zeros where no token was decoded).
     """
 
     modality = "continuous"
@@ -71,7 +79,7 @@ class SpeculativeContinuousARPipeline(SpeculativePipeline):
     _optional_components = ["draft_model"]
     _method_components = {"target": "transformer"}
     _callback_tensor_inputs = ["latents"]
-    _callback_replaceable = ()
+    _callback_replaceable = ("latents",)
 
     def __init__(self, tokenizer, transformer, draft_model=None):
         super().__init__()
@@ -80,25 +88,6 @@ class SpeculativeContinuousARPipeline(SpeculativePipeline):
     @property
     def num_classes(self) -> int:
         return self.transformer.config.num_classes
-
-    @property
-    def labels(self) -> dict[str, int]:
-        """Every class name (lower case, single spaces) -> its id, from the transformer config's
-        ``id2label`` (each id's names comma-separated); sorted by name."""
-        id2label = getattr(self.transformer.config, "id2label", None) or {}
-        table = {_normal(name): int(i) for i, names in id2label.items() for name in names.split(",") if name.strip()}
-        return dict(sorted(table.items()))
-
-    def get_label_ids(self, label: str | list[str], name: str = "label") -> list[int]:
-        """Class ids of class names or prompts (case and whitespace do not matter); an unknown
-        name raises ``ValueError`` listing the classes."""
-        labels, table = [label] if isinstance(label, str) else list(label), self.labels
-        id2label = getattr(self.transformer.config, "id2label", None)
-        check(bool(id2label), name, "class_labels: this transformer's config has no id2label to map names", label)
-        first = [id2label[str(i)].split(",")[0].strip() for i in range(self.num_classes)]
-        for text in labels:
-            check(_normal(text) in table, name, f"one of the class prompts: {', '.join(first)}", text)
-        return [table[_normal(text)] for text in labels]
 
     def method_components(self, requires: tuple[str, ...]) -> dict:
         return {"target": self.transformer, "draft_model": self.draft_model}
@@ -185,20 +174,11 @@ class SpeculativeContinuousARPipeline(SpeculativePipeline):
         def tokens_done(state) -> int:
             return int((state.lengths[:B] - state.prompt_lengths[:B]).clamp(min=0).sum()) // B
 
-        step = 0
-
-        def on_step(state) -> None:
-            nonlocal step
-            if callback_on_step_end is not None:
-                kwargs = {"latents": _latents_so_far(state)} if callback_on_step_end_tensor_inputs else {}
-                returned = callback_on_step_end(self, step, tokens_done(state), kwargs)
-                check(isinstance(returned, dict) and not returned, "callback_on_step_end",
-                      "a callable returning {} (the latents are read-only)", returned)
-            step += 1
-
         # 3. decode the latents: one SpeculativeDecoder.generate
         out = self.decode(recipe, density, self.transformer.class_prompts(labels), N, tokens_done=tokens_done,
-                          on_step=on_step, generator=generator,
+                          callback_on_step_end=callback_on_step_end,
+                          callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
+                          guidance_scale=guidance_scale, generator=generator,
                           uncond_input_ids=self.transformer.uncond_prompts(B) if guided else None)
 
         # 4. latents -> pixels -> output_type
@@ -209,6 +189,44 @@ class SpeculativeContinuousARPipeline(SpeculativePipeline):
         if not return_dict:
             return (images,)
         return ContinuousARPipelineOutput(images=images, latents=latents, stats=out.stats.as_dict())
+
+
+    def callback_tensor_input(self, name: str, state) -> torch.Tensor:
+        """``"latents"``: (B, n, d) each image's latents so far (``_latents_so_far``)."""
+        return _latents_so_far(state)
+
+    def apply_callback_outputs(self, returned, state, requested, vocab) -> None:
+        """A returned ``"latents"``: each image's last latent may change (see the class docstring)."""
+        check(isinstance(returned, dict) and set(returned) <= ({"latents"} & set(requested)), "callback_on_step_end",
+              "a callable returning a dict, {} or (when requested) {'latents': edited latents}", returned)
+        if "latents" not in returned:
+            return
+        before, new = _latents_so_far(state), returned["latents"]
+        check(isinstance(new, torch.Tensor) and new.shape == before.shape and new.is_floating_point()
+              and bool(torch.isfinite(new).all()), "latents",
+              f"a finite float tensor of the shape it was given, {tuple(before.shape)}", new)
+        new = new.to(before)
+        B = state.batch_size
+        n = (state.lengths[:B] - state.prompt_lengths[:B]).to(new.device)  # (B,)
+        changed = (new != before).any(-1)  # (B, n)
+        last = torch.arange(before.shape[1], device=new.device)[None] == (n - 1)[:, None]
+        wrong = (changed & ~last).nonzero()
+        if len(wrong):
+            b, j = (int(v) for v in wrong[0])
+            raise ValueError(f"latents: callback_on_step_end may change only each image's last latent (index n - 1, "
+                             f"not yet read by the target); image {b}'s latent {j} is in the KV cache (an exact "
+                             f"edit would need a new prefill), got {len(wrong)} such change(s)")
+        rows = changed.any(1).nonzero()[:, 0]  # images whose last latent changed
+        if len(rows) == 0:
+            return
+        a, _ = self.transformer.state_kernel
+        cols = (state.prompt_lengths[:B] + n - 1)[rows]
+        delta = new[rows, n[rows] - 1] - before[rows, n[rows] - 1]  # (k, d)
+        for half in range(state.rows // B):  # both CFG halves hold the same generated tokens
+            token = state.tokens[rows + half * B, cols].float()  # (k, 2, d)
+            token[:, 0] += a * delta  # the state follows its latent (state_kernel's a x_0 + b eps, same eps)
+            token[:, 1] = new[rows, n[rows] - 1]
+            state.tokens[rows + half * B, cols] = token.to(state.tokens.dtype)
 
 
 def _latents_so_far(state) -> torch.Tensor:

@@ -379,8 +379,10 @@ class StreamingVideoPipeline(PipelineBase):
             num_inference_steps: denoising steps per chunk; None: ``stream_defaults()``. A count
                 other than the configured one takes uniform sigmas shifted by the scheduler (an
                 explicit sigma list, Self-Forcing's, holds for its own count only).
-            sink_frames, window_frames: frames kept as sink and as window (multiples of
-                ``chunk_frames``); None: the ones the model was trained with. Sink + window + one
+            sink_frames: frames kept as sink (a multiple of ``chunk_frames``); None: the trained
+                number.
+            window_frames: frames kept as window (a multiple of ``chunk_frames``); None: the ones
+                the model was trained with. Sink + window + one
                 chunk must fit in the model's ``rope_frames``; past the trained sizes the model is
                 out of its training distribution.
             cache_mode: ``"rolling"``, ``"window-recompute"``, ``"full-cache"`` or ``"no-sink"``
@@ -394,9 +396,11 @@ class StreamingVideoPipeline(PipelineBase):
                 chunk's (B, chunk_frames, C, h, w) latents after it (a returned ``"latents"`` of that shape
                 replaces them); ``pipe._interrupt = True`` ends the stream after the chunk.
             callback_on_step_end_tensor_inputs: among ``"latents"``.
-            height, width: the video's size in pixels (Wan; None: ``stream_defaults()``); the
-                bundled model has one size.
-            video_latents, strength: streaming video-to-video (diffusers' image-to-image
+            height: the video's height in pixels (Wan; None: ``stream_defaults()``); the bundled
+                model has one size.
+            width: the video's width in pixels, as ``height``.
+            video_latents: clean latents for streaming video-to-video (with ``strength``).
+            strength: streaming video-to-video (diffusers' image-to-image
                 ``strength``, applied chunk by chunk): chunk c starts from
                 ``video_latents[:, c * chunk_frames ...]`` (B, frames, C, h, w), clean latents in
                 the transformer's space, noised to the sigma of step ``first_step(strength)`` of

@@ -8,6 +8,13 @@ from mmspec.bench.synthetic import small_vocab_pair as _small_vocab_pair
 torch.set_num_threads(1)
 
 
+def pytest_collection_modifyitems(config, items):
+    """``gpu`` is the issue's name for the ``cuda`` marker: every ``cuda`` test carries both."""
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(pytest.mark.gpu)
+
+
 @pytest.fixture(scope="session")
 def small_vocab_pair():
     return _small_vocab_pair(0)

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from mmspec import cli
+from mmspec import commands
 from mmspec.bench import ar_image
 from mmspec.bench.report import format_table
 from mmspec.models.classifier import ShapesClassifier
@@ -71,9 +71,9 @@ def test_bench_rows_carry_speed_quality_and_exactness(folders):
 
 def test_generate_writes_pngs(folders, tmp_path, capsys):
     out = tmp_path / "png"
-    assert cli.main(["generate", "ar-image", "--method", "zipar+gsd", "--prompt", "a red circle", "a blue star",
-                     "--knob", "zipar_window=4", "--num-images", "2", "--out", str(out), "--quiet",
-                     "--model", str(folders / "ar-image")]) == 0
+    assert commands.main(["generate", "ar-image", "--method", "zipar+gsd", "--prompt", "a red circle", "a blue star",
+                          "--knob", "zipar_window=4", "--num-images", "2", "--out", str(out), "--quiet",
+                          "--model", str(folders / "ar-image")]) == 0
     names = sorted(p.name for p in out.iterdir())
     assert names == ["a_blue_star-zipar_gsd-0.png", "a_blue_star-zipar_gsd-1.png",
                      "a_red_circle-zipar_gsd-0.png", "a_red_circle-zipar_gsd-1.png"]
@@ -82,8 +82,8 @@ def test_generate_writes_pngs(folders, tmp_path, capsys):
 
 def test_generate_rejects_bad_knobs(folders, tmp_path):
     with pytest.raises(ValueError, match="method knobs"):
-        cli.main(["--debug", "generate", "ar-image", "--method", "sjd", "--prompt", "a red circle", "--knob", "zipar_window=4",
-                  "--out", str(tmp_path), "--quiet", "--model", str(folders / "ar-image")])
+        commands.main(["--debug", "generate", "ar-image", "--method", "sjd", "--prompt", "a red circle", "--knob", "zipar_window=4",
+                       "--out", str(tmp_path), "--quiet", "--model", str(folders / "ar-image")])
     assert list(tmp_path.iterdir()) == []
 
 
@@ -93,11 +93,11 @@ def test_bench_json_is_written(folders, tmp_path, monkeypatch):
                                         reference_images=16, exact_samples=0, bootstrap_resamples=20)
     monkeypatch.setattr(ar_image.ARImageBenchConfig, "quick", classmethod(lambda cls, **kw: small))
     path = tmp_path / "bench.json"
-    assert cli.main(["bench", "ar-image", "--quick", "--quiet", "--images", "2", "--json", str(path)]) == 0
+    assert commands.main(["bench", "ar-image", "--quick", "--quiet", "--images", "2", "--json", str(path)]) == 0
     payload = json.loads(path.read_text())
     assert payload["bench"] == "ar-image" and [r["method"] for r in payload["rows"]] == ["none", "gsd"]
     assert payload["setup"]["images"] == 2  # --images overrides the config's count
     assert {"fd_ci_low", "fd_ci_high", "class_acc_ci_low", "class_acc_ci_high", "kid", "kid_ci_low", "kid_ci_high",
             "mmd_vs_none", "p_vs_none"} <= payload["rows"][1].keys()
     with pytest.raises(SystemExit):  # --images is the AR image bench's alone
-        cli.main(["bench", "vlm", "--images", "2", "--quiet"])
+        commands.main(["bench", "vlm", "--images", "2", "--quiet"])

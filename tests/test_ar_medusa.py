@@ -19,7 +19,7 @@ import json
 import pytest
 import torch
 
-from mmspec import cli
+from mmspec import commands
 from mmspec.core import LogitsPipeline, ParallelHeadsDrafter, SpeculativeDecoder
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index
 from mmspec.models import load_checkpoint
@@ -160,6 +160,7 @@ def vocab8():
     return model, heads, exact_joint(model, [LABEL], N_TOKENS, GUIDED, [model.null_class])
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("broken", [False, True], ids=["exact", "no-residual"])
 def test_sampled_cfg_exact(vocab8, broken):
     """Seed 0, 20,000 guided rows (temperature 1, guidance 2), the first 3 image tokens against
@@ -197,9 +198,9 @@ def test_medusa_recipe_saves_heads_for_the_target(tmp_path, trained_dirs):
 def test_cli_heads_only_for_medusa(tmp_path, trained_dirs, capsys):
     vq_dir, ar_dir = trained_dirs
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["train", "ar-draft", "--kind", "eagle", "--heads", "3", "--target", str(ar_dir), "--vq",
-                  str(vq_dir), "--out", str(tmp_path / "e")])
+        commands.main(["train", "ar-draft", "--kind", "eagle", "--heads", "3", "--target", str(ar_dir), "--vq",
+                       str(vq_dir), "--out", str(tmp_path / "e")])
     assert exit_.value.code == 2 and "--heads is for --kind medusa only, got --kind eagle" in capsys.readouterr().err
-    args = cli.build_parser().parse_args(["train", "ar-draft", "--kind", "medusa", "--heads", "3", "--target",
-                                          str(ar_dir), "--vq", str(vq_dir), "--out", "x"])
+    args = commands.build_parser().parse_args(["train", "ar-draft", "--kind", "medusa", "--heads", "3", "--target",
+                                               str(ar_dir), "--vq", str(vq_dir), "--out", "x"])
     assert (args.kind, args.heads) == ("medusa", 3)

@@ -55,6 +55,7 @@ def test_zipar_with_full_window_is_raster_order(guided):
     assert out.stats.target_forwards == ref.stats.target_forwards == 16  # H * W
 
 
+@pytest.mark.statistical
 def test_zipar_with_full_window_samples_like_raster():
     """Sampled, B=1: only emitting rows draw randomness, so the streams coincide."""
     model = tiny()
@@ -250,6 +251,7 @@ def image_pvalue(kind, rule=None, seed=0):
     return chisquare_pvalue(sequence_index(out.sequences, model.vocab_size), probs), out.stats
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind", ["sd", "eagle", "sjd"])
 def test_lossless_methods_sample_the_guided_image_model(kind):
     pval, stats = image_pvalue(kind)

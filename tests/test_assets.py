@@ -3,12 +3,15 @@
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 
 from mmspec.models import load_checkpoint
 from mmspec.models.classifier import ShapesClassifier
 from mmspec.pipelines import SpeculativeARImagePipeline
+
+pytestmark = pytest.mark.slow
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
 AR = ASSETS / "ar-image"

@@ -25,7 +25,7 @@ import pytest
 import torch
 from diffusers import DiffusionPipeline
 
-from mmspec import cli, methods
+from mmspec import commands, methods
 from mmspec.pipelines import SpeculativeARImagePipeline, SpeculativeVLMPipeline
 from mmspec.training import recipes
 
@@ -333,7 +333,7 @@ CLI_CASES = [
 @pytest.mark.parametrize("argv, prog, message", [c[1:] for c in CLI_CASES], ids=[c[0] for c in CLI_CASES])
 def test_cli_refuses_before_loading(workdir, no_loading, capsys, argv, prog, message):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(argv)
+        commands.main(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     lines = err.splitlines()
@@ -364,7 +364,7 @@ def test_cli_runtime_errors_are_one_line(workdir, monkeypatch, capsys, argv, pro
     for module in (recipes.ar_image, recipes.ar_draft, recipes.vq):
         forbid(monkeypatch, module, ["load_checkpoint", "stack", "token_data"])
     with pytest.raises(SystemExit) as exit_:
-        cli.main(argv)
+        commands.main(argv)
     assert exit_.value.code == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err
@@ -572,9 +572,9 @@ def test_the_table_holds_at_least_40_cases():
 def test_the_cli_guards_are_reached_by_valid_input(workdir, no_loading):
     """The stand-ins do fail a call that gets past validation: valid arguments reach them."""
     with pytest.raises(pytest.fail.Exception, match="a pipeline loaded"):
-        cli.main(AR_ARGS + ["--quiet"])
+        commands.main(AR_ARGS + ["--quiet"])
     with pytest.raises(AssertionError, match="was reached"):
-        cli.main(["train", "vq", "--out", "ckpt", "--threads", "1"])
+        commands.main(["train", "vq", "--out", "ckpt", "--threads", "1"])
 
 
 def test_the_recipe_guards_are_reached_by_valid_input(workdir, monkeypatch):

@@ -24,6 +24,8 @@ import pytest
 
 from mmspec import batch
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 PY = sys.executable
 ACCELERATE = str(Path(PY).with_name("accelerate"))
@@ -321,19 +323,19 @@ def test_batches_only_where_outputs_cannot_change():
 # ---------------------------------------------------------------- per-row pass maps in a batched call
 
 def test_commit_passes_of_batched_rows_from_the_tokens_input():
-    """``serve._passes_from_tokens``: each row's pass per token, read from the right-padded
+    """``serve.passes.passes_from_tokens``: each row's pass per token, read from the right-padded
     ``"tokens"`` snapshots; a row that ran past its final tokens (drafts accepted beyond its EOS)
     counts all of them; a row whose length the 0 padding leaves open gets None, not a guess."""
     import torch
 
-    from mmspec import serve
+    from mmspec.serve.passes import passes_from_tokens
 
     finals = [[5, 6, 7, 8, 9], [3, 2], [4, 0, 6]]
     snaps = [torch.tensor([[5, 6, 7], [3, 2, 1], [4, 0, 0]]),  # row 1 ran past its EOS (2)
              torch.tensor([[5, 6, 7, 8, 9], [3, 2, 1, 0, 0], [4, 0, 0, 0, 0]])]
-    passes = serve._passes_from_tokens(snaps, finals)
+    passes = passes_from_tokens(snaps, finals)
     assert passes[0].tolist() == [0, 1, 1, 2, 2] and passes[1].tolist() == [0, 1]
     assert passes[2] is None  # after pass 1 row 2 holds [4] or [4, 0]: the padding cannot tell
     # one row alone: its width is its length, zeros included
-    alone = serve._passes_from_tokens([torch.tensor([[4, 0]]), torch.tensor([[4, 0, 6]])], [finals[2]])
+    alone = passes_from_tokens([torch.tensor([[4, 0]]), torch.tensor([[4, 0, 6]])], [finals[2]])
     assert alone[0].tolist() == [0, 1, 2]

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from mmspec import cli
+from mmspec import commands
 from mmspec.bench import compile as compiled
 from mmspec.models.llamagen import LlamaGenModel
 from mmspec.models.vq import TinyVQModel
@@ -28,7 +28,7 @@ def test_rows_and_json(tiny_dir, monkeypatch, capsys):
     small = dict(pipeline_dir=str(tiny_dir / "ar"), rows=(("none", "none", {}),), ways=("forward",), images=1)
     monkeypatch.setattr(compiled.CompileBenchConfig, "quick", classmethod(lambda cls, **kw: cls(**{**small, **kw})))
     path = tiny_dir / "compile.json"
-    assert cli.main(["bench", "compile", "--quick", "--quiet", "--json", str(path)]) == 0
+    assert commands.main(["bench", "compile", "--quick", "--quiet", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
     assert data["bench"] == "compile" and "machine" in data["setup"]
     (row,) = data["rows"]

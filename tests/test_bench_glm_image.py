@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from mmspec import cli
+from mmspec import commands
 from mmspec.bench import glm_image
 
 
@@ -18,7 +18,7 @@ def quick_run(tmp_path_factory):
 
     out = io.StringIO()
     with redirect_stdout(out):
-        assert cli.main(["bench", "glm-image", "--quick", "--quiet", "--json", str(path)]) == 0
+        assert commands.main(["bench", "glm-image", "--quick", "--quiet", "--json", str(path)]) == 0
     return json.loads(path.read_text()), out.getvalue()
 
 
@@ -51,7 +51,7 @@ def test_quick_bench_rows_and_json(quick_run):
 ])
 def test_bad_cli_args_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(argv)
+        commands.main(argv)
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from mmspec import cli
+from mmspec import commands
 from mmspec.bench import machine
 
 BUSY = "import time; t = time.time() + 60\nwhile time.time() < t: pass\n"
@@ -71,10 +71,11 @@ def test_quiet_is_decided_by_the_busiest_sample():
 
 def test_bench_json_and_footer_carry_the_record(tmp_path, capsys, monkeypatch):
     """``mmspec bench`` wraps any bench in the monitor: a stand-in bench keeps this test fast."""
-    monkeypatch.setattr(cli, "_run_bench", lambda args: ({"bench": "x", "setup": {"a": 1}, "rows": [{"method": "none"}]},
-                                                          [("method", "method")]))
+    monkeypatch.setattr(commands.bench, "run_bench",
+                        lambda args: ({"bench": "x", "setup": {"a": 1}, "rows": [{"method": "none"}]},
+                                      [("method", "method")]))
     path = tmp_path / "b.json"
-    assert cli.main(["bench", "core", "--json", str(path)]) == 0
+    assert commands.main(["bench", "core", "--json", str(path)]) == 0
     setup = json.loads(path.read_text())["setup"]
     assert setup["a"] == 1 and setup["machine"]["available"] and isinstance(setup["machine"]["quiet"], bool)
     out = capsys.readouterr().out

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from mmspec import cli
+from mmspec import commands
 from mmspec.bench import core, report
 
 REQUIRED = {"method", "nfe", "nfe_speedup", "wall_speedup", "tau", "exact"}
@@ -50,7 +50,7 @@ def test_json_not_half_written_on_failure(tmp_path):
 
 def test_unknown_bench_is_rejected(capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["bench", "audio"])
+        commands.main(["bench", "audio"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == ("mmspec bench: error: argument name: invalid choice: 'audio' "
                                        "(choose from 'core', 'ar-image', 'vlm', 'video', 'kernels', 'continuous', 'cost', 'compile', 'glm-image')\n")
@@ -64,25 +64,25 @@ BAD_METHOD = ["generate", "ar-image", "--prompt", "a red circle", "--out", "pngs
 def test_debug_reraises_with_the_traceback(argv, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=r"method must be one of the ar-image methods \('none', 'sd'"):
-        cli.main(argv)
+        commands.main(argv)
     assert capsys.readouterr().err == "" and list(tmp_path.iterdir()) == []
 
 
 def test_without_debug_the_same_error_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as exit_:
-        cli.main(BAD_METHOD)
+        commands.main(BAD_METHOD)
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1
     assert err.startswith("mmspec generate ar-image: error: method must be one of the ar-image methods ('none', 'sd'")
 
 
 def test_debug_reraises_usage_errors():
-    with pytest.raises(cli.UsageError, match="invalid choice: 'audio'"):
-        cli.main(["--debug", "bench", "audio"])
+    with pytest.raises(commands.UsageError, match="invalid choice: 'audio'"):
+        commands.main(["--debug", "bench", "audio"])
 
 
 def test_help_lists_debug_and_exits_zero(capsys):
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["generate", "vlm", "--help"])
+        commands.main(["generate", "vlm", "--help"])
     assert exit_.value.code == 0 and "--debug" in capsys.readouterr().out

@@ -89,13 +89,13 @@ def test_showcase_part_writes_a_grid_and_a_table(folders, tmp_path, capsys):
 
     import PIL.Image
 
-    from mmspec import cli
+    from mmspec import commands
 
     model_dir = tmp_path / "continuous"
     shutil.copytree(folders / "pipe", model_dir)
     shutil.copytree(folders / "booster", model_dir / "draft_distilled")
-    cli._showcase_continuous(tmp_path, model_dir, images=2, classifier_dir=str(CLASSIFIER), reference_images=32,
-                             exact_samples=300, exact_tokens=2, exact_class=1)
+    commands.showcase.continuous_part(tmp_path, model_dir, images=2, classifier_dir=str(CLASSIFIER),
+                                      reference_images=32, exact_samples=300, exact_tokens=2, exact_class=1)
     out = capsys.readouterr().out
     for label in continuous.SHOWCASE_ROWS:
         assert f"| {label} " in out

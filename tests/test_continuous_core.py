@@ -164,6 +164,7 @@ P_ARGS = ([0.6, 0.4], [-1.0, 1.5], [0.5, 0.8])  # p: two components
 Q_ARGS = ([1.0], [0.0], [1.0])  # q: a standard normal
 
 
+@pytest.mark.statistical
 def test_residual_sampler_matches_the_residual_density():
     """Seed 0, N = 200,000 rejections: the draws' KS p-value against the numerically integrated
     residual CDF is >= 1e-3, tries per rejection lie in the 99% interval of 1 / (1 - beta)
@@ -346,6 +347,7 @@ def pit(pair, pipeline, rule=None, warmup=0.0, seed=0):
 
 @pytest.mark.parametrize("pipeline, warmup", [(PLAIN, 0.0), (GUIDED, 0.0), (PLAIN, 0.34)],
                          ids=["plain", "cfg-linear-T0.9", "warmup"])
+@pytest.mark.statistical
 def test_mixture_sd_passes_the_rosenblatt_test(pair, pipeline, warmup):
     """Seed 0, N = 20,000 rows (classes i % 3), first 3 tokens (6 coordinates): KS per coordinate
     (Bonferroni) and a chi-square on the 3**6-cell grid of the joint, both >= 1e-3 (``pit_pvalue``);
@@ -356,6 +358,7 @@ def test_mixture_sd_passes_the_rosenblatt_test(pair, pipeline, warmup):
     assert stats.heads["target"].residual_rows > 0 and stats.heads["target"].residual_fallbacks == 0
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("rule", [NoResidual, KeepTesting])
 def test_broken_rules_fail_the_rosenblatt_test(pair, rule):
     """The same seed and N: "no residual" and "keep testing after the first rejection" fail."""

@@ -55,6 +55,7 @@ def test_guided_mixture_is_the_normalised_product():
     assert float(mu) == mu_c and float(sig) == 2.0
 
 
+@pytest.mark.statistical
 def test_mixture_samples_pass_their_own_rosenblatt_transform_and_temperature_scales_sigma():
     """Seed 0, N = 20,000 draws of a d = 3, M = 4 mixture head's guided, tempered distribution:
     ``rosenblatt`` of its own samples passes ``pit_pvalue`` (>= 1e-3); T multiplies every std."""
@@ -163,6 +164,7 @@ def two_sample(pair, reference, pipeline, rule=None):
     return two_sample_pvalue(reference[pipeline], latents(out)), out.stats
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("pipeline", [DIFFUSION, DIFFUSION_CFG], ids=["plain", "cfg-linear"])
 def test_path_rule_matches_target_only_sampling(pair, reference, pipeline):
     """The path rule passes the two-sample test; drafts were accepted (alpha > 0.2) and rejected,
@@ -175,6 +177,7 @@ def test_path_rule_matches_target_only_sampling(pair, reference, pipeline):
 
 @pytest.mark.parametrize("rule", [DraftLastStep(), NoResidual(), CSpDAcceptance(42.0)],
                          ids=["draft-last-step", "no-residual", "cspd-42"])
+@pytest.mark.statistical
 def test_broken_and_lossy_rules_fail_the_two_sample_test(pair, reference, rule):
     p, _ = two_sample(pair, reference, DIFFUSION, rule)
     assert p < P_THRESHOLD, p

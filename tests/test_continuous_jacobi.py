@@ -54,6 +54,7 @@ def jacobi(target, coupling="noise", window=WINDOW):
 @pytest.mark.parametrize("coupling, pipeline", [("maximal", PLAIN), ("maximal", GUIDED), ("independent", PLAIN),
                                                 ("noise", PLAIN), ("noise", GUIDED)],
                          ids=["mcsjd", "mcsjd-cfg-linear-T0.9", "sjd", "noise", "noise-cfg-linear-T0.9"])
+@pytest.mark.statistical
 def test_jacobi_on_densities_passes_the_rosenblatt_test(target, coupling, pipeline):
     """Every coupling keeps the target's law (guided and tempered too); drafts are accepted and
     rejected, fewer target passes than tokens, no residual falls back; only the maximal coupling
@@ -107,6 +108,7 @@ class SlotTiedNoise(JacobiDensityDrafter):
         self.draws = Draw(x.token.unflatten(0, (B, n)), log_prob=x.log_prob.unflatten(0, (B, n)))
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("broken", ["stale-draft", "accept-all", "slot-tied-noise"])
 def test_broken_jacobi_fails_the_rosenblatt_test(target, broken):
     """The same seed and N: a stale draft scored under the new q, accepting every draft, and noise

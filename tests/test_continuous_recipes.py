@@ -14,6 +14,8 @@ from mmspec.models.continuous_tokenizer import PatchPCATokenizer
 from mmspec.training.recipes import train_continuous_ar, train_continuous_draft, train_continuous_tokenizer
 from mmspec.training.recipes.continuous import distill_loss, encode_dataset
 
+pytestmark = pytest.mark.slow
+
 TINY = dict(dim=16, n_layers=1, n_heads=2, mlp_hidden=32, mixture_components=2, mixture_hidden=16,
             diffusion_width=16, diffusion_blocks=1)
 RUN = dict(steps=2, batch_size=4, lr=1e-3, dataset_size=8, heldout_size=4, log_every=1, warmup=1)

@@ -18,6 +18,8 @@ import numpy as np
 import PIL.Image
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 AR_CLIENTS, VLM_CLIENTS = 8, 4
 RSS_GROWTH_LIMIT = 200 * 2**20  # bytes over a warmed-up server (59 MB measured); the models are ~20 MB

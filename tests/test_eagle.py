@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from mmspec import cli
+from mmspec import commands
 from mmspec.core import EagleTreeDrafter, LogitsPipeline, SpeculativeDecoder, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index, total_variation
 from mmspec.models import load_checkpoint
@@ -174,6 +174,7 @@ def sample_pvalue(vocab8, tree, rule=None, seed=0):
     return chisquare_pvalue(samples, probs), total_variation(samples, probs), out.stats
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("tree", list(TREES))
 def test_sampled_cfg_exact(vocab8, tree):
     """Seed 0, N = 20,000 samples of the first 3 image tokens (one batch of 20,000 guided rows,
@@ -184,6 +185,7 @@ def test_sampled_cfg_exact(vocab8, tree):
     assert pval >= P_THRESHOLD, f"eagle {tree}: chi-square p={pval:.2e}, TV={tv:.4f}"
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("tree", list(TREES))
 def test_broken_rule_caught(vocab8, tree):
     """The same test (seed 0, 20,000 samples, threshold 1e-3) rejects a rule without the residual."""
@@ -250,19 +252,19 @@ def test_ar_draft_bad_arguments(tmp_path, trained_dirs):
 
 def test_cli_ar_draft(tmp_path, trained_dirs, capsys):
     vq_dir, ar_dir = trained_dirs
-    args = cli.build_parser().parse_args(["train", "ar-draft", "--kind", "eagle", "--target", str(ar_dir),
-                                          "--vq", str(vq_dir), "--out", "x"])
+    args = commands.build_parser().parse_args(["train", "ar-draft", "--kind", "eagle", "--target", str(ar_dir),
+                                               "--vq", str(vq_dir), "--out", "x"])
     assert (args.recipe, args.kind, args.target, args.steps) == \
-        ("ar-draft", "eagle", str(ar_dir), cli.TRAIN_DEFAULTS["ar-draft"]["steps"])
+        ("ar-draft", "eagle", str(ar_dir), commands.train.TRAIN_DEFAULTS["ar-draft"]["steps"])
     with pytest.raises(SystemExit) as exit_:
-        cli.main(["train", "ar-draft", "--kind", "eagle", "--vq", str(vq_dir), "--out", str(tmp_path / "e"),
-                  "--threads", str(torch.get_num_threads())])
+        commands.main(["train", "ar-draft", "--kind", "eagle", "--vq", str(vq_dir), "--out", str(tmp_path / "e"),
+                       "--threads", str(torch.get_num_threads())])
     assert exit_.value.code == 2 and "--kind eagle needs --target" in capsys.readouterr().err
     threads = torch.get_num_threads()
     try:
-        assert cli.main(["train", "ar-draft", "--kind", "eagle", "--target", str(ar_dir), "--vq", str(vq_dir),
-                         "--out", str(tmp_path / "e"), "--steps", "1", "--batch-size", "2", "--dataset-size", "2",
-                         "--threads", "1"]) == 0
+        assert commands.main(["train", "ar-draft", "--kind", "eagle", "--target", str(ar_dir), "--vq", str(vq_dir),
+                              "--out", str(tmp_path / "e"), "--steps", "1", "--batch-size", "2", "--dataset-size", "2",
+                              "--threads", "1"]) == 0
     finally:
         torch.set_num_threads(threads)
     assert "held-out top-1 agreement" in capsys.readouterr().out

@@ -14,6 +14,8 @@ from mmspec.core import (JacobiDrafter, LogitsPipeline, ModelChainDrafter, Model
 from mmspec.core.exactness import (P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index,
                                    total_variation)
 
+pytestmark = pytest.mark.statistical
+
 N_SAMPLES = 20_000
 N_TOKENS = 3
 PROMPT = [3, 1, 4]

@@ -237,6 +237,7 @@ def sampled_pvalue(model, inputs, drafter, rule=None):
     return chisquare_pvalue(idx, probs), total_variation(idx, probs), out.stats
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("coupling", ["independent", "maximal"])
 def test_sampled_jacobi_prior_is_exact(flat_prior, coupling):
     inputs = prompt_inputs(flat_prior)
@@ -245,11 +246,13 @@ def test_sampled_jacobi_prior_is_exact(flat_prior, coupling):
     assert stats.tau > 1.05  # drafts were accepted: the test saw speculation, not the baseline
 
 
+@pytest.mark.statistical
 def test_baseline_prior_is_exact(flat_prior):
     pval, tv, _ = sampled_pvalue(flat_prior, prompt_inputs(flat_prior), None)
     assert pval >= P_THRESHOLD, (pval, tv)
 
 
+@pytest.mark.statistical
 def test_broken_rule_is_caught(flat_prior):
     pval, tv, _ = sampled_pvalue(flat_prior, prompt_inputs(flat_prior), JacobiDrafter(V, window=3, init="repeat"),
                                  rule=SharpenedRule())

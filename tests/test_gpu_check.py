@@ -14,6 +14,8 @@ import torch
 
 from mmspec.bench import gpu_check as gc
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -186,13 +188,13 @@ def test_pipeline_check_reports_a_wrong_method(monkeypatch):
 
 
 def test_bad_arguments():
-    from mmspec import cli
+    from mmspec import commands
 
     with pytest.raises(SystemExit) as e:
-        cli.main(["gpu-check", "--budget", "0", "--dry-run"])
+        commands.main(["gpu-check", "--budget", "0", "--dry-run"])
     assert e.value.code == 1
     with pytest.raises(SystemExit) as e:
-        cli.main(["gpu-check", "--steps", "everything"])
+        commands.main(["gpu-check", "--steps", "everything"])
     assert e.value.code == 2
 
 

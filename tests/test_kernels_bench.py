@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 
-from mmspec import cli
+from mmspec import commands
 from mmspec.bench import kernels as bench
 from mmspec.kernels import dispatch
 
@@ -50,7 +50,7 @@ def test_cli_writes_measured_and_projected_rows(tmp_path, monkeypatch, capsys):
     full = bench.measured_cases
     monkeypatch.setattr(bench, "measured_cases", lambda seed: [full(seed)[0], full(seed)[4]])
     out = tmp_path / "kernels.json"
-    assert cli.main(["bench", "kernels", "--json", str(out), "--quick", "--quiet"]) == 0
+    assert commands.main(["bench", "kernels", "--json", str(out), "--quick", "--quiet"]) == 0
     result = json.loads(out.read_text())
     assert result["bench"] == "kernels"
     rows = result["rows"]

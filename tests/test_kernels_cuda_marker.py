@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 TESTS = Path(__file__).resolve().parent
 KERNEL_TEST_FILES = ["tests/test_kernels.py", "tests/test_kernels_accept.py", "tests/test_kernels_attention.py",
                      "tests/test_kernels_bench.py"]

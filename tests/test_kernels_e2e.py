@@ -25,6 +25,8 @@ import torch
 
 from mmspec.kernels import dispatch
 
+pytestmark = pytest.mark.slow
+
 TESTS = Path(__file__).resolve().parent
 
 # Builds the models from seeds and decodes; run here (torch path) and in the child (kernels forced).

@@ -1,64 +1,98 @@
-"""The decoder's per-pass overhead outside the target's forward, at a real vocabulary size.
+"""The decoder's lean loop: what it does per pass outside the target's forward, counted, not timed.
 
-Issue 14: a greedy target-only decode of a tiny Llama with Qwen2-VL's 152,064-token vocabulary.
-The target is wrapped so the time spent inside its forward is summed; the rest of ``generate``'s
-wall time, per pass, is the loop's overhead (logits pipeline, accept, cache bookkeeping, emit).
-Measured on one thread after a warm-up call, best of 3 runs of 48 tokens each (the minimum damps
-noise from other processes); the overhead must stay under 10% of the forward's time."""
+Issue 14 asked that a greedy target-only pass at Qwen2-VL's 152,064-token vocabulary spend under
+10% of the forward's time outside it; that wall-clock ratio is a bench
+(``scripts/lean_loop_overhead.py``), since no margin holds on a loaded 2-core machine. What keeps
+it low is tested here: outside the forward, each greedy pass touches the vocabulary-wide logits
+with four operations only (the float cast, one argmax, the one-hot's zeros and scatter), because
+the greedy rule reads the argmax that ``greedy_one_hot`` carries instead of scanning again."""
 
-import time
+import importlib.util
+import math
+from collections import Counter
+from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mmspec.adapters.hf import HFCausalLMTarget
 from mmspec.core import LogitsPipeline, SpeculativeDecoder
+from mmspec.core import acceptance
 
-QWEN_VOCAB = 152_064
-TOKENS = 48
+VOCAB = 5003  # odd, so no other dimension of the tiny model equals it
+PER_PASS = 4
 
 
-class Timed:
-    """A target whose forward time is summed into ``inside``."""
+class VocabOps(TorchDispatchMode):
+    """Counts the operations that read or write a tensor whose last dimension is the vocabulary,
+    except while ``paused`` (inside the target's forward)."""
 
-    def __init__(self, target):
-        self.target, self.inside = target, 0.0
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.ops, self.paused = vocab, Counter(), False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        if not self.paused and any(t.dim() and t.shape[-1] == self.vocab for t in tensors):
+            self.ops[str(func.overloadpacket)] += 1
+        return out
+
+
+class Uncounted:
+    """The target, its forward left out of the count."""
+
+    def __init__(self, target, mode: VocabOps):
+        self.target, self.mode = target, mode
 
     def __getattr__(self, name):
         return getattr(self.target, name)
 
     def __call__(self, *args, **kwargs):
-        start = time.perf_counter()
-        out = self.target(*args, **kwargs)
-        self.inside += time.perf_counter() - start
-        return out
+        self.mode.paused = True
+        try:
+            return self.target(*args, **kwargs)
+        finally:
+            self.mode.paused = False
 
 
-def overhead_fraction(vocab: int = QWEN_VOCAB, hidden: int = 256, runs: int = 3) -> tuple[float, float]:
-    """(overhead / forward, forward ms per pass), the run with the smallest overhead fraction."""
+def vocab_ops_per_pass(tokens: int = 16) -> tuple[float, Counter]:
+    """(vocabulary-wide ops per decode pass outside the forward, the ops by name)."""
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
-                         attn_implementation="sdpa")
-    target = Timed(HFCausalLMTarget(LlamaForCausalLM(config).eval()))
-    decoder = SpeculativeDecoder(target, logits=LogitsPipeline(temperature=0))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        decoder.generate([[1, 2, 3]], 8)  # warm-up
-        best = None
-        for _ in range(runs):
-            target.inside = 0.0
-            out = decoder.generate([[1, 2, 3, 4]], TOKENS)
-            passes = out.stats.target_forwards
-            frac = (out.stats.wall_seconds - target.inside) / target.inside
-            if best is None or frac < best[0]:
-                best = (frac, 1000 * target.inside / passes)
-    finally:
-        torch.set_num_threads(threads)
-    return best
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
+    mode = VocabOps(VOCAB)
+    decoder = SpeculativeDecoder(Uncounted(HFCausalLMTarget(LlamaForCausalLM(config).eval()), mode),
+                                 logits=LogitsPipeline(temperature=0))
+    short = decoder.generate([[1, 2, 3, 4]], 2)  # the prefill and one pass, subtracted below
+    with mode:
+        decoder.generate([[1, 2, 3, 4]], 2)
+    head = sum(mode.ops.values())
+    mode.ops.clear()
+    with mode:
+        out = decoder.generate([[1, 2, 3, 4]], tokens)
+    passes = out.stats.target_forwards - short.stats.target_forwards
+    return (sum(mode.ops.values()) - head) / passes, mode.ops
 
 
-def test_greedy_overhead_outside_the_forward_is_under_10_percent_at_a_152k_vocabulary():
-    frac, forward_ms = overhead_fraction()
-    assert frac < 0.10, f"overhead {100 * frac:.1f}% of a {forward_ms:.2f} ms forward"
+def test_a_greedy_pass_touches_the_vocabulary_four_times_outside_the_forward():
+    per_pass, ops = vocab_ops_per_pass()
+    assert per_pass <= PER_PASS, dict(ops)
+    assert ops["aten.argmax"] == 16  # one per generated token (the prefill's included): the rule reuses it
+
+
+def test_the_count_bites_when_the_rule_scans_the_vocabulary_again(monkeypatch):
+    monkeypatch.setattr(acceptance, "argmax_ids", lambda p: p.argmax(-1))
+    per_pass, ops = vocab_ops_per_pass()
+    assert per_pass > PER_PASS, dict(ops)
+
+
+def test_the_overhead_bench_runs():
+    path = Path(__file__).resolve().parents[1] / "scripts" / "lean_loop_overhead.py"
+    spec = importlib.util.spec_from_file_location("lean_loop_overhead", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    frac, forward_ms = bench.overhead_fraction(vocab=512, hidden=32, runs=1, tokens=4)
+    assert math.isfinite(frac) and forward_ms > 0

@@ -193,6 +193,7 @@ def sample_pvalue(target, drafter, rule=None, seed=0):
     return chisquare_pvalue(samples, probs), total_variation(samples, probs), out.stats
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind", ["chain", "jacobi"])
 def test_sampled_cfg_exact(vocab8_pair, kind):
     """Seed 0, N = 20,000 samples of the first 3 image tokens (one batch of 20,000 guided rows),
@@ -204,6 +205,7 @@ def test_sampled_cfg_exact(vocab8_pair, kind):
     assert pval >= P_THRESHOLD, f"{kind}: chi-square p={pval:.2e}, TV={tv:.4f}"
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("kind", ["chain", "jacobi"])
 def test_broken_rule_caught(vocab8_pair, kind):
     """The same test (seed 0, 20,000 samples, threshold 1e-3) rejects a rule without the residual."""

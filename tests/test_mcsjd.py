@@ -63,6 +63,7 @@ def always_keep(x, p_old, p_new, g):
     return x, torch.ones_like(x, dtype=torch.bool)
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_coupled_draw_follows_p_new_and_keeps_at_the_maximal_rate(seed):
     p_old, p_new = distributions(seed)
@@ -87,6 +88,7 @@ def test_fresh_and_missing_previous_drafts():
     assert not bool(kept.any()) and chisquare_pvalue(y, p_new) >= P_THRESHOLD
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("broken", [residual_omitted, always_keep])
 def test_broken_couplings_are_caught(broken):
     p_old, p_new = distributions(1)
@@ -118,6 +120,7 @@ def toy_pvalue(target, drafter, pipeline, guided=False):
     return chisquare_pvalue(samples, probs), total_variation(samples, probs), out.stats
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("init", ["random", "repeat"])
 @pytest.mark.parametrize("pipeline,guided", [(PLAIN, False), (GUIDED, True)], ids=["plain", "cfg-topk-temp"])
 def test_mcsjd_samples_the_toy_target_exactly(small_vocab_pair, pipeline, guided, init):
@@ -127,6 +130,7 @@ def test_mcsjd_samples_the_toy_target_exactly(small_vocab_pair, pipeline, guided
     assert pval >= P_THRESHOLD, f"chi-square p={pval:.2e}, TV={tv:.4f}"
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("broken", [AlwaysKeep, ResidualOmitted])
 def test_broken_redrafts_are_caught_on_the_toy_target(small_vocab_pair, broken):
     """With ``repeat`` initialisation the previous draft is fixed by the context. (With uniform
@@ -155,6 +159,7 @@ def image_pvalue(drafter, label=1):
     return chisquare_pvalue(sequence_index(out.sequences, model.vocab_size), probs), out.stats
 
 
+@pytest.mark.statistical
 def test_mcsjd_samples_the_guided_image_model_exactly():
     pval, stats = image_pvalue(JacobiDrafter(8, window=3, coupling="maximal"))
     assert stats.tau > 1.1
@@ -262,6 +267,7 @@ def test_coupling_is_checked():
         JacobiDrafter(8, coupling="gumbel")
 
 
+@pytest.mark.statistical
 def test_late_tokens_follow_the_baseline_sampler():
     """Long runs of coupled redrafts (16-token images, window 6, V = 4): the joint of tokens 10-11
     and of 15-16 under MC-SJD matches plain AR sampling, by a two-sample chi-square (2 x 16 table,

@@ -83,6 +83,7 @@ def test_overfit_heads_draft_what_they_learned(target, reference):
         assert out.stats.tau > 2.5, (rows, out.stats.tau)
 
 
+@pytest.mark.statistical
 def test_sampled_decoding_follows_the_target():
     """The first 3 tokens of 4,000 sampled rows (seed 0, temperature 1, one prompt) against the
     target's exact joint law over the 8^3 cells of an 8-token target with features, chi-square

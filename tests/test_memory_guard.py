@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "vlm"
 HEADROOM = 3 << 30  # bytes of address space above what the child holds after its imports
 MAX_GROWTH_MB = 200

@@ -46,6 +46,7 @@ def test_greedy_bit_identical_and_drafts_accepted(target, rows):
     assert out.stats.target_forwards < 30
 
 
+@pytest.mark.statistical
 def test_sampled_lookup_is_exact_and_a_broken_rule_is_not():
     target = tiny_lm(0, vocab_size=8, dim=16, n_layers=2, init_std=0.5)
     prompt, n = [3, 1, 4, 1, 3, 1], 20_000

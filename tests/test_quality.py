@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from mmspec import cli
+from mmspec import commands
 from mmspec.bench.quality import (FrechetToReference, KIDToReference, ReferenceStats, bootstrap_indices,
                                   centred_interval, class_accuracy, extract_features, fd_replicates, frechet_distance,
                                   image_quality, kernel_inception_distance, kid_interval, mmd_permutation_test,
@@ -186,9 +186,10 @@ def test_recipe_bad_arguments_name_the_argument(tmp_path, kw, message):
 
 
 def test_cli_train_classifier(tmp_path, vq_dir):
-    parser = cli.build_parser()
+    parser = commands.build_parser()
     args = parser.parse_args(["train", "classifier", "--out", "x"])
-    assert (args.recipe, args.vq, args.steps) == ("classifier", None, cli.TRAIN_DEFAULTS["classifier"]["steps"])
+    defaults = commands.train.TRAIN_DEFAULTS["classifier"]
+    assert (args.recipe, args.vq, args.steps) == ("classifier", None, defaults["steps"])
     args = parser.parse_args(["train", "classifier", "--out", "x", "--vq", str(vq_dir)])
     assert args.vq == str(vq_dir)
 
@@ -214,6 +215,7 @@ def test_mean_interval_covers_a_known_mean():
     assert 0.90 <= np.mean(hits) <= 0.99
 
 
+@pytest.mark.statistical
 def test_fd_interval_covers_the_expected_fd_at_that_size():
     """FD of n = 128 Gaussian features (F = 8) to a fixed reference: the truth is the mean FD of
     2,000 fresh sets of 128 (seeds 10,000..); over 200 sets (seeds 0..199, 500 resamples, seed 0)
@@ -305,6 +307,7 @@ def test_kid_replicates_drop_the_pairs_of_a_repeated_image():
         assert reps[r] == pytest.approx(expected, rel=1e-9) or (np.isnan(expected) and np.isnan(reps[r]))
 
 
+@pytest.mark.statistical
 def test_permutation_test_is_calibrated_and_flags_a_lossy_rule():
     """200 exact pairs (seeds 0..599, n = 32 images, the bench's F = 128, 200 permutations with
     seed s): p >= 0.05 in 90%..99% of pairs (measured 0.95), also when a shared seed couples
@@ -324,6 +327,7 @@ def test_permutation_test_is_calibrated_and_flags_a_lossy_rule():
     assert np.mean(shifted) >= 0.85 and np.mean(narrowed) >= 0.95
 
 
+@pytest.mark.statistical
 def test_fd_ratio_interval_is_not_calibrated_at_small_n():
     """Why the permutation test replaced the FD ratio as the comparison: 200 exact pairs of n = 32
     (F = 32 to keep FD fast; the generator 1 pre-ReLU sd off the real data, as the bundled ones
@@ -343,6 +347,7 @@ def test_fd_ratio_interval_is_not_calibrated_at_small_n():
     assert np.mean(old) < 0.88 and 0.90 <= np.mean(new) <= 0.99
 
 
+@pytest.mark.statistical
 def test_kid_interval_covers_the_population_kid():
     """KID of n = 32 generated images (F = 32) against 256 real ones 1 pre-ReLU sd away: the truth
     is the mean KID of 100 fresh pairs of sets (seeds 10,000..); over 200 runs (200 resamples of

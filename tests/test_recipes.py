@@ -7,12 +7,14 @@ import json
 import pytest
 import torch
 
-from mmspec import cli
+from mmspec import commands
 from mmspec.models import load_checkpoint
 from mmspec.models.llamagen import LlamaGenModel
 from mmspec.models.vq import TinyVQModel
 from mmspec.training.data import NUM_CLASSES
 from mmspec.training.recipes import train_ar_image, train_vq
+
+pytestmark = pytest.mark.slow
 
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 VQ_KEYS = {"recipe", "seed", "steps", "config", "train", "final_loss", "heldout_recon_mse", "heldout",
@@ -131,10 +133,10 @@ def test_bad_arguments_name_the_argument(tmp_path, vq_dir):
 
 
 def test_cli_parses_train_commands(tmp_path, vq_dir):
-    parser = cli.build_parser()
+    parser = commands.build_parser()
     args = parser.parse_args(["train", "vq", "--out", str(tmp_path / "vq")])
     assert (args.command, args.recipe, args.seed, args.threads) == ("train", "vq", 0, 2)
-    assert args.steps == cli.TRAIN_DEFAULTS["vq"]["steps"]
+    assert args.steps == commands.train.TRAIN_DEFAULTS["vq"]["steps"]
     args = parser.parse_args(["train", "ar-image", "--vq", str(vq_dir), "--out", "ar", "--steps", "7",
                               "--seed", "3", "--batch-size", "5", "--lr", "0.01"])
     assert (args.recipe, args.vq, args.steps, args.seed, args.batch_size, args.lr) == \
@@ -149,15 +151,15 @@ def test_cli_parses_train_commands(tmp_path, vq_dir):
 ])
 def test_cli_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit):
-        cli.main(argv)
+        commands.main(argv)
     assert message in capsys.readouterr().err
 
 
 def test_cli_train_runs_end_to_end(tmp_path, vq_dir, capsys):
     threads = torch.get_num_threads()
     try:
-        assert cli.main(["train", "ar-image", "--vq", str(vq_dir), "--out", str(tmp_path / "ar"), "--steps", "1",
-                         "--batch-size", "2", "--dataset-size", "2", "--threads", "1"]) == 0
+        assert commands.main(["train", "ar-image", "--vq", str(vq_dir), "--out", str(tmp_path / "ar"), "--steps", "1",
+                              "--batch-size", "2", "--dataset-size", "2", "--threads", "1"]) == 0
     finally:
         torch.set_num_threads(threads)
     assert "saved" in capsys.readouterr().out

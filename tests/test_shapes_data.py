@@ -75,10 +75,10 @@ def test_images_of_one_class_differ():
 
 def test_thousand_images_render_fast():
     ds = ShapesDataset(1000, seed=0)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: other processes' load on the machine does not count
     for i in range(1000):
         ds[i]
-    assert time.perf_counter() - start < 5.0  # about 0.6 s on the 2-core CI machine
+    assert time.process_time() - start < 5.0  # about 0.6 s on the 2-core CI machine
 
 
 def test_bold_style_draws_large_objects_over_few_distractors():

@@ -241,6 +241,7 @@ def with_replacement(q, k, generator):
     return tokens.reshape(*q.shape[:-1], k), dists
 
 
+@pytest.mark.statistical
 def test_sample_without_replacement_marginals():
     torch.testing.assert_close(second_draw_law(Q).sum(), torch.tensor(1.0))
     first, second = draw_pvalues(sample_without_replacement)
@@ -248,6 +249,7 @@ def test_sample_without_replacement_marginals():
     assert second >= P_THRESHOLD, f"second draw vs the without-replacement law: p={second:.2e}"
 
 
+@pytest.mark.statistical
 def test_sampling_with_replacement_is_caught():
     first, second = draw_pvalues(with_replacement)
     assert first >= P_THRESHOLD  # its first draw is right, so only the second-draw test can tell

@@ -80,6 +80,7 @@ def run(rule) -> tuple[torch.Tensor, torch.Tensor]:
     return last, acc
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("rule", [SpeculativeSampling(), SiblingRounds()], ids=["one-draw", "sibling-rounds"])
 def test_deep_tree_walk_is_exact(rule):
     last, acc = run(rule)
@@ -89,6 +90,7 @@ def test_deep_tree_walk_is_exact(rule):
     assert pval >= P_THRESHOLD, f"p = {pval:.2e}"
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("rule", [FreshCorrection(), SecondSiblingWins()], ids=lambda r: type(r).__name__)
 def test_deep_tree_walk_broken_controls_fail(rule):
     last, acc = run(rule)

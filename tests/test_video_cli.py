@@ -14,7 +14,7 @@ import PIL.Image
 import pytest
 import torch
 
-from mmspec import cli
+from mmspec import commands
 from mmspec.pipelines import StreamingVideoPipeline, save_frame_strip, save_video
 from test_video_pipeline import BLUE, RED, make_pipe
 
@@ -27,8 +27,8 @@ def model_dir(tmp_path_factory):
 
 
 def generate(model_dir, out, *extra):
-    return cli.main(["generate", "video", "--prompt", RED, "--frames", "10", "--out", str(out), "--model",
-                     str(model_dir), "--steps", "2", "--scale", "4", "--quiet", *extra])
+    return commands.main(["generate", "video", "--prompt", RED, "--frames", "10", "--out", str(out), "--model",
+                          str(model_dir), "--steps", "2", "--scale", "4", "--quiet", *extra])
 
 
 def test_generate_video_writes_the_pipelines_frames_as_mp4(model_dir, tmp_path, capsys):
@@ -89,7 +89,7 @@ def test_an_interrupted_write_leaves_no_partial_file(model_dir, tmp_path, monkey
 def test_bad_command_lines_fail_before_loading(model_dir, tmp_path, capsys, argv, message):
     base = ["generate", "video", "--prompt", RED, "--out", str(tmp_path / "clip.mp4"), "--model", str(model_dir)]
     with pytest.raises(SystemExit) as err:
-        cli.main(base + argv)
+        commands.main(base + argv)
     assert err.value.code == 2 and message in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
 
@@ -120,7 +120,7 @@ def test_writers_refuse_what_they_cannot_write(tmp_path):
 
 def test_showcase_part_writes_a_gif_and_a_strip(model_dir, tmp_path, capsys):
     """The showcase's video part on the tiny pipeline (chunks of 2: a switch at frame 32 of 64)."""
-    cli._showcase_video(tmp_path, model_dir)
+    commands.showcase.video_part(tmp_path, model_dir)
     printed = capsys.readouterr().out
     assert "64 frames in 32 chunks of 2" in printed and "sink 2 + window 4 frames" in printed
     assert "from frame 32" in printed and "/32 after" in printed

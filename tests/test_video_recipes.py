@@ -14,6 +14,8 @@ from mmspec.training.recipes import train_video, train_video_ae
 from mmspec.training.recipes.video import TwoStreamLoss, rollout, rollout_metrics
 from mmspec.training.data.video import VideoPrompt, render_clip
 
+pytestmark = pytest.mark.slow
+
 WEIGHTS = "diffusion_pytorch_model.safetensors"
 AE_RUN = dict(steps=3, batch_size=4, lr=1e-3, dataset_size=8, clip_frames=4, heldout_size=2, log_every=2)
 TINY_DIT = dict(dim=32, n_layers=1, n_heads=2, mlp_hidden=64, chunk_frames=2, sink_frames=2, window_frames=4)
@@ -145,17 +147,17 @@ def test_bad_arguments_name_the_argument(tmp_path, ae_dir):
 
 
 def test_cli_parses_the_video_recipes(tmp_path, ae_dir, capsys):
-    from mmspec import cli
+    from mmspec import commands
 
-    args = cli.build_parser().parse_args(["train", "video", "--ae", str(ae_dir), "--out", str(tmp_path / "v")])
+    args = commands.build_parser().parse_args(["train", "video", "--ae", str(ae_dir), "--out", str(tmp_path / "v")])
     assert (args.recipe, args.ae, args.steps, args.batch_size) == ("video", str(ae_dir), 6000, 8)
     with pytest.raises(SystemExit):
-        cli.main(["train", "video", "--out", str(tmp_path / "v")])
+        commands.main(["train", "video", "--out", str(tmp_path / "v")])
     assert "the following arguments are required: --ae" in capsys.readouterr().err
     threads = torch.get_num_threads()
     try:
-        assert cli.main(["train", "video-ae", "--out", str(tmp_path / "ae"), "--steps", "1", "--batch-size", "2",
-                         "--dataset-size", "4", "--threads", "1"]) == 0
+        assert commands.main(["train", "video-ae", "--out", str(tmp_path / "ae"), "--steps", "1", "--batch-size", "2",
+                              "--dataset-size", "4", "--threads", "1"]) == 0
     finally:
         torch.set_num_threads(threads)
     assert "saved" in capsys.readouterr().out and read_log(tmp_path / "ae")["steps"] == 1

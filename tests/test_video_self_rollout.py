@@ -14,6 +14,8 @@ from mmspec.pipelines.video import StreamingVideoPipeline
 from mmspec.training.data.video import VideoPrompt
 from mmspec.training.recipes.video import TwoStreamLoss, schedule_texts, self_rollout
 
+pytestmark = pytest.mark.slow
+
 # chunk 2, sink 2, window 4: a clip of 12 frames evicts frames inside the rollout
 TINY_DIT = dict(dim=32, n_layers=1, n_heads=2, mlp_hidden=64, chunk_frames=2, sink_frames=2, window_frames=4,
                 sample_steps=4, guidance_scale=2.0)
@@ -270,16 +272,16 @@ def test_loss_refuses_bad_rollout_arguments():
 
 
 def test_cli_takes_and_refuses_the_rollout_options(tmp_path):
-    from mmspec import cli
+    from mmspec import commands
 
     base = ["train", "video", "--ae", str(tmp_path), "--out", str(tmp_path / "v")]
-    args = cli.build_parser().parse_args(base)
+    args = commands.build_parser().parse_args(base)
     assert (args.rollout_prob, args.rollout_strength) == (0.3, [0.3, 0.8])
-    args = cli.build_parser().parse_args(base + ["--rollout-prob", "0", "--rollout-strength", "0.5", "1"])
+    args = commands.build_parser().parse_args(base + ["--rollout-prob", "0", "--rollout-strength", "0.5", "1"])
     assert (args.rollout_prob, args.rollout_strength) == (0.0, [0.5, 1.0])
     for bad in (["--rollout-prob", "1.5"], ["--rollout-strength", "0", "0.5"]):
-        with pytest.raises(cli.UsageError, match=f"argument {bad[0]}: must be a number in"):
-            cli.build_parser().parse_args(base + bad)
+        with pytest.raises(commands.UsageError, match=f"argument {bad[0]}: must be a number in"):
+            commands.build_parser().parse_args(base + bad)
 
 
 def test_prompt_ids_round_trip_through_the_texts():

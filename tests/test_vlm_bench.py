@@ -6,7 +6,7 @@ import json
 import pytest
 
 from mmspec.bench import vlm
-from mmspec.cli import main
+from mmspec.commands import main
 
 
 @pytest.fixture(scope="module")

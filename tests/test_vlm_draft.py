@@ -33,6 +33,8 @@ from mmspec.training.recipes.vlm_draft import answer_mask, teacher
 from test_vlm_adapter import IMAGE, LLAVA_TOKENS, llava_inputs, tiny_llava
 from tiny import spread
 
+pytestmark = pytest.mark.slow
+
 SMALL = dict(num_heads=4, intermediate_size=64, prune_ratio=2, pool_ratio=4, conv_ratio=4)
 HIDDEN = 32  # tiny_llava's text hidden size
 NEW_TOKENS = 16

@@ -135,12 +135,14 @@ def _sample(pipe, method, case, rule=None, n=2000, rows=250, seed=0):
     return chisquare_pvalue(index, probs / probs.sum())
 
 
+@pytest.mark.statistical
 @pytest.mark.parametrize("method", [m for m in METHODS if m != "none"])
 def test_sampled_methods_follow_the_targets_distribution(pipe, sampling_case, method):
     assert len(sampling_case[3]) >= 4  # the case is uncertain enough to test something
     assert _sample(pipe, method, sampling_case) >= P_THRESHOLD
 
 
+@pytest.mark.statistical
 def test_a_broken_rule_fails_the_distribution_test(pipe, sampling_case):
     """The control at twice the samples (4,000, seed 0): on this 5-cell case the broken rule's
     p-value at 2,000 samples fell from 4e-7 to 1.4e-3 over seeds 0-2 (above the threshold once);

@@ -7,6 +7,7 @@ root), so the baseline and the methods share every line of cache and sampling co
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
@@ -146,6 +147,12 @@ class SpeculativeDecoder:
                 to a draft model's first feed, never bound to a model object.
             callback: called after every decode pass with (step, state); returning ``True``
                 stops decoding after that pass (diffusers' interrupt; rows keep what they emitted).
+                A pass is one target forward, committing a variable number of tokens per row;
+                ``step`` counts passes from 1. The callback may set ``state.logits`` to a pipeline
+                of the same type differing only in ``guidance_scale`` (still guided exactly when
+                the call was: the batch's ``[cond; uncond]`` rows are fixed at prefill): drafts and
+                the target's verification use it from the next pass on, so the output equals a
+                decode whose scale changes at each row's committed length at that pass.
             profile: time every phase into ``Stats.seconds`` (synchronises the device after each
                 phase of each pass); the call's total ``Stats.wall_seconds`` is always measured.
         """
@@ -242,15 +249,15 @@ class SpeculativeDecoder:
                 if continuous:  # (B, T) distributions
                     probs = state.distribution(out, positions, meters["target"])
                 else:
-                    probs = self.logits(out.logits)  # (B, T, V)
+                    probs = state.logits(out.logits)  # (B, T, V)
                 stats.target_forwards += 1
             # 4. accept
             with stats.timed("accept", device):
                 sel = plan.emitting_rows(emitting)
                 if sel is None:
-                    acc = self._accept(draft, probs, out.logits, generator)
+                    acc = self._accept(state.logits, draft, probs, out.logits, generator)
                 else:  # only lanes that emit draw randomness
-                    acc = _scatter(self._accept(_select(draft, sel), probs[sel], out.logits,
+                    acc = _scatter(self._accept(state.logits, _select(draft, sel), probs[sel], out.logits,
                                                 select_rows(generator, sel), sel), sel, B, tree.max_depth)
             # 5. commit caches and emit the accepted tokens plus the next token
             with stats.timed("commit", device):
@@ -272,8 +279,13 @@ class SpeculativeDecoder:
                 self._emit(state, new, emitted)
                 done = plan.finished(state)
             step += 1
-            if callback is not None and callback(step, state) is True:
-                break  # interrupted by the caller: every row keeps what it has emitted
+            if callback is not None:
+                logits = state.logits
+                stop = callback(step, state) is True
+                if state.logits is not logits:
+                    _check_swapped_logits(logits, state.logits)
+                if stop:
+                    break  # interrupted by the caller: every row keeps what it has emitted
 
         stats.draft_forwards = self.drafter.forwards - draft_forwards_before
         sequences, out_lens = plan.collect(state, pad_token_id)
@@ -282,12 +294,13 @@ class SpeculativeDecoder:
         stats.wall_seconds = time.perf_counter() - t0
         return DecodeOutput(sequences, out_lens, stats)
 
-    def _accept(self, draft: DraftTree, probs, logits: torch.Tensor | None, generator: Generators,
+    def _accept(self, pipeline, draft: DraftTree, probs, logits: torch.Tensor | None, generator: Generators,
                 rows: torch.Tensor | None = None) -> Acceptance:
         """The rule's decision on the verified block: the fused acceptance kernel where the kernels'
-        dispatch picks it (``mmspec.core.fused``), the rule object otherwise. ``logits`` are all
-        rows' raw logits; ``rows`` the lanes decided (None: all), which the other arguments hold."""
-        fused = fused_acceptance(self.rule, self.logits, draft, logits, generator, rows)
+        dispatch picks it (``mmspec.core.fused``), the rule object otherwise. ``pipeline`` is the
+        pass's logits pipeline (``state.logits``), ``logits`` all rows' raw logits; ``rows`` the
+        lanes decided (None: all), which the other arguments hold."""
+        fused = fused_acceptance(self.rule, pipeline, draft, logits, generator, rows)
         return fused if fused is not None else self.rule(draft, probs, generator)
 
     @staticmethod
@@ -297,6 +310,18 @@ class SpeculativeDecoder:
         cols = state.lengths[:, None] + torch.arange(new.shape[1], device=new.device)
         scatter_tokens_(state.tokens, cols.clamp(max=state.tokens.shape[1] - 1), new)
         state.lengths = state.lengths + count
+
+
+def _check_swapped_logits(old, new) -> None:
+    """A callback's new ``state.logits``: ``old`` with another guidance scale, still guided
+    exactly when ``old`` was (the uncond rows exist only when the prefill had them)."""
+    same_kind = type(new) is type(old) and dataclasses.replace(new, guidance_scale=old.guidance_scale) == old
+    check(same_kind, "state.logits", f"a {type(old).__name__} differing from the call's only in guidance_scale",
+          new)
+    check(new.uses_guidance == old.uses_guidance, "guidance_scale",
+          "a number >= 0 (this call's batch has [cond; uncond] rows)" if old.uses_guidance else
+          "None or 1.0 (this call started without guidance, so its batch has no unconditional rows; "
+          "pass a guidance_scale to the call to switch guidance on and off between passes)", new.guidance_scale)
 
 
 def _members(proto) -> str:

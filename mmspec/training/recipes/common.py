@@ -95,7 +95,12 @@ def batch_indices(n: int, batch_size: int, steps: int, generator: torch.Generato
 
 
 def warmup_cosine(step: int, *, warmup: int, steps: int, floor: float = 0.1) -> float:
-    """LR multiplier: linear warmup over ``warmup`` steps, then a cosine from 1 down to ``floor``."""
+    """LR multiplier: linear warmup over ``warmup`` steps, then a cosine from 1 down to ``floor``.
+
+    After the warmup this is transformers' ``get_cosine_with_min_lr_schedule_with_warmup`` with
+    ``min_lr_rate=floor`` (bit for bit at the recipes' floor 0.1); during it ours is one step ahead (``(step + 1) / warmup``,
+    theirs starts at 0), which the bundled checkpoints were trained with
+    (``tests/test_recipes_common.py``)."""
     if step < warmup:
         return (step + 1) / warmup
     t = (step - warmup) / max(1, steps - warmup)
@@ -137,7 +142,9 @@ def write_log(folder: Path, record: dict) -> None:
 
 def gaussian_blur(images: torch.Tensor, sigma: float, radius: int) -> torch.Tensor:
     """Separable Gaussian blur of (B, C, H, W) images, ``2 radius + 1`` taps, reflect padding (the
-    classifier's and the video judge's augmentation)."""
+    classifier's and the video judge's augmentation): torchvision's ``gaussian_blur`` to 1e-6, but
+    in two 1-D passes, whose rounding the bundled checkpoints were trained with
+    (``tests/test_recipes_common.py``)."""
     n = 2 * radius + 1
     taps = torch.exp(-0.5 * (torch.arange(-radius, radius + 1, dtype=images.dtype) / sigma) ** 2)
     taps = taps / taps.sum()
