@@ -44,9 +44,10 @@ class SpeculativeARImagePipeline(ClassLabelsMixin, SpeculativePipeline):
     """A LlamaGen-style AR transformer over a VQ tokenizer's grid, plus optional drafters.
 
     Components: ``transformer`` (``LlamaGenModel``), ``vqvae`` (``TinyVQModel``, or LlamaGen's own
-    tokenizer as ``LlamaGenVQModel``), and optionally ``draft_model`` (a small ``LlamaGenModel``,
-    for ``sd``), ``eagle_head`` (``EagleDraftHead``, for ``eagle`` and ``lantern``) and
-    ``medusa_head`` (``GridMedusaHeads``, for ``medusa``). Class names come from the transformer's
+    tokenizer as ``LlamaGenVQModel``), and optionally the method components the registry declares
+    (``mmspec.methods.components("ar-image")``): ``draft_model`` (a small ``LlamaGenModel``, for
+    ``sd``), ``eagle_head`` (``EagleDraftHead``, for ``eagle`` and ``lantern``), ``medusa_head``
+    (``GridMedusaHeads``, for ``medusa``) and any a part registers later. Class names come from the transformer's
     config (``id2label``, as diffusers' DiT keeps them): ``pipe.labels``, ``pipe.get_label_ids``.
     """
 
@@ -55,26 +56,21 @@ class SpeculativeARImagePipeline(ClassLabelsMixin, SpeculativePipeline):
     # (chained, each would offload the target every pass), so they get unchained hooks instead of
     # _exclude_from_cpu_offload, which would keep every head on the device even when unused
     model_cpu_offload_seq = "transformer->vqvae"
-    _optional_components = ["draft_model", "eagle_head", "medusa_head"]
     _method_components = {"target": "transformer", "codebook": "vqvae"}
 
-    def __init__(self, transformer, vqvae, draft_model=None, eagle_head=None, medusa_head=None):
+    def __init__(self, transformer, vqvae, **components):
         super().__init__()
-        self.register_modules(transformer=transformer, vqvae=vqvae, draft_model=draft_model, eagle_head=eagle_head,
-                              medusa_head=medusa_head)
-        for head in (eagle_head, medusa_head):
-            if head is not None:
-                head.bind(transformer)
+        self.register_modules(transformer=transformer, vqvae=vqvae, **self.method_modules(components))
+        self.bind_modules({"target": transformer})  # heads share the target's embedding and LM head
 
     @property
     def num_classes(self) -> int:
         return self.transformer.config.num_classes
 
-    def method_components(self, requires: tuple[str, ...]) -> dict:
+    def base_components(self, requires: tuple[str, ...]) -> dict:
         # the codebook only when used: reading it onloads the VQ, which would then sit on the device
         codebook = self.vqvae.codebook() if "codebook" in requires else None
-        return {"target": self.transformer, "draft_model": self.draft_model, "eagle_head": self.eagle_head,
-                "medusa_head": self.medusa_head, "codebook": codebook}
+        return {"target": self.transformer, "codebook": codebook}
 
     def check_inputs(self, prompt, class_labels, *, method, method_knobs, guidance_scale, temperature, top_k, top_p,
                      num_images_per_prompt, generator, output_type, return_dict, callback_on_step_end,

@@ -1,11 +1,20 @@
 """``SpeculativePipeline``: the diffusers contract, written once for every modality's pipeline.
 
-A modality subclasses it with its components, a ``modality`` name from the method registry, the
-registry's component names, ``"target"`` among them, mapped to its attributes
-(``_method_components``), ``method_components(requires)`` (the objects ``methods.build`` takes), a
-``check_inputs`` that calls ``check_shared_inputs`` and its own checks, and a ``__call__``: check
-inputs, encode the conditioning, one ``self.decode(...)`` (one ``SpeculativeDecoder.generate``),
-decode the outputs. The base gives it:
+A modality subclasses it with its main components, a ``modality`` name from the method registry,
+``base_components(requires)`` (the modality's base components for ``methods.build``: ``"target"``,
+...) with ``_method_components`` naming the attributes that hold them, a ``check_inputs`` that
+calls ``check_shared_inputs`` and its own checks, and a ``__call__``: check inputs, encode the
+conditioning, one ``self.decode(...)`` (one ``SpeculativeDecoder.generate``), decode the outputs.
+Its ``__init__`` takes the main components and ``**components``, and registers
+``self.method_modules(components)`` beside them. The base gives it:
+
+- the method components from the registry (``methods.components(modality)``: every trained
+  drafter's model or head): ``_optional_components``, keyword arguments of ``__init__`` (a
+  generated signature, refreshed from the registry whenever diffusers' ``from_pretrained``,
+  ``save_pretrained`` or ``components`` or the folder check reads it, so a component registered
+  after the class was defined appears too), ``method_modules``
+  (unknown names refused naming the argument and the allowed names) and ``method_components``
+  (each bound as its ``Component.bind`` says);
 
 - ``from_pretrained``: ``check_pipeline_folder`` first, then diffusers' loader in float32
   (checkpoints ship as fp16);
@@ -48,6 +57,7 @@ offload (``tests/test_offload.py``).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable
 
 import torch
@@ -99,22 +109,100 @@ class PipelineBase(DiffusionPipeline):
         return inputs
 
 
+class _RegistryComponents:
+    """``_optional_components``: the method components of the class's modality, read from the
+    registry on every access (a part registered after the class still appears)."""
+
+    def __get__(self, obj, owner) -> list[str]:
+        if not owner.modality:
+            return []
+        owner._refresh_signature()
+        return [c.name for c in methods.components(owner.modality)]
+
+
 class SpeculativePipeline(PipelineBase):
     """Base of the speculative pipelines: the diffusers contract over the core's one loop."""
 
     modality: str = ""
     """The method registry's modality (``"ar-image"``, ``"vlm"``)."""
     _method_components: dict[str, str] = {}
-    """Registry component name -> the attribute of this pipeline that holds it (``"draft"`` ->
-    ``"draft_model"``); names not listed are attributes of the same name."""
+    """Base component name (``methods.register_modality``'s ``components``) -> the attribute of
+    this pipeline that holds it (``"target"`` -> ``"transformer"``); the registry's method
+    components are attributes of their ``Component.name``."""
+    _optional_components = _RegistryComponents()
     _callback_tensor_inputs = ["tokens", "next_tokens"]
     _callback_replaceable = ("next_tokens",)
 
-    # -- inputs -----------------------------------------------------------------------------------
+    # -- method components (from the registry) ----------------------------------------------------
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._refresh_signature()
+
+    @classmethod
+    def _refresh_signature(cls) -> None:
+        """Give the class's ``__init__`` a signature listing the registry's method components
+        (keyword-only, default ``None``) after its own parameters; ``**components`` takes them."""
+        init = cls.__dict__.get("__init__")
+        if init is None or not cls.modality:
+            return
+        names = tuple(c.name for c in methods.components(cls.modality))
+        if getattr(init, "_mmspec_components", None) == names:
+            return
+        if not hasattr(init, "_mmspec_own"):
+            own = inspect.signature(init, follow_wrapped=False).parameters.values()
+            init._mmspec_own = [p for p in own if p.kind is not p.VAR_KEYWORD]
+        extra = [inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None) for n in names]
+        init.__signature__ = inspect.Signature(init._mmspec_own + extra)
+        init._mmspec_components = names
+
+    @classmethod
+    def _get_signature_keys(cls, obj):
+        (obj if isinstance(obj, type) else type(obj))._refresh_signature()
+        return super()._get_signature_keys(obj)
+
+    def method_modules(self, given: dict[str, Any]) -> dict[str, Any]:
+        """``{name: module or None}`` for every method component of this modality, from the
+        ``**components`` an ``__init__`` received; unknown names raise ``ValueError`` naming them
+        and the allowed names."""
+        type(self)._refresh_signature()
+        allowed = [c.name for c in methods.components(self.modality)]
+        unknown = sorted(set(given) - set(allowed))
+        check(not unknown, "components", f"method components of {self.modality!r} among {', '.join(allowed)}",
+              unknown[0] if len(unknown) == 1 else unknown)
+        return {name: given.get(name) for name in allowed}
+
+    def bind_modules(self, base: dict[str, Any]) -> None:
+        """Bind the method components present to ``base`` (``{"target": ...}``) now, so a head
+        that does not fit the target is refused when the pipeline is built."""
+        for component in methods.components(self.modality):
+            module = getattr(self, component.name, None)
+            if module is not None:
+                component.bind(module, base)
+
+    def base_components(self, requires: tuple[str, ...]) -> dict[str, Any]:
+        """The modality's base components ``methods.build`` takes (``"target"`` first) for a
+        recipe that needs ``requires``."""
+        raise NotImplementedError
+
     def method_components(self, requires: tuple[str, ...]) -> dict[str, Any]:
         """The components ``methods.build`` takes (``"target"`` first) for a recipe that needs
-        ``requires`` (``Recipe.requires``); ``None`` where missing or not needed."""
-        raise NotImplementedError
+        ``requires`` (``Recipe.requires``): the base ones and each registry component the recipe
+        needs, bound (``Component.bind``); ``None`` where missing or not needed."""
+        out = self.base_components(requires)
+        for component in methods.components(self.modality):
+            module = getattr(self, component.name, None)
+            needed = module is not None and component.provides in requires
+            out[component.provides] = component.bind(module, out) if needed else None
+        return out
+
+    def component_attribute(self, name: str) -> str:
+        """The attribute holding the component ``methods.build`` calls ``name``."""
+        for component in methods.components(self.modality):
+            if component.provides == name:
+                return component.name
+        return self._method_components.get(name, name)
+
+    # -- inputs -----------------------------------------------------------------------------------
 
     def onload_models(self, recipe: methods.Recipe) -> None:
         """Under model offload, move the target and the models ``recipe`` uses to the execution
@@ -124,14 +212,14 @@ class SpeculativePipeline(PipelineBase):
         offloads nothing, while a later chain member's hook (the VQ's, for its codebook) offloads
         its predecessor, the target."""
         names = (*recipe.requires, "target")
-        onload(*(getattr(self, self._method_components.get(name, name)) for name in names))
+        onload(*(getattr(self, self.component_attribute(name)) for name in names))
 
     def check_method(self, method, method_knobs) -> methods.Recipe:
         """``method`` and its knobs through the registry; a part that needs a component this
         pipeline lacks is refused naming it."""
         recipe = checks.check_method(self.modality, method, method_knobs)
         for need in recipe.requires:
-            attr = self._method_components.get(need, need)
+            attr = self.component_attribute(need)
             check(getattr(self, attr, None) is not None, "method",
                   f"a method whose parts this pipeline holds (it has no {attr})", method)
         return recipe

@@ -54,7 +54,8 @@ class SpeculativeContinuousARPipeline(ClassLabelsMixin, SpeculativePipeline):
     and optionally a small draft model (for ``sd``, ``sd-warmup``, ``path``, ``cspd``).
 
     Components: ``tokenizer`` (``ConvTokenizer`` or ``PatchPCATokenizer``), ``transformer`` (``ContinuousARModel``),
-    ``draft_model`` (a smaller ``ContinuousARModel``, optional). Class names come from the
+    ``draft_model`` (a smaller ``ContinuousARModel``, optional; the method components of
+    ``mmspec.methods.components("continuous")``). Class names come from the
     transformer's config (``id2label``): ``pipe.labels``, ``pipe.get_label_ids``.
 
     Callbacks: ``callback_on_step_end(pipe, step, timestep, callback_kwargs) -> dict`` after every
@@ -76,21 +77,20 @@ class SpeculativeContinuousARPipeline(ClassLabelsMixin, SpeculativePipeline):
     # the main flow only; the draft runs between the target's passes and gets an unchained hook
     # (pipelines.base, SpeculativeARImagePipeline say why)
     model_cpu_offload_seq = "transformer->tokenizer"
-    _optional_components = ["draft_model"]
     _method_components = {"target": "transformer"}
     _callback_tensor_inputs = ["latents"]
     _callback_replaceable = ("latents",)
 
-    def __init__(self, tokenizer, transformer, draft_model=None):
+    def __init__(self, tokenizer, transformer, **components):
         super().__init__()
-        self.register_modules(tokenizer=tokenizer, transformer=transformer, draft_model=draft_model)
+        self.register_modules(tokenizer=tokenizer, transformer=transformer, **self.method_modules(components))
 
     @property
     def num_classes(self) -> int:
         return self.transformer.config.num_classes
 
-    def method_components(self, requires: tuple[str, ...]) -> dict:
-        return {"target": self.transformer, "draft_model": self.draft_model}
+    def base_components(self, requires: tuple[str, ...]) -> dict:
+        return {"target": self.transformer}
 
     def check_inputs(self, prompt, class_labels, *, method, method_knobs, guidance_scale, guidance_schedule,
                      temperature, num_images_per_prompt, generator, output_type, return_dict, callback_on_step_end,

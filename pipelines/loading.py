@@ -97,6 +97,8 @@ def check_component(folder: Path, name: str, cls: type) -> None:
 
 
 def _check_component_names(root: Path, pipeline_cls, entries: dict, named: dict, provided: set) -> None:
+    if hasattr(pipeline_cls, "_refresh_signature"):  # the registry's method components, as now registered
+        pipeline_cls._refresh_signature()
     params = inspect.signature(pipeline_cls.__init__).parameters
     takes = [k for k, p in params.items() if k != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     optional = set(getattr(pipeline_cls, "_optional_components", []) or [])

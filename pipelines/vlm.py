@@ -28,8 +28,6 @@ from ..models import medusa as _medusa  # noqa: F401
 from ..models import vlm_draft as _vlm_draft  # noqa: F401
 from .vlm_inputs import StreamerFeed, VLMInputs, check_streamer, prepare_vlm_inputs, sampling_from_generation_config
 
-HEADS = ("eagle", "specvlm", "vispec", "medusa")  # the ``{name}_head`` components
-
 
 @dataclass
 class VLMPipelineOutput(BaseOutput):
@@ -45,22 +43,18 @@ class VLMPipelineOutput(BaseOutput):
 class SpeculativeVLMPipeline(SpeculativePipeline):
     """A VLM (``target``: ``LlavaForConditionalGeneration``, ``Qwen2VLForConditionalGeneration`` or
     ``Qwen2_5_VLForConditionalGeneration``; ``processor``: its processor, with a chat template)
-    plus optional drafts: ``draft_model`` (a small VLM with the same
-    tokenizer, for ``sd``), ``eagle_head`` / ``specvlm_head`` / ``vispec_head``
-    (``VLMDraftHead``s) and ``medusa_head`` (``MedusaHeads``). Methods: ``mmspec.methods.names("vlm")``."""
+    plus optional drafts, the method components of ``mmspec.methods.components("vlm")``:
+    ``draft_model`` (a small VLM with the same tokenizer, for ``sd``), ``eagle_head`` /
+    ``specvlm_head`` / ``vispec_head`` (``VLMDraftHead``s) and ``medusa_head`` (``MedusaHeads``). Methods: ``mmspec.methods.names("vlm")``."""
 
     modality = "vlm"
     # the target alone: the draft VLM and the heads run between its passes and get unchained hooks
     # (SpeculativeARImagePipeline says why); the answers' decode is the processor's, no model
     model_cpu_offload_seq = "target"
-    _optional_components = ["draft_model", "eagle_head", "specvlm_head", "vispec_head", "medusa_head"]
-    _method_components = {"draft": "draft_model"}
 
-    def __init__(self, target, processor, draft_model=None, eagle_head=None, specvlm_head=None, vispec_head=None,
-                 medusa_head=None):
+    def __init__(self, target, processor, **components):
         super().__init__()
-        self.register_modules(target=target, processor=processor, draft_model=draft_model, eagle_head=eagle_head,
-                              specvlm_head=specvlm_head, vispec_head=vispec_head, medusa_head=medusa_head)
+        self.register_modules(target=target, processor=processor, **self.method_modules(components))
         self._views = None
 
     def views(self) -> tuple[VLMTarget, VLMTarget | None]:
@@ -71,9 +65,8 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
             self._views = (VLMTarget(self.target), draft)
         return self._views
 
-    def method_components(self, requires: tuple[str, ...]) -> dict:
-        target, draft = self.views()
-        return {"target": target, "draft": draft} | {f"{h}_head": getattr(self, f"{h}_head") for h in HEADS}
+    def base_components(self, requires: tuple[str, ...]) -> dict:
+        return {"target": self.views()[0]}
 
     def prepare_inputs(self, images, prompts) -> VLMInputs:
         """``(input_ids, vision)``: per prompt its token ids (the processor's chat template around

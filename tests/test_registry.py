@@ -225,12 +225,9 @@ def test_recipes_and_modality_defaults():
 
 
 def test_the_old_entry_points_are_the_registry():
-    from mmspec.adapters import ar_image, vlm_methods
+    from mmspec.adapters import vlm_methods
 
-    assert ar_image.METHODS == methods.names("ar-image") and vlm_methods.METHODS == methods.names("vlm")
-    m = ar_image.parse_method("gsd", sjd_window=8)
-    assert (m.schedule, m.drafter, m.rule, m.components) == (None, "sjd", "gsd", ("sjd", "gsd"))
-    assert m.configs["sjd"].window == 8 and not m.lossless
+    assert vlm_methods.METHODS == methods.names("vlm")
     assert vlm_methods.parse_knobs("eagle", {"tree_depth": 3}) == {"tree": vlm_methods.TreeConfig(depth=3)}
     assert vlm_methods.method_knobs("lookup") == {"lookup_num_tokens": 10, "lookup_max_ngram": 2}
 
@@ -343,3 +340,34 @@ def test_registration_is_checked():
 
     with pytest.raises(ValueError, match="config must be a frozen dataclass type"):
         methods.Part(name="x", kind="drafter", config=Mutable, build=lambda c, m: None)
+
+
+def test_components_and_training_recipes_are_declared_and_checked():
+    from mmspec.models.medusa import GridMedusaHeads
+
+    ar = {c.name: c for c in methods.components("ar-image")}
+    assert list(ar) == ["draft_model", "eagle_head", "medusa_head"]
+    assert ar["medusa_head"].load_class() is GridMedusaHeads  # "module:Class", imported when asked
+    assert [(c.name, c.provides) for c in methods.components("vlm")][0] == ("draft_model", "draft")
+    assert [c.name for c in methods.components("continuous")] == ["draft_model"]
+    assert "draft" in methods.modality("vlm").accepted_components()
+    with pytest.raises(ValueError, match="name must be a lower-case identifier"):
+        methods.Component("Head", GridMedusaHeads)
+    with pytest.raises(ValueError, match="cls must be a class or a 'module:Class' string"):
+        methods.Component("head", "no colon")
+    with pytest.raises(ValueError, match="component must be a component name not yet declared in 'ar-image'"):
+        methods.register_component("ar-image", methods.Component("medusa_head", "x:Y"))
+    with pytest.raises(ValueError, match=r"component must be a name other than the base components of 'ar-image' \(target, codebook\)"):
+        methods.register_component("ar-image", methods.Component("codebook", "x:Y"))
+    methods.register_component("ar-image", ar["medusa_head"])  # the same component again: allowed
+    with pytest.raises(ValueError, match=r"component must be a component the part requires \(it requires none\)"):
+        methods.register_part(name="nohead", kind="drafter", config=RepeatConfig, build=lambda cfg, c: None,
+                              modalities=("text",), component=methods.Component("nohead_head", "x:Y"))
+    assert "nohead" not in methods.parts("text")  # refused before anything was added
+    with pytest.raises(ValueError, match="heldout_metric must be the key of the training log"):
+        methods.TrainingRecipe("x", lambda out, **kw: {}, heldout_metric="")
+    with pytest.raises(ValueError, match="options must be"):
+        methods.TrainingRecipe("x", lambda out, **kw: {}, "m", options=(("target", str, None, "h"),))
+    with pytest.raises(ValueError, match="recipe must be given with the component it trains"):
+        methods.register_part(name="norecipe", kind="drafter", config=RepeatConfig, build=lambda cfg, c: None,
+                              modalities=("text",), recipe=methods.TrainingRecipe("x", lambda out, **kw: {}, "m"))

@@ -136,9 +136,8 @@ def second_token_pvalue(pipe, method: str, knobs: dict, cfg: ARImageBenchConfig)
     uncond = model(torch.cat([torch.full((V, 1), u), x1], 1)).logits[:, -1]
     second = logits(torch.cat([cond, uncond]))  # (V, V): p(x2 | x1)
     marginal = (first[0].double()[:, None] * second.double()).sum(0)
-    parts = methods.build(methods.resolve(MODALITY, method, knobs), {
-        "target": model, "draft_model": pipe.draft_model, "eagle_head": pipe.eagle_head, "medusa_head": pipe.medusa_head,
-        "codebook": pipe.vqvae.codebook()})
+    recipe = methods.resolve(MODALITY, method, knobs)
+    parts = methods.build(recipe, pipe.method_components(recipe.requires))
     dec = SpeculativeDecoder(model, parts.drafter, rule=parts.rule, logits=logits)
     g = torch.Generator().manual_seed(cfg.seed + 12345)
     samples = []

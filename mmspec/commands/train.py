@@ -1,7 +1,9 @@
 """``mmspec train RECIPE``: rebuild a tiny checkpoint from a seed with one of the training recipes
 (``mmspec.training.recipes``). Each recipe is one entry of ``RECIPES``: its help line, the options
 of its own and the call that runs it; the kinds and methods a recipe accepts are read from its
-table (``ar_draft.KINDS``, ``vlm_draft.METHODS``, ...)."""
+table (``ar_draft.KINDS``, ``vlm_draft.METHODS``, ...). The training recipes that drafter parts
+register (``mmspec.methods.recipes()``) follow as subcommands of their own, their options and
+defaults read from their ``TrainingRecipe``."""
 
 from __future__ import annotations
 
@@ -277,13 +279,38 @@ RECIPES = {
 the same keys)."""
 
 
+def _registered_options(recipe):
+    """``options(parser)`` for a registered ``TrainingRecipe``: its ``(flag, type, default, help)``."""
+
+    def options(p) -> None:
+        for flag, kind, default, help in recipe.options:
+            p.add_argument(flag, type=kind, default=default, help=f"{help} (default {default})")
+
+    return options
+
+
+def registered_recipes() -> dict:
+    """``{name: TrainingRecipe}`` of the registry (``mmspec.methods.recipes()``); a name the
+    built-in ``RECIPES`` use is refused naming it."""
+    from .. import methods
+
+    found = methods.recipes()
+    clash = sorted(set(found) & set(RECIPES))
+    if clash:
+        raise ValueError(f"registered training recipe {clash[0]!r} clashes with a built-in mmspec train recipe "
+                         f"(built-in: {', '.join(RECIPES)})")
+    return found
+
+
 def register_subcommand(subparsers) -> None:
     train = subparsers.add_parser(NAME, help="rebuild a tiny checkpoint from a seed")
     recipes = train.add_subparsers(dest="recipe", required=True)
-    for name, recipe in RECIPES.items():
-        defaults = TRAIN_DEFAULTS[name]
-        p = recipes.add_parser(name, help=recipe.help)
-        recipe.options(p)
+    entries = [(name, recipe.help, recipe.options, TRAIN_DEFAULTS[name]) for name, recipe in RECIPES.items()]
+    entries += [(name, r.doc or f"train the {name} drafter", _registered_options(r), dict(r.defaults))
+                for name, r in registered_recipes().items()]
+    for name, help, options, defaults in entries:
+        p = recipes.add_parser(name, help=help)
+        options(p)
         p.add_argument("--out", required=True, type=output_dir, metavar="DIR",
                        help="checkpoint folder (replaced atomically)")
         if "steps" in defaults:  # not for closed-form fits
@@ -315,5 +342,13 @@ def run(args) -> int:
     set_threads(args.threads)
     common = dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                   dataset_size=args.dataset_size, log_every=args.log_every, log=print)
-    RECIPES[args.recipe].run(args, common)
+    if args.recipe in RECIPES:
+        RECIPES[args.recipe].run(args, common)
+        return 0
+    recipe = registered_recipes()[args.recipe]
+    options = {flag.lstrip("-").replace("-", "_"): None for flag, *_ in recipe.options}
+    record = recipe.train(args.out, **{k: getattr(args, k) for k in options}, **common)
+    value = record[recipe.heldout_metric]
+    shown = f"{value:.4f}" if isinstance(value, float) else str(value)
+    print(f"saved {args.out}: {recipe.heldout_metric} {shown}")
     return 0

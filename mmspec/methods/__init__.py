@@ -10,18 +10,22 @@
 
 ``names(modality)`` lists the named methods, ``knobs(modality, method)`` their knobs (type,
 default, doc, allowed values); ``register_part`` / ``register_method`` add a drafter, rule or
-schedule and a named recipe of them (see ``registry``). Modalities: ``"ar-image"``
+schedule and a named recipe of them (see ``registry``); a part declares the pipeline ``Component``
+it needs and, for a trained drafter, its ``TrainingRecipe``: ``components(modality)`` and
+``recipes()`` list them. Modalities: ``"ar-image"``
 (``methods.ar_image``), ``"vlm"`` (``methods.vlm``), ``"text"`` (``methods.text``),
 ``"continuous"`` (``methods.continuous``), ``"video"`` (``methods.video``: the streaming
 pipeline's cache modes).
 """
 
 from .knobs import KnobSpec, check_config, knob
-from .registry import (KINDS, Composition, Method, Modality, Part, Recipe, build, knobs, modality, names, parts,
-                       register_method, register_modality, register_part, resolve)
+from .registry import (KINDS, Component, Composition, Method, Modality, Part, Recipe, TrainingRecipe, build,
+                       components, knobs, modality, names, parts, recipes, register_component, register_method,
+                       register_modality, register_part, register_recipe, resolve)
 from . import ar_image, continuous, text, video, vlm  # noqa: E402,F401  (the built-in registrations)
 
 __all__ = [
-    "KINDS", "Composition", "KnobSpec", "Method", "Modality", "Part", "Recipe", "build", "check_config", "knob",
-    "knobs", "modality", "names", "parts", "register_method", "register_modality", "register_part", "resolve",
+    "KINDS", "Component", "Composition", "KnobSpec", "Method", "Modality", "Part", "Recipe", "TrainingRecipe",
+    "build", "check_config", "components", "knob", "knobs", "modality", "names", "parts", "recipes",
+    "register_component", "register_method", "register_modality", "register_part", "register_recipe", "resolve",
 ]

@@ -12,8 +12,9 @@ Parts, by kind (any ``+`` of one of each that the parts allow is a method):
 coupled window) and ``lantern`` implies ``eagle`` (LANTERN sits on EAGLE-2) unless a Jacobi
 drafter is named; ``zipar`` runs a Jacobi window per row, never a draft model (draft models keep
 raster caches). Components: ``target`` (a
-LlamaGen-style model), ``draft_model``, ``eagle_head`` and ``medusa_head`` (bound to the target),
-``codebook`` (the VQ's code vectors).
+LlamaGen-style model) and ``codebook`` (the VQ's code vectors); the parts declare ``draft_model``
+(``LlamaGenModel``), ``eagle_head`` (``EagleDraftHead``) and ``medusa_head`` (``GridMedusaHeads``),
+both heads bound to the target (``COMPONENTS``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..core.relaxed import (GroupedAcceptance, GroupedAcceptanceConfig, LatentPr
                             LatentProximityConfig, latent_neighbours)
 from ..core.schedule import NextSetSchedule
 from .knobs import check_config, knob
-from .registry import register_method, register_modality, register_part
+from .registry import Component, register_method, register_modality, register_part
 from .shared import SD, MedusaConfig, TreeConfig
 
 MODALITY = "ar-image"
@@ -39,7 +40,7 @@ MODALITY = "ar-image"
 # sweep of 12 images against target-only: (top_k, total_tokens) (1, 3) 0.89x, (1, 5) 1.09x,
 # (2, 4) 1.07x, (2, 6) 1.07x, (3, 6) 1.17x, (2, 8) 1.03x, (3, 8) 1.16x, (4, 10) 1.11x
 MEDUSA_DEFAULTS = {"medusa_top_k": 3, "medusa_total_tokens": 6}
-register_modality(MODALITY, components=("target", "draft_model", "eagle_head", "medusa_head", "codebook"),
+register_modality(MODALITY, components=("target", "codebook"),
                   defaults=MEDUSA_DEFAULTS,
                   doc="class-conditional image generation over VQ tokens (LlamaGen-style targets)")
 
@@ -136,14 +137,27 @@ def _lantern(cfg: LatentProximityConfig, components):
     return LatentProximityAcceptance(neighbour_table(components["codebook"], min(k + 1, V - 1)), cfg)
 
 
-register_part(SD, modalities=(MODALITY,))
+def _bind_to_target(head, components):
+    return head.bind(components["target"])  # shares the target's embedding and LM head; returns head
+
+
+COMPONENTS = {
+    "sd": Component("draft_model", "mmspec.models.llamagen:LlamaGenModel", doc="a small LlamaGen-style draft model"),
+    "eagle": Component("eagle_head", "mmspec.models.eagle:EagleDraftHead", _bind_to_target,
+                       doc="EAGLE's feature head on the target"),
+    "medusa": Component("medusa_head", "mmspec.models.medusa:GridMedusaHeads", _bind_to_target,
+                        doc="parallel Medusa heads on the target's features"),
+}
+"""The pipeline component of each trained drafter part."""
+
+register_part(SD, modalities=(MODALITY,), component=COMPONENTS["sd"])
 register_part(
-    name="eagle", kind="drafter", config=TreeConfig, requires=("eagle_head",),
+    name="eagle", component=COMPONENTS["eagle"], kind="drafter", config=TreeConfig, requires=("eagle_head",),
     build=lambda cfg, c: EagleTreeDrafter(c["eagle_head"], top_k=cfg.top_k, depth=cfg.depth,
                                           total_tokens=cfg.total_tokens, mode=cfg.mode),
     doc="EAGLE-2 dynamic tree from the target's features (Li et al., 2024)", modalities=(MODALITY,))
 register_part(
-    name="medusa", kind="drafter", config=MedusaConfig, requires=("medusa_head",),
+    name="medusa", component=COMPONENTS["medusa"], kind="drafter", config=MedusaConfig, requires=("medusa_head",),
     build=lambda cfg, c: ParallelHeadsDrafter(c["medusa_head"].bind(c["target"]), top_k=cfg.top_k,
                                               total_tokens=cfg.total_tokens, depth=cfg.depth),
     doc="parallel heads (Medusa) on the target's features score a whole EAGLE-2 tree in one pass; they also read "

@@ -20,10 +20,10 @@ from ..core import JacobiDensityDrafter, ModelChainDrafter, SpeculativeSampling
 from ..core.errors import check
 from ..models.continuous_heads import CSpDAcceptance
 from .knobs import check_config, knob
-from .registry import Recipe, register_method, register_modality, register_part
+from .registry import Component, Recipe, register_method, register_modality, register_part
 
 MODALITY = "continuous"
-register_modality(MODALITY, components=("target", "draft_model"),
+register_modality(MODALITY, components=("target",),
                   doc="class-conditional image generation over continuous tokens (mixture or diffusion heads)")
 
 HEADS = {"path": "diffusion", "cspd": "diffusion"}
@@ -112,8 +112,13 @@ def _sd(cfg: ContinuousSDConfig, components) -> ModelChainDrafter:
     return ModelChainDrafter(draft, gamma=cfg.gamma, warmup=cfg.warmup)
 
 
+DRAFT_MODEL = Component("draft_model", "mmspec.models.continuous:ContinuousARModel",
+                        doc="a smaller continuous AR model")
+"""The ``sd`` part's pipeline component."""
+
 register_part(
-    name="sd", kind="drafter", config=ContinuousSDConfig, requires=("draft_model",), build=_sd,
+    name="sd", component=DRAFT_MODEL, kind="drafter", config=ContinuousSDConfig, requires=("draft_model",),
+    build=_sd,
     doc="a small continuous draft model drafting a chain (Leviathan et al., 2023), optional target-only warm-up",
     modalities=(MODALITY,))
 register_part(

@@ -5,7 +5,10 @@ A *part* is a named drafter, acceptance rule or decoding schedule with a frozen 
 needs, and whether it keeps the target's distribution. A *method* is a named, documented recipe of
 parts (``"gsd"`` = Jacobi drafter + grouped rule). A *modality* (``"ar-image"``, ``"vlm"``,
 ``"text"``) lists the parts and methods it supports, the components its callers pass, and default
-knob overrides. Any ``a+b+c`` of a modality's parts resolves wherever the parts' declared partners
+knob overrides. A part may declare the pipeline component it needs (``Component``: attribute name,
+class, how it binds to the target) and, for a trained drafter, its training recipe
+(``TrainingRecipe``): pipelines derive their optional components from ``components(modality)`` and
+``mmspec train`` its extra subcommands from ``recipes()``, so a new drafter is one file. Any ``a+b+c`` of a modality's parts resolves wherever the parts' declared partners
 allow it, so the grammar is the same for every modality.
 
 Knobs are flat and prefixed by the part's knob prefix (``sjd_window``, ``tree_depth``), validated
@@ -16,6 +19,7 @@ model exists.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 import types
 from dataclasses import dataclass, field
@@ -119,10 +123,97 @@ class Method:
     knobs: Mapping[str, Any] = field(default_factory=dict)
 
 
+def _identity(obj, components):
+    return obj
+
+
+@dataclass(frozen=True)
+class Component:
+    """A pipeline component a part needs (a trained drafter's model or head).
+
+    Args:
+        name: the pipeline's attribute and ``__init__`` argument, and its ``model_index.json`` key
+            (``"medusa_head"``).
+        cls: the model class (a diffusers ``ModelMixin`` or transformers ``PreTrainedModel``), or
+            ``"module:Class"``, imported when first asked for (``load_class``), so registering
+            imports no model.
+        bind: ``bind(obj, components) -> the object build receives``; ``components`` holds the
+            target (and the modality's other base components). Default: ``obj`` itself.
+        provides: the name parts ``require`` and ``build`` reads (default: ``name``), e.g. the
+            VLM's ``draft_model`` provides ``"draft"``, its ``VLMTarget`` view.
+        doc: one line: what it is.
+    """
+
+    name: str
+    cls: type | str
+    bind: Callable[[Any, Mapping[str, Any]], Any] = _identity
+    provides: str = ""
+    doc: str = ""
+
+    def __post_init__(self):
+        check(isinstance(self.name, str) and re.fullmatch(r"[a-z][a-z0-9_]*", self.name) is not None, "name",
+              "a lower-case identifier (the pipeline attribute)", self.name)
+        check(isinstance(self.cls, type) or (isinstance(self.cls, str) and re.fullmatch(
+            r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.cls) is not None), "cls", "a class or a 'module:Class' string",
+              self.cls)
+        check(callable(self.bind), "bind", "a callable bind(obj, components)", self.bind)
+        if not self.provides:
+            object.__setattr__(self, "provides", self.name)
+
+    def load_class(self) -> type:
+        """The component's class (``cls`` imported when given as ``"module:Class"``)."""
+        if isinstance(self.cls, type):
+            return self.cls
+        module, _, name = self.cls.partition(":")
+        return getattr(importlib.import_module(module), name)
+
+
+@dataclass(frozen=True)
+class TrainingRecipe:
+    """How to train a drafter's component: an ``mmspec train`` subcommand.
+
+    Args:
+        name: the subcommand (``"ar-toy"``); must not clash with the built-in recipes.
+        train: ``train(out_dir, **options) -> dict`` (the training log), writing a checkpoint
+            folder the component's class loads with ``from_pretrained``; ``options`` are the CLI
+            options below plus ``steps``, ``batch_size``, ``lr``, ``seed``, ``dataset_size``,
+            ``log_every`` and ``log``.
+        options: the recipe's own CLI options: ``(flag, type, default, help)`` tuples, e.g.
+            ``("--target", str, None, "the AR pipeline folder")``; the option's value is passed as
+            the flag's name without dashes (``target=...``).
+        heldout_metric: the key of the returned log that ``mmspec train`` prints.
+        defaults: ``steps``, ``batch_size``, ``lr``, ``dataset_size`` defaults of the CLI.
+        doc: one line for ``mmspec train --help``.
+    """
+
+    name: str
+    train: Callable[..., dict]
+    heldout_metric: str
+    options: tuple[tuple[str, type, Any, str], ...] = ()
+    defaults: Mapping[str, Any] = field(default_factory=lambda: dict(steps=100, batch_size=8, lr=1e-3,
+                                                                     dataset_size=256))
+    doc: str = ""
+
+    def __post_init__(self):
+        check(isinstance(self.name, str) and re.fullmatch(r"[a-z][a-z0-9-]*", self.name) is not None, "name",
+              "a lower-case subcommand name", self.name)
+        check(callable(self.train), "train", "a callable train(out_dir, **options) -> dict", self.train)
+        check(isinstance(self.heldout_metric, str) and self.heldout_metric != "", "heldout_metric",
+              "the key of the training log to report", self.heldout_metric)
+        for opt in self.options:
+            check(isinstance(opt, tuple) and len(opt) == 4 and isinstance(opt[0], str) and opt[0].startswith("--")
+                  and callable(opt[1]), "options", "(flag, type, default, help) tuples with flags like '--target'",
+                  opt)
+        missing = sorted({"steps", "batch_size", "lr", "dataset_size"} - set(self.defaults))
+        check(not missing, "defaults", "steps, batch_size, lr and dataset_size", missing)
+
+
 @dataclass
 class Modality:
     """What one modality supports: its parts, named methods (in listing order), the components
-    its callers pass to ``build`` and default knob overrides (``{"tree_depth": 6}``)."""
+    its callers pass to ``build`` (``components``: the base ones, ``"target"`` among them;
+    ``component_specs``: the parts' declared ``Component``s, in registration order) and default
+    knob overrides (``{"tree_depth": 6}``)."""
 
     name: str
     components: tuple[str, ...]
@@ -130,10 +221,12 @@ class Modality:
     defaults: dict[str, Any] = field(default_factory=dict)
     parts: dict[str, Part] = field(default_factory=dict)
     methods: dict[str, Method] = field(default_factory=dict)
+    component_specs: dict[str, Component] = field(default_factory=dict)
 
     def accepted_components(self) -> tuple[str, ...]:
-        extra = [r for p in self.parts.values() for r in p.requires if r not in self.components]
-        return self.components + tuple(dict.fromkeys(extra))
+        declared = [c.provides for c in self.component_specs.values()]
+        extra = [r for p in self.parts.values() for r in p.requires]
+        return tuple(dict.fromkeys(self.components + tuple(declared) + tuple(extra)))
 
 
 @dataclass(frozen=True)
@@ -171,6 +264,7 @@ class Composition:
 
 
 _MODALITIES: dict[str, Modality] = {}
+_RECIPES: dict[str, TrainingRecipe] = {}
 
 
 def register_modality(name: str, *, components: Iterable[str], defaults: Mapping[str, Any] | None = None,
@@ -192,9 +286,13 @@ def modality(name: str) -> Modality:
     return _MODALITIES[name]
 
 
-def register_part(part: Part | None = None, *, modalities: Iterable[str], **fields) -> Part:
+def register_part(part: Part | None = None, *, modalities: Iterable[str], component: Component | None = None,
+                  recipe: TrainingRecipe | None = None, **fields) -> Part:
     """Add a part to ``modalities``: ``register_part(Part(...), modalities=...)`` or the Part's
-    fields as keywords (``name=..., kind=..., config=..., build=..., ...``)."""
+    fields as keywords (``name=..., kind=..., config=..., build=..., ...``).
+
+    ``component``: the pipeline component the part requires (``register_component`` for each of
+    ``modalities``); ``recipe``: how to train it (``register_recipe``)."""
     if part is None:
         part = Part(**fields)
     else:
@@ -204,9 +302,66 @@ def register_part(part: Part | None = None, *, modalities: Iterable[str], **fiel
     check(len(mods) > 0, "modalities", "at least one registered modality", modalities)
     for mod in mods:
         check(part.name not in mod.parts, "name", f"a part name not yet used in {mod.name!r}", part.name)
+    if component is not None:
+        check(isinstance(component, Component), "component", "a mmspec.methods.Component", component)
+        check(component.provides in part.requires, "component",
+              f"a component the part requires ({', '.join(part.requires) or 'it requires none'})", component.provides)
+        for mod in mods:
+            _check_component(mod, component)
+    check(recipe is None or component is not None, "recipe", "given with the component it trains", recipe)
+    if recipe is not None:
+        _check_recipe(recipe)
     for mod in mods:
         mod.parts[part.name] = part
+        if component is not None:
+            mod.component_specs[component.name] = component
+    if recipe is not None:
+        _RECIPES[recipe.name] = recipe
     return part
+
+
+def register_component(modality_name: str, component: Component) -> Component:
+    """Declare a pipeline component of ``modality_name`` (what ``register_part(component=...)``
+    does): its pipelines take it as an optional ``__init__`` argument, save and load it. The same
+    name twice is refused unless it is the same component."""
+    mod = modality(modality_name)
+    check(isinstance(component, Component), "component", "a mmspec.methods.Component", component)
+    _check_component(mod, component)
+    mod.component_specs[component.name] = component
+    return component
+
+
+def register_recipe(recipe: TrainingRecipe) -> TrainingRecipe:
+    """Add ``recipe`` to ``recipes()`` (an ``mmspec train`` subcommand)."""
+    _check_recipe(recipe)
+    _RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def _check_component(mod: Modality, component: Component) -> None:
+    known = mod.component_specs.get(component.name)
+    check(known is None or known == component, "component",
+          f"a component name not yet declared in {mod.name!r} (or the same component)", component.name)
+    check(component.name not in mod.components, "component",
+          f"a name other than the base components of {mod.name!r} ({', '.join(mod.components)})", component.name)
+    check(all(c.provides != component.provides for c in mod.component_specs.values() if c.name != component.name),
+          "component", f"a 'provides' name not yet declared in {mod.name!r}", component.provides)
+
+
+def _check_recipe(recipe: TrainingRecipe) -> None:
+    check(isinstance(recipe, TrainingRecipe), "recipe", "a mmspec.methods.TrainingRecipe", recipe)
+    known = _RECIPES.get(recipe.name)
+    check(known is None or known == recipe, "recipe", "a training recipe name not yet registered", recipe.name)
+
+
+def components(modality_name: str) -> tuple[Component, ...]:
+    """The pipeline components the parts of a modality declared, in registration order."""
+    return tuple(modality(modality_name).component_specs.values())
+
+
+def recipes() -> dict[str, TrainingRecipe]:
+    """The registered training recipes by name, in registration order (``mmspec train`` lists them)."""
+    return dict(_RECIPES)
 
 
 def register_method(name: str, parts: str | None = None, *, modalities: Iterable[str], doc: str = "",

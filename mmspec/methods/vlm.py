@@ -12,9 +12,9 @@ medusa   parallel heads (Medusa) score the whole tree in one pass, reading the r
          the image's mean embedding
 ======== =====================================================================================
 
-Components: ``target`` (a ``VLMTarget``), ``draft`` (the ``VLMTarget`` of the draft VLM),
-``eagle_head`` / ``specvlm_head`` / ``vispec_head`` (``VLMDraftHead``s, bound to the target here),
-``medusa_head`` (``MedusaHeads``). The three EAGLE head methods share the ``tree_*`` knobs;
+Components: ``target`` (a ``VLMTarget``); the parts declare ``draft_model`` (a small VLM, which
+``build`` reads as ``draft``, its ``VLMTarget``), ``eagle_head`` / ``specvlm_head`` /
+``vispec_head`` (``VLMDraftHead``s, bound to the target here) and ``medusa_head`` (``MedusaHeads``). The three EAGLE head methods share the ``tree_*`` knobs;
 ``medusa`` has its own ``medusa_*`` (its depth is bounded by its head count).
 """
 
@@ -26,11 +26,11 @@ from .. import core
 from ..core.errors import check
 from .shared import MedusaConfig, SDConfig
 from .knobs import check_config, knob
-from .registry import register_method, register_modality, register_part
+from .registry import Component, register_method, register_modality, register_part
 
 MODALITY = "vlm"
 HEADS = ("eagle", "specvlm", "vispec")
-register_modality(MODALITY, components=("target", "draft") + tuple(f"{h}_head" for h in HEADS) + ("medusa_head",),
+register_modality(MODALITY, components=("target",),
                   doc="answers about an image from a LLaVA-style VLM")
 
 
@@ -85,8 +85,24 @@ def _head_part(method: str):
     return build
 
 
+def _draft_view(model, components):
+    from ..adapters.vlm import VLMTarget  # the adapter imports the core only; no import at registration
+
+    return VLMTarget(model)
+
+
+COMPONENTS = {
+    "sd": Component("draft_model", "transformers:LlavaForConditionalGeneration", _draft_view, provides="draft",
+                    doc="a small VLM with the target's tokenizer"),
+    **{h: Component(f"{h}_head", "mmspec.models.vlm_draft:VLMDraftHead", doc=f"the {h} draft head")
+       for h in HEADS},
+    "medusa": Component("medusa_head", "mmspec.models.medusa:MedusaHeads", doc="parallel Medusa heads"),
+}
+"""The pipeline component of each trained drafter part (the draft VLM may be any class the
+adapter takes: LLaVA, Qwen2-VL, Qwen2.5-VL)."""
+
 register_part(
-    name="sd", kind="drafter", config=SDConfig, requires=("draft",),
+    name="sd", component=COMPONENTS["sd"], kind="drafter", config=SDConfig, requires=("draft",),
     build=lambda cfg, c: core.ModelChainDrafter(c["draft"], gamma=cfg.gamma),
     doc="a small draft VLM (same tokenizer, sees the image) drafting a chain (Leviathan et al., 2023)",
     modalities=(MODALITY,))
@@ -100,11 +116,11 @@ _HEAD_DOCS = {
     "vispec": "EAGLE-2 tree from a head seeing the image through ViSpec's vision adaptor + global feature",
 }
 for _h in HEADS:
-    register_part(name=_h, kind="drafter", config=TreeConfig, prefix="tree", requires=(f"{_h}_head",),
+    register_part(name=_h, component=COMPONENTS[_h], kind="drafter", config=TreeConfig, prefix="tree", requires=(f"{_h}_head",),
                   build=_head_part(_h), doc=_HEAD_DOCS[_h], modalities=(MODALITY,))
 
 register_part(
-    name="medusa", kind="drafter", config=MedusaConfig, prefix="medusa", requires=("medusa_head",),
+    name="medusa", component=COMPONENTS["medusa"], kind="drafter", config=MedusaConfig, prefix="medusa", requires=("medusa_head",),
     build=lambda cfg, c: core.ParallelHeadsDrafter(c["medusa_head"].bind(c["target"]), top_k=cfg.top_k,
                                                    total_tokens=cfg.total_tokens, depth=cfg.depth),
     doc="parallel heads (Medusa) on the target's features score a whole EAGLE-2 tree in one pass; they also "

@@ -12,10 +12,23 @@ TARGET = "target"
 VERIFY_WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 DRAFT_GRID_MAX = 16  # draft curves: the grid's widths up to here, plus every width a row used
 WITHIN = 0.15  # issue 14: measured wall speed-up within 15% of the ceiling
-# the drafter part of a method -> the pipeline component whose passes are its draft passes
-DRAFT_ROLES = {"sd": "draft_model", "eagle": "eagle_head", "specvlm": "specvlm_head", "vispec": "vispec_head",
-               "medusa": "medusa_head"}
 TARGETS = ("ar-image", "vlm", "continuous")
+
+
+def _draft_roles() -> dict[str, str]:
+    roles = {}
+    for modality in TARGETS:
+        declared = {c.provides: c.name for c in methods.components(modality)}
+        for part in methods.parts(modality).values():
+            for need in part.requires:
+                if part.kind == "drafter" and need in declared:
+                    roles.setdefault(part.name, declared[need])
+    return roles
+
+
+DRAFT_ROLES = _draft_roles()
+"""The drafter part of a method -> the pipeline component whose passes are its draft passes (the
+registry's ``Component`` the part requires: ``{"sd": "draft_model", "eagle": "eagle_head", ...}``)."""
 SMALL_EAGLE = {"eagle_top_k": 2, "eagle_depth": 1, "eagle_total_tokens": 3}
 DEFAULT_ROWS = {  # (label, method, knobs) per target; "none" first, the baseline of the ratios
     "ar-image": (("none", "none", {}), ("sd", "sd", {}), ("eagle", "eagle", {}),
