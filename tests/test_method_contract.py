@@ -4,9 +4,9 @@ decoding equals ``method="none"`` token for token, for every modality with a tin
 - ``ar-image``: tiny random components built here (a one-layer LlamaGen target and draft, random
   EAGLE and Medusa heads: a method that needs a trained component gets a random one);
 - ``vlm``: the bundled tiny VLM (``assets/vlm``, every head present);
-- ``continuous``: no greedy decoding exists (the heads sample densities), so its exactness is the
-  seeded distribution tests of ``tests/test_continuous_core.py`` (and the pipeline's in
-  ``tests/test_continuous_pipeline.py``); its methods are listed here as skipped with that reason.
+- ``continuous`` is not parametrised here: its heads sample densities, so there is no greedy
+  decoding to compare; its methods' exactness is the seeded distribution (PIT) tests with broken
+  controls of ``tests/test_continuous_core.py`` and ``tests/test_continuous_jacobi.py``.
 
 The sampled half of the contract (a distribution test that a deliberately broken rule fails)
 lives beside each family's decoder: ``tests/test_exactness.py`` and ``tests/test_vlm_pipeline.py``.
@@ -25,7 +25,7 @@ from mmspec.models.vq import TinyVQModel
 from mmspec.pipelines import SpeculativeARImagePipeline, SpeculativeVLMPipeline
 
 VLM_ASSETS = Path(__file__).resolve().parents[1] / "assets" / "vlm"
-MODALITIES = ("ar-image", "vlm", "continuous")
+MODALITIES = ("ar-image", "vlm")  # the modalities with greedy decoding
 CASES = [(m, name) for m in MODALITIES for name in methods.names(m)
          if name != "none" and methods.resolve(m, name).lossless]
 
@@ -78,9 +78,6 @@ def _pipe_and_reference(modality):
 
 @pytest.mark.parametrize("modality, method", CASES)
 def test_greedy_equals_none(modality, method):
-    if modality not in CALLS:
-        pytest.skip(f"{modality} has no greedy decoding: its exactness is the seeded distribution tests of "
-                    "tests/test_continuous_core.py")
     pipe, reference = _pipe_and_reference(modality)
     _, kwargs, tokens = CALLS[modality]
     out = pipe(**kwargs(), method=method)

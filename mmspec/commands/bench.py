@@ -33,11 +33,16 @@ def _progress(args):
     return None if args.quiet else progress
 
 
+def _config(config_cls, args):
+    """The bench's config: its ``quick()`` sizes with ``--quick``, its defaults otherwise."""
+    return config_cls.quick() if args.quick else config_cls()
+
+
 @_bench("core")
 def _core(args):
     from ..bench import core, report
 
-    cfg = core.CoreBenchConfig.quick() if args.quick else core.CoreBenchConfig()
+    cfg = _config(core.CoreBenchConfig, args)
     return core.run(cfg, progress=_progress(args)), report.CORE_COLUMNS
 
 
@@ -45,7 +50,7 @@ def _core(args):
 def _ar_image(args):
     from ..bench import ar_image
 
-    cfg = ar_image.ARImageBenchConfig.quick() if args.quick else ar_image.ARImageBenchConfig()
+    cfg = _config(ar_image.ARImageBenchConfig, args)
     if args.images is not None:
         cfg.images = args.images
     return ar_image.public(ar_image.run(cfg, progress=_progress(args))), ar_image.AR_IMAGE_COLUMNS
@@ -55,7 +60,7 @@ def _ar_image(args):
 def _vlm(args):
     from ..bench import vlm
 
-    cfg = vlm.VLMBenchConfig.quick() if args.quick else vlm.VLMBenchConfig()
+    cfg = _config(vlm.VLMBenchConfig, args)
     if args.pipeline is not None:
         cfg.pipeline_dir = args.pipeline
     return vlm.run(cfg, progress=_progress(args)), vlm.VLM_COLUMNS
@@ -65,7 +70,7 @@ def _vlm(args):
 def _video(args):
     from ..bench import video
 
-    cfg = video.VideoBenchConfig.quick() if args.quick else video.VideoBenchConfig()
+    cfg = _config(video.VideoBenchConfig, args)
     if args.frames is not None:
         cfg.frames = tuple(args.frames)
     groups = set(args.groups or VIDEO_GROUPS)
@@ -81,7 +86,7 @@ def _video(args):
 def _kernels(args):
     from ..bench import kernels
 
-    cfg = kernels.KernelBenchConfig.quick() if args.quick else kernels.KernelBenchConfig()
+    cfg = _config(kernels.KernelBenchConfig, args)
     return kernels.run(cfg, progress=_progress(args)), kernels.KERNELS_COLUMNS
 
 
@@ -89,7 +94,7 @@ def _kernels(args):
 def _continuous(args):
     from ..bench import continuous
 
-    cfg = continuous.ContinuousBenchConfig.quick() if args.quick else continuous.ContinuousBenchConfig()
+    cfg = _config(continuous.ContinuousBenchConfig, args)
     return continuous.public(continuous.run(cfg, progress=_progress(args))), continuous.CONTINUOUS_COLUMNS
 
 
@@ -97,7 +102,7 @@ def _continuous(args):
 def _cost(args):
     from ..bench import cost
 
-    cfg = cost.CostBenchConfig.quick() if args.quick else cost.CostBenchConfig()
+    cfg = _config(cost.CostBenchConfig, args)
     cfg.gpu_curve = args.gpu_curve  # checked and loaded by check
     result = cost.public(cost.run(cfg, progress=_progress(args)))
     return result, cost.columns(result)
@@ -107,7 +112,7 @@ def _cost(args):
 def _compile(args):
     from ..bench import compile as compiled
 
-    cfg = compiled.CompileBenchConfig.quick() if args.quick else compiled.CompileBenchConfig()
+    cfg = _config(compiled.CompileBenchConfig, args)
     return compiled.run(cfg, progress=_progress(args)), compiled.COMPILE_COLUMNS
 
 
@@ -115,7 +120,7 @@ def _compile(args):
 def _glm_image(args):
     from ..bench import glm_image
 
-    cfg = glm_image.GlmImageBenchConfig.quick() if args.quick else glm_image.GlmImageBenchConfig()
+    cfg = _config(glm_image.GlmImageBenchConfig, args)
     return glm_image.run(cfg, progress=_progress(args)), glm_image.GLM_IMAGE_COLUMNS
 
 

@@ -644,9 +644,7 @@ class JacobiDensityDrafter(DrafterBase):
         src = torch.zeros(state.batch_size, n, dtype=torch.long, device=state.lengths.device)
         self.noise = None
         if self.coupling == "noise" and type(q).noise is not TokenDist.noise:
-            self.q, flat, gen = self._gather(state, q, src)
-            self.noise = self._fresh_noise(flat, gen, state.batch_size, n)
-            self.draws = _unflatten(flat.from_noise(self.noise.flatten(0, 1)), state.batch_size, n)
+            self._noise_draws(state, q, src)
         else:
             self.q, self.draws = self._fresh(state, q, src)
         check(not self.draws.aux and self.draws.log_prob is not None and (
@@ -664,10 +662,15 @@ class JacobiDensityDrafter(DrafterBase):
         return dists[rows, src], dists[rows.reshape(-1), src.reshape(-1)], select_rows(state.generator,
                                                                                       rows.reshape(-1))
 
-    @staticmethod
-    def _fresh_noise(flat: TokenDist, gen, B: int, n: int) -> torch.Tensor:
-        """(B, n, k) fresh noise for the (B n,) flat distributions (entry (b, k) from row b's generator)."""
-        return flat.noise(gen).unflatten(0, (B, n))
+    def _noise_draws(self, state: DecodeState, dists: TokenDist, src: torch.Tensor, held: torch.Tensor | None = None,
+                     keep: torch.Tensor | None = None) -> None:
+        """The noise coupling's window: q = ``dists[b, src[b, k]]``, each slot's noise fresh (entry
+        (b, k) from row b's generator) or, where ``keep`` (B, n), the ``held`` (B, n, k) noise of
+        its position, and the draws ``q.from_noise(noise)``."""
+        self.q, flat, gen = self._gather(state, dists, src)
+        noise = flat.noise(gen).unflatten(0, src.shape)
+        self.noise = noise if held is None else torch.where(keep[..., None], held, noise)
+        self.draws = _unflatten(flat.from_noise(self.noise.flatten(0, 1)), *src.shape)
 
     def _fresh(self, state: DecodeState, dists: TokenDist, src: torch.Tensor) -> tuple[TokenDist, Draw]:
         """Independent draws from ``dists[b, src[b, k]]``: ((B, n) q, (B, n) draws with log q)."""
@@ -693,13 +696,9 @@ class JacobiDensityDrafter(DrafterBase):
         if self.coupling == "independent":
             self.q, self.draws = self._fresh(state, target_probs, src)
             return
-        if self.coupling == "noise":  # held slots keep their noise, the others get fresh noise
-            self.q, flat, gen = self._gather(state, target_probs, src)
+        if self.coupling == "noise":  # held slots keep their position's noise, the others get fresh noise
             rows = torch.arange(B, device=device)[:, None]
-            held = self.noise[rows, pos.clamp(max=G - 1)]
-            noise = torch.where((pos < G)[..., None], held, self._fresh_noise(flat, gen, B, n))
-            self.noise = noise
-            self.draws = _unflatten(flat.from_noise(noise.flatten(0, 1)), B, n)
+            self._noise_draws(state, target_probs, src, self.noise[rows, pos.clamp(max=G - 1)], pos < G)
             return
         q2, q_new, gen = self._gather(state, target_probs, src)  # (B, n) and (B n,)
         old = (pos < G).reshape(-1)  # slots that held a draft (drawn from q_old)
