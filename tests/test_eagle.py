@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmspec import commands
-from mmspec.core import EagleTreeDrafter, LogitsPipeline, SpeculativeDecoder, SpeculativeSampling
+from mmspec.core import EagleTreeDrafter, LogitsPipeline, ModelTreeDrafter, SpeculativeDecoder, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index, total_variation
 from mmspec.models import load_checkpoint
 from mmspec.models.eagle import EagleDraftHead
@@ -108,6 +108,24 @@ def test_root_output_matches_a_from_scratch_head_pass(target, random_head):
         target.class_prompts(LABELS), GRID * GRID, uncond_input_ids=target.uncond_prompts(len(LABELS)),
         callback=compare)
     assert len(checked) == out.stats.target_forwards - 1 > 0
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("kind", ["eagle", "draft-model"])
+def test_a_tree_wider_than_its_block_fits_the_draft_cache(target, random_head, kind):
+    """A tree is fed to the draft level by level (``top_k`` nodes per level, ``depth`` levels)
+    before it is cut to ``total_tokens``, so a proposal made when a row's history is near the
+    decoder's capacity needs ``top_k * depth`` draft-cache slots past it, more than the two
+    verify blocks the capacity leaves when ``total_tokens`` is small (EAGLE-2's top-k tree; a
+    sampled tree verifies every node it feeds). Greedy decoding to the last token with such trees
+    runs (it overflowed the draft's cache before) and equals ``none``."""
+    knobs = dict(top_k=4, depth=4, total_tokens=3)  # 16 fed nodes, blocks of 3
+    drafter = EagleTreeDrafter(random_head, **knobs) if kind == "eagle" else ModelTreeDrafter(target, **knobs)
+    prompts = target.class_prompts(LABELS)
+    greedy = LogitsPipeline(temperature=0)
+    want = SpeculativeDecoder(target, logits=greedy).generate(prompts, GRID * GRID).sequences
+    got = SpeculativeDecoder(target, drafter, logits=greedy).generate(prompts, GRID * GRID).sequences
+    assert torch.equal(got, want)
 
 
 def test_needs_the_targets_features(random_head):

@@ -72,9 +72,10 @@ class _DraftModelRunner:
         self.vocab_size = model.vocab_size
         self.forwards = 0
         self.cache = self.exact = None
+        self.tree_slots = 0  # cache slots a proposal's tree nodes take past the history (tree drafters)
 
     def start(self, state: DecodeState) -> None:
-        self.cache = self.model.new_cache(state.rows, state.max_len)
+        self.cache = self.model.new_cache(state.rows, state.max_len + self.tree_slots)
         self.exact = torch.zeros_like(state.lengths)
 
     def _feed_history(self, state: DecodeState):
@@ -240,6 +241,7 @@ class ModelTreeDrafter(_ModelDrafter):
         super().__init__(model, conditioned)
         self.top_k, self.depth, self.total_tokens, self.mode = top_k, depth, total_tokens, mode
         self.max_block = _tree_block(model.vocab_size, top_k, depth, total_tokens, mode)
+        self.runner.tree_slots = _tree_slots(top_k, depth)
 
     def propose(self, state: DecodeState) -> DraftTree:
         logits = self.runner.root_logits(state)
@@ -259,6 +261,13 @@ def _tree_block(vocab_size, top_k, depth, total_tokens, mode) -> int:
     check(isinstance(total_tokens, int) and total_tokens >= 2, "total_tokens", "an int >= 2", total_tokens)
     nodes = top_k + depth * top_k * top_k
     return 1 + (min(nodes, total_tokens - 1) if mode == "topk" else nodes)
+
+
+def _tree_slots(top_k: int, depth: int) -> int:
+    """Draft-cache slots one proposal's tree takes past the committed history: every level feeds
+    its ``top_k`` frontier nodes, all of them, before the tree is cut to ``total_tokens`` (so a
+    row whose history fills the decoder's capacity, ``state.max_len``, still has room)."""
+    return top_k * depth
 
 
 def _node_scores(state: DecodeState, logits: torch.Tensor, mode: str) -> torch.Tensor:
@@ -308,7 +317,7 @@ class EagleTreeDrafter(DrafterBase):
         R, S, H = out.hidden.shape
         self.features = out.hidden.new_zeros(R, state.tokens.shape[1], H)  # [r, j]: feature at position j
         self.features[:, :S] = out.hidden
-        self.cache = self.head.new_cache(R, state.max_len)
+        self.cache = self.head.new_cache(R, state.max_len + _tree_slots(self.top_k, self.depth))
         self.head.start(self.cache, state)  # the head's per-prompt preparation (a no-op for most)
         self.fed = torch.zeros_like(state.lengths)  # head entries at positions 1 .. fed are committed
 
