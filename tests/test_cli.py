@@ -86,3 +86,16 @@ def test_help_lists_debug_and_exits_zero(capsys):
     with pytest.raises(SystemExit) as exit_:
         commands.main(["generate", "vlm", "--help"])
     assert exit_.value.code == 0 and "--debug" in capsys.readouterr().out
+
+
+def test_generate_lists_the_registered_modalities_with_a_bundled_pipeline():
+    from mmspec import methods
+    from mmspec.commands import generate
+
+    gen = next(a for a in commands.build_parser()._actions if a.dest == "command").choices["generate"]
+    kinds = next(a for a in gen._actions if a.dest == "kind").choices
+    assert tuple(kinds) == tuple(generate.MODALITIES) == ("vlm", "video", "ar-image", "continuous")
+    assert set(methods.modalities()) - set(generate.MODALITIES) == {"text"}  # no bundled text pipeline
+    for name, parser in kinds.items():  # where a modality takes --method, its choices are the registry's names
+        method = next((a for a in parser._actions if "--method" in a.option_strings), None)
+        assert method is None or method.choices is None or tuple(method.choices) == methods.names(name)

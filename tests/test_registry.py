@@ -224,14 +224,6 @@ def test_recipes_and_modality_defaults():
     assert methods.knobs("ar-image", "lantern")["lantern_lam"].allowed() == "None or a float >= 1"
 
 
-def test_the_old_entry_points_are_the_registry():
-    from mmspec.adapters import vlm_methods
-
-    assert vlm_methods.METHODS == methods.names("vlm")
-    assert vlm_methods.parse_knobs("eagle", {"tree_depth": 3}) == {"tree": vlm_methods.TreeConfig(depth=3)}
-    assert vlm_methods.method_knobs("lookup") == {"lookup_num_tokens": 10, "lookup_max_ngram": 2}
-
-
 # -- refused, with the message ------------------------------------------------------------------
 AR_METHODS = ", ".join(repr(m) for m in methods.names("ar-image"))
 
@@ -368,6 +360,28 @@ def test_components_and_training_recipes_are_declared_and_checked():
         methods.TrainingRecipe("x", lambda out, **kw: {}, heldout_metric="")
     with pytest.raises(ValueError, match="options must be"):
         methods.TrainingRecipe("x", lambda out, **kw: {}, "m", options=(("target", str, None, "h"),))
+    for alias in ("ar-draft --kind", "ar-draft kind chain", "Ar-draft", "ar-draft --kind chain --x y"):
+        with pytest.raises(ValueError, match=r"alias must be '' or a subcommand as typed"):
+            methods.TrainingRecipe("x", lambda out, **kw: {}, "m", alias=alias)
+    with pytest.raises(ValueError, match="report must be a callable or None"):
+        methods.TrainingRecipe("x", lambda out, **kw: {}, "m", report="held-out")
+    with pytest.raises(ValueError, match="check_options must be a callable or None"):
+        methods.TrainingRecipe("x", lambda out, **kw: {}, "m", check_options=3)
+    with pytest.raises(ValueError, match="component must be one of 'draft_model', 'eagle_head', 'medusa_head'"):
+        methods.recipe_for("ar-image", "codebook")
     with pytest.raises(ValueError, match="recipe must be given with the component it trains"):
         methods.register_part(name="norecipe", kind="drafter", config=RepeatConfig, build=lambda cfg, c: None,
                               modalities=("text",), recipe=methods.TrainingRecipe("x", lambda out, **kw: {}, "m"))
+
+
+def test_training_recipes_are_linked_to_their_components():
+    assert methods.modalities() == ("ar-image", "continuous", "text", "video", "vlm")
+    assert methods.recipe_for("ar-image", "medusa_head") is methods.recipes()["ar-medusa"]
+    assert methods.recipe_for("vlm", "draft_model").name == "vlm-sd"
+    recipe = methods.TrainingRecipe(
+        "x", lambda out, **kw: {}, "m", alias="ar-draft --kind x",
+        options=(("--target", str, methods.REQUIRED, "t"), ("--rollout-steps", int, 2, "r"), ("--heads", int, None, "h")))
+    assert recipe.option_values({"target": "d", "rollout_steps": None, "other": 1}) == \
+        {"target": "d", "rollout_steps": 2, "heads": None}
+    assert recipe.option_values({}) == {"target": None, "rollout_steps": 2, "heads": None}
+    assert repr(methods.REQUIRED) == "REQUIRED" and methods.option_name("--rollout-steps") == "rollout_steps"

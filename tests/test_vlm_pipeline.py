@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mmspec.adapters.vlm_methods import METHODS, build_drafter, method_knobs
+from mmspec import methods
 from mmspec.core import LogitsPipeline, SpeculativeDecoder, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue
 from mmspec.pipelines import SpeculativeVLMPipeline
@@ -24,6 +24,17 @@ from mmspec.training.recipes.common import heldout_seed
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "vlm"
 N_PROMPTS, BATCH, NEW_TOKENS = 50, 10, 96
+METHODS = methods.names("vlm")
+
+
+def build_drafter(method, target, *, draft, heads):
+    """``method``'s drafter through the registry; ``heads`` maps ``eagle``/.../``medusa`` to heads."""
+    components = {"target": target, "draft": draft, **{f"{h}_head": head for h, head in heads.items()}}
+    return methods.build(methods.resolve("vlm", method), components).drafter
+
+
+def method_knobs(method):
+    return {name: spec.default for name, spec in methods.knobs("vlm", method).items()}
 
 
 @pytest.fixture(scope="module")

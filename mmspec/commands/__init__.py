@@ -59,12 +59,16 @@
     mmspec train continuous-draft --tokenizer DIR --target DIR [--distill W] --out DIR
                                      the continuous AR target and its drafts (target 9,000 steps in 19 min
                                      at two threads, drafts 4,000 and 2,500 steps in 6 and 9 min at one)
+    mmspec train ar-eagle | vlm-medusa | continuous-sd | ... --out DIR
+                                     each trained drafter's registered recipe (mmspec.methods); ar-draft,
+                                     vlm-draft and continuous-draft run them
 
 One module per subcommand (``bench``, ``generate``, ``train``, ...), each with
 ``register_subcommand(subparsers)``, ``run(args)`` and, where arguments depend on each other,
 ``check(args)``; ``common`` holds the parser class and the argument types they share. Method names
-come from the method registry (``mmspec.methods``), recipe kinds from the recipes' tables, bench
-names from ``bench.BENCHES``.
+come from the method registry (``mmspec.methods``), and so do the trained drafters' recipes (with
+the ``ar-draft --kind`` / ``vlm-draft --method`` choices); other recipe kinds come from the
+recipes' tables, bench names from ``bench.BENCHES``.
 """
 
 from __future__ import annotations

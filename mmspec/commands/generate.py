@@ -14,13 +14,11 @@ NAME = "generate"
 
 
 def register_subcommand(subparsers) -> None:
-    gen = subparsers.add_parser(NAME, help="run a bundled pipeline: images (ar-image), answers (vlm) or videos "
-                                           "(video)")
+    gen = subparsers.add_parser(NAME, help="run a bundled pipeline: images (ar-image, continuous), answers (vlm) "
+                                           "or videos (video)")
     kinds = gen.add_subparsers(dest="kind", required=True)
-    _add_vlm(kinds)
-    _add_video(kinds)
-    _add_ar_image(kinds)
-    _add_continuous(kinds)
+    for add in MODALITIES.values():
+        add(kinds)
 
 
 def _add_common(p) -> None:
@@ -115,6 +113,12 @@ def _add_continuous(kinds) -> None:
                    help="CFG scale, MAR's linear schedule (default 2.0)")
     c.add_argument("--temperature", type=positive_float, default=1.0, help="MAR's temperature, > 0 (default 1.0)")
     _add_common(c)
+
+
+MODALITIES = {"vlm": _add_vlm, "video": _add_video, "ar-image": _add_ar_image, "continuous": _add_continuous}
+"""``{modality: add_parser(subparsers)}`` in ``mmspec generate --help`` order: the registered
+modalities (``mmspec.methods.modalities()``) that have a bundled pipeline, each with options of
+its own (``"text"`` has no bundled pipeline)."""
 
 
 def check(args) -> None:

@@ -1,18 +1,47 @@
 """``mmspec train RECIPE``: rebuild a tiny checkpoint from a seed with one of the training recipes
-(``mmspec.training.recipes``). Each recipe is one entry of ``RECIPES``: its help line, the options
-of its own and the call that runs it; the kinds and methods a recipe accepts are read from its
-table (``ar_draft.KINDS``, ``vlm_draft.METHODS``, ...). The training recipes that drafter parts
-register (``mmspec.methods.recipes()``) follow as subcommands of their own, their options and
-defaults read from their ``TrainingRecipe``."""
+(``mmspec.training.recipes``). The models drafters work for (tokenizers, targets, judges) are
+entries of ``RECIPES``: a help line, the options of their own and the call that runs them; the
+kinds a recipe accepts are read from its table (``continuous.TOKENIZER_KINDS``, ...). Trained
+drafters declare their ``TrainingRecipe`` where their part is registered (``mmspec.methods``):
+each is a subcommand of its own (``ar-eagle``, ``vlm-medusa``, ``continuous-sd``, ...), its
+options, defaults, checks and report read from the recipe. ``ar-draft --kind K``, ``vlm-draft
+--method M`` and ``continuous-draft`` stay in ``RECIPES`` as aliases (the Makefile and the docs
+use them): they run the registered recipe whose ``alias`` names them, and their ``--kind`` /
+``--method`` choices are those recipes."""
 
 from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
+from .. import methods
 from .common import (TableChoices, existing_dir, non_negative_int, number, output_dir, positive_float, positive_int,
                      set_threads)
 
 NAME = "train"
+
+
+def _aliased(name: str) -> dict:
+    """``{value: TrainingRecipe}``: the registered recipes the alias ``name`` runs, by the value of
+    its selecting option (``"chain"`` for ``alias="ar-draft --kind chain"``; ``""`` where one
+    recipe is the whole subcommand), in registration order."""
+    found = {}
+    for recipe in methods.recipes().values():
+        words = recipe.alias.split()
+        if words and words[0] == name:
+            found[words[2] if len(words) == 3 else ""] = recipe
+    return found
+
+
+def _alias_defaults(name: str) -> dict:
+    """The CLI defaults of an alias: those of the recipes it runs, which must agree."""
+    found = _aliased(name)
+    shared = {tuple(sorted(r.defaults.items())) for r in found.values()}
+    if len(shared) != 1:
+        names = ", ".join(r.name for r in found.values()) or "none"
+        raise ValueError(f"the registered recipes of 'mmspec train {name}' ({names}) must share their defaults "
+                         "(steps, batch_size, lr, dataset_size)")
+    return dict(next(iter(found.values())).defaults)
+
 
 # defaults sized from measured step times on a 2-core CPU at 2 threads (0.24 s per VQ step at
 # batch 16; 0.62-0.70 s per AR step at batch 32): about 6 and 35 minutes (3,000 AR steps: at 2,000
@@ -20,14 +49,12 @@ NAME = "train"
 TRAIN_DEFAULTS = {
     "vq": dict(steps=1500, batch_size=16, lr=1e-3, dataset_size=4096),
     "ar-image": dict(steps=3000, batch_size=32, lr=1e-3, dataset_size=32768),
-    # one thread, batch 16: ~0.33 s per eagle step (the frozen target's forward dominates), ~0.2 s
-    # per chain step; about 5 and 3.5 minutes with tokenizing
-    "ar-draft": dict(steps=800, batch_size=16, lr=1e-3, dataset_size=4096),
+    "ar-draft": _alias_defaults("ar-draft"),  # the drafters' recipes' (mmspec.methods.ar_image.TRAINING)
     # one thread, batch 32: ~0.11 s per step; about 3 minutes, held-out accuracy ~0.965
     "classifier": dict(steps=1600, batch_size=32, lr=3e-3, dataset_size=4096),
     # two threads, batch 32: ~0.95 s per target step (~26 min), ~0.1 s per draft-VLM step
     "vlm": dict(steps=1600, batch_size=32, lr=1e-3, dataset_size=16000),
-    "vlm-draft": dict(steps=1000, batch_size=16, lr=1e-3, dataset_size=8000),
+    "vlm-draft": _alias_defaults("vlm-draft"),  # mmspec.methods.vlm.TRAINING
     # two threads, alone: the autoencoder (dataset_size in frames) 57 s with rendering; the video
     # transformer (dataset_size in clips of 18 frames) ~0.53 s per step with self-rollouts on 30%
     # of them, 3,386 s for the bundled weights: 57.4 minutes from a seed
@@ -37,10 +64,9 @@ TRAIN_DEFAULTS = {
     "video-judge": dict(steps=1000, batch_size=64, lr=3e-3, dataset_size=16384),
     # --kind conv (default): 1,500 Adam steps of a small conv autoencoder; --kind pca: an SVD, seconds
     "continuous-tokenizer": dict(steps=1500, batch_size=32, lr=2e-3, dataset_size=4096),
-    # batch 32, 64 tokens of 8 channels: 0.12 s per target step at two threads (9,000: 19 min), 0.08 s per plain
-    # draft step, 0.18 s per distilled draft step at one thread each (the two drafts side by side)
+    # batch 32, 64 tokens of 8 channels: 0.12 s per target step at two threads (9,000: 19 min)
     "continuous-ar": dict(steps=9000, batch_size=32, lr=1e-3, dataset_size=16384),
-    "continuous-draft": dict(steps=4000, batch_size=32, lr=2e-3, dataset_size=16384),
+    "continuous-draft": _alias_defaults("continuous-draft"),  # mmspec.methods.continuous.DRAFT_TRAINING
 }
 
 
@@ -51,16 +77,11 @@ VIDEO_ROLLOUT = dict(rollout_prob=0.3, rollout_strength=[0.3, 0.8])
 class Recipe(NamedTuple):
     """One ``mmspec train`` subcommand: its help line, ``options(parser)`` adding the recipe's own
     options, and ``run(args, common)`` training and printing the held-out figures (``common``: the
-    keyword arguments every recipe takes)."""
+    keyword arguments every recipe takes); ``run`` None for an alias of registered recipes."""
 
     help: str
     options: Callable
-    run: Callable
-
-
-def _agreement(top1) -> str:
-    """A recipe's held-out top-1 agreement: one figure, or one per parallel head."""
-    return ", ".join(f"{x:.4f}" for x in top1) if isinstance(top1, list) else f"{top1:.4f}"
+    run: Callable | None
 
 
 def _vq_option(p, required: bool = True, help: str = "folder written by 'mmspec train vq'") -> None:
@@ -87,26 +108,15 @@ def _run_ar_image(args, common) -> None:
 
 
 def _ar_draft_options(p) -> None:
-    p.add_argument("--kind", required=True,
+    p.add_argument("--kind", required=True, choices=tuple(_aliased("ar-draft")),
                    help="eagle: feature head on the target; medusa: parallel heads on the target's "
-                        "features (root token, token above, column); chain: a small AR model",
-                   ).choices = TableChoices("mmspec.training.recipes.ar_draft", "KINDS")
+                        "features (root token, token above, column); chain: a small AR model")
     p.add_argument("--target", type=existing_dir, metavar="DIR",
                    help="folder written by 'mmspec train ar-image' (required for --kind eagle and medusa)")
     p.add_argument("--heads", type=positive_int, default=None,
                    help="medusa only: parallel heads, the tree's depth below the root (default 4, "
                         "less than the grid's width)")
     _vq_option(p)
-
-
-def _run_ar_draft(args, common) -> None:
-    from ..training import recipes
-
-    record = recipes.train_ar_draft(args.out, kind=args.kind, vq_dir=args.vq, target_dir=args.target,
-                                    **({} if args.heads is None else {"medusa_heads": args.heads}), **common)
-    metric = (f"held-out top-1 agreement {_agreement(record['heldout_top1'])}" if args.kind != "chain"
-              else f"held-out loss {record['heldout_loss']:.4f}")
-    print(f"saved {args.out}: {metric}, {record['wall_time_s']:.0f} s")
 
 
 def _classifier_options(p) -> None:
@@ -138,28 +148,16 @@ def _run_vlm(args, common) -> None:
 
 
 def _vlm_draft_options(p) -> None:
-    p.add_argument("--method", required=True,
+    p.add_argument("--method", required=True, choices=tuple(_aliased("vlm-draft")),
                    help="eagle: all image tokens; specvlm: elastic visual compressor; "
                         "vispec: vision adaptor + global image feature; medusa: parallel heads "
-                        "(root token + global image feature)",
-                   ).choices = TableChoices("mmspec.training.recipes.vlm_draft", "METHODS")
+                        "(root token + global image feature)")
     p.add_argument("--target", required=True, type=existing_dir, metavar="DIR",
                    help="folder written by 'mmspec train vlm' (the VLM it drafts for)")
     p.add_argument("--rollout-steps", type=positive_int, default=None,
                    help="anti-shortcut rollout steps (default: 2 for vispec, 1 otherwise)")
     p.add_argument("--heads", type=positive_int, default=None,
                    help="medusa only: parallel heads, the tree's depth below the root (default 6)")
-
-
-def _run_vlm_draft(args, common) -> None:
-    from ..training import recipes
-
-    record = recipes.train_vlm_draft(args.out, method=args.method, target_dir=args.target,
-                                     rollout_steps=args.rollout_steps,
-                                     **({} if args.heads is None else {"medusa_heads": args.heads}), **common)
-    if record is not None:  # None on the other processes of an accelerate launch
-        print(f"saved {args.out}: held-out top-1 agreement {_agreement(record['heldout_top1'])}, "
-              f"{record['wall_time_s']:.0f} s on {record['processes']} process(es)")
 
 
 def _run_video_ae(args, common) -> None:
@@ -238,30 +236,24 @@ def _continuous_options(p, draft: bool) -> None:
                        help="weight of distillation to the target's heads, in [0, 1] (default 0: data only)")
 
 
-def _run_continuous(args, common) -> None:
+def _run_continuous_ar(args, common) -> None:
     from ..training import recipes
 
-    if args.recipe == "continuous-ar":
-        record = recipes.train_continuous_ar(args.out, tokenizer_dir=args.tokenizer, input_noise=args.input_noise,
-                                             **common)
-    else:
-        record = recipes.train_continuous_draft(args.out, tokenizer_dir=args.tokenizer, target_dir=args.target,
-                                                distill=args.distill, input_noise=args.input_noise, **common)
-    print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f} (mixture "
-          f"{record['heldout_losses']['mixture']:.4f}), {record['s_per_step']:.2f} s/step, "
-          f"{record['wall_time_s']:.0f} s")
+    record = recipes.train_continuous_ar(args.out, tokenizer_dir=args.tokenizer, input_noise=args.input_noise,
+                                         **common)
+    print(f"saved {args.out}: {methods.continuous.report(record)}")
 
 
 RECIPES = {
     "vq": Recipe("the VQ tokenizer on procedural shapes", _no_options, _run_vq),
     "ar-image": Recipe("the class-conditional AR image model on a trained VQ's ids", _vq_option, _run_ar_image),
     "ar-draft": Recipe("a draft for the AR image model: EAGLE's feature head, Medusa heads or a small chain model",
-                       _ar_draft_options, _run_ar_draft),
+                       _ar_draft_options, None),
     "classifier": Recipe("the shapes classifier whose features the AR image bench's FD uses", _classifier_options,
                          _run_classifier),
     "vlm": Recipe("a tiny LLaVA-architecture VLM on procedural image/question/answer data", _vlm_options, _run_vlm),
     "vlm-draft": Recipe("a draft head for the VLM (eagle, specvlm, vispec, medusa) by online-logit distillation",
-                        _vlm_draft_options, _run_vlm_draft),
+                        _vlm_draft_options, None),
     "video-ae": Recipe("the streaming video model's per-frame autoencoder on procedural moving shapes", _no_options,
                        _run_video_ae),
     "video": Recipe("the chunk-causal video transformer on a trained frame autoencoder's latents", _video_options,
@@ -271,12 +263,16 @@ RECIPES = {
     "continuous-tokenizer": Recipe("the continuous tokenizer (a conv autoencoder, or --kind pca: closed form)",
                                    _continuous_tokenizer_options, _run_continuous_tokenizer),
     "continuous-ar": Recipe("the continuous-token AR target (backbone, mixture head, diffusion head)",
-                            lambda p: _continuous_options(p, draft=False), _run_continuous),
+                            lambda p: _continuous_options(p, draft=False), _run_continuous_ar),
     "continuous-draft": Recipe("a small continuous draft, optionally distilled to the target (--distill)",
-                               lambda p: _continuous_options(p, draft=True), _run_continuous),
+                               lambda p: _continuous_options(p, draft=True), None),
 }
 """``{recipe: Recipe}``, in the order ``mmspec train --help`` lists them (``TRAIN_DEFAULTS`` has
 the same keys)."""
+
+
+def _metavar(kind) -> str | None:
+    return "DIR" if kind is str else None  # the registered recipes' str options are folders
 
 
 def _registered_options(recipe):
@@ -284,7 +280,11 @@ def _registered_options(recipe):
 
     def options(p) -> None:
         for flag, kind, default, help in recipe.options:
-            p.add_argument(flag, type=kind, default=default, help=f"{help} (default {default})")
+            if default is methods.REQUIRED:
+                p.add_argument(flag, type=kind, required=True, metavar=_metavar(kind), help=help)
+            else:
+                shown = "" if default is None else f" (default {default})"
+                p.add_argument(flag, type=kind, default=default, metavar=_metavar(kind), help=help + shown)
 
     return options
 
@@ -292,8 +292,6 @@ def _registered_options(recipe):
 def registered_recipes() -> dict:
     """``{name: TrainingRecipe}`` of the registry (``mmspec.methods.recipes()``); a name the
     built-in ``RECIPES`` use is refused naming it."""
-    from .. import methods
-
     found = methods.recipes()
     clash = sorted(set(found) & set(RECIPES))
     if clash:
@@ -305,7 +303,8 @@ def registered_recipes() -> dict:
 def register_subcommand(subparsers) -> None:
     train = subparsers.add_parser(NAME, help="rebuild a tiny checkpoint from a seed")
     recipes = train.add_subparsers(dest="recipe", required=True)
-    entries = [(name, recipe.help, recipe.options, TRAIN_DEFAULTS[name]) for name, recipe in RECIPES.items()]
+    entries = [(name, recipe.help, recipe.options, TRAIN_DEFAULTS[name] if recipe.run else _alias_defaults(name))
+               for name, recipe in RECIPES.items()]
     entries += [(name, r.doc or f"train the {name} drafter", _registered_options(r), dict(r.defaults))
                 for name, r in registered_recipes().items()]
     for name, help, options, defaults in entries:
@@ -326,29 +325,58 @@ def register_subcommand(subparsers) -> None:
         p.add_argument("--threads", type=positive_int, default=2, help="torch intra-op threads (default 2)")
 
 
+def _registered_call(args):
+    """``(TrainingRecipe, {option: value})`` that ``args`` run, or None for a built-in recipe. Through
+    an alias: the recipe its selecting option names; an option given that this recipe lacks, or one
+    it requires and is missing, raises ``ValueError`` naming them."""
+    if args.recipe not in RECIPES:
+        recipe = registered_recipes()[args.recipe]
+        return recipe, recipe.option_values(vars(args))
+    if RECIPES[args.recipe].run is not None:
+        return None
+    aliased = _aliased(args.recipe)
+    recipe = next(iter(aliased.values()))
+    words = recipe.alias.split()
+    if len(words) == 3:  # "ar-draft --kind chain": the recipe --kind names
+        selector = words[1]
+        value = getattr(args, methods.option_name(selector))
+        recipe = aliased[value]
+        declared = {flag for flag, *_ in recipe.options}
+        for flag in dict.fromkeys(f for r in aliased.values() for f, *_ in r.options):
+            if flag not in declared and getattr(args, methods.option_name(flag), None) is not None:
+                takers = [v for v, r in aliased.items() if flag in {f for f, *_ in r.options}]
+                raise ValueError(f"{flag} is for {selector} {' or '.join(takers)} only, got {selector} {value}")
+        for flag, kind, default, help in recipe.options:
+            if default is methods.REQUIRED and getattr(args, methods.option_name(flag), None) is None:
+                raise ValueError(f"{selector} {value} needs {flag} {_metavar(kind) or flag.lstrip('-').upper()} "
+                                 f"({help})")
+    return recipe, recipe.option_values(vars(args))
+
+
 def check(args) -> None:
-    """Arguments that need each other (``ValueError`` naming them)."""
-    if args.recipe == "ar-draft" and args.kind != "chain" and args.target is None:
-        raise ValueError(f"--kind {args.kind} needs --target DIR (the AR model it drafts for)")
-    if args.recipe == "ar-draft" and args.heads is not None and args.kind != "medusa":
-        raise ValueError(f"--heads is for --kind medusa only, got --kind {args.kind}")
-    if args.recipe == "vlm-draft" and args.heads is not None and args.method != "medusa":
-        raise ValueError(f"--heads is for --method medusa only, got --method {args.method}")
-    if args.recipe == "continuous-draft" and args.distill > 0 and args.target is None:
-        raise ValueError("--distill needs --target DIR (the continuous AR model it distills from)")
+    """Arguments that need each other (``ValueError`` naming them): what an alias's recipe lacks or
+    requires (``_registered_call``), then the registered recipe's ``check_options``."""
+    found = _registered_call(args)
+    if found is not None and found[0].check_options is not None:
+        found[0].check_options(found[1])
 
 
 def run(args) -> int:
     set_threads(args.threads)
     common = dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                   dataset_size=args.dataset_size, log_every=args.log_every, log=print)
-    if args.recipe in RECIPES:
+    found = _registered_call(args)
+    if found is None:
         RECIPES[args.recipe].run(args, common)
         return 0
-    recipe = registered_recipes()[args.recipe]
-    options = {flag.lstrip("-").replace("-", "_"): None for flag, *_ in recipe.options}
-    record = recipe.train(args.out, **{k: getattr(args, k) for k in options}, **common)
-    value = record[recipe.heldout_metric]
-    shown = f"{value:.4f}" if isinstance(value, float) else str(value)
-    print(f"saved {args.out}: {recipe.heldout_metric} {shown}")
+    recipe, options = found
+    record = recipe.train(args.out, **options, **common)
+    if record is None:  # the other processes of an accelerate launch
+        return 0
+    if recipe.report is not None:
+        shown = recipe.report(record)
+    else:
+        value = record[recipe.heldout_metric]
+        shown = f"{recipe.heldout_metric} {f'{value:.4f}' if isinstance(value, float) else value}"
+    print(f"saved {args.out}: {shown}")
     return 0

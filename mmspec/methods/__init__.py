@@ -12,20 +12,22 @@
 default, doc, allowed values); ``register_part`` / ``register_method`` add a drafter, rule or
 schedule and a named recipe of them (see ``registry``); a part declares the pipeline ``Component``
 it needs and, for a trained drafter, its ``TrainingRecipe``: ``components(modality)`` and
-``recipes()`` list them. Modalities: ``"ar-image"``
-(``methods.ar_image``), ``"vlm"`` (``methods.vlm``), ``"text"`` (``methods.text``),
+``recipes()`` list them, ``recipe_for(modality, component)`` links them. ``modalities()``:
+``"ar-image"`` (``methods.ar_image``), ``"vlm"`` (``methods.vlm``), ``"text"`` (``methods.text``),
 ``"continuous"`` (``methods.continuous``), ``"video"`` (``methods.video``: the streaming
 pipeline's cache modes).
 """
 
 from .knobs import KnobSpec, check_config, knob
-from .registry import (KINDS, Component, Composition, Method, Modality, Part, Recipe, TrainingRecipe, build,
-                       components, knobs, modality, names, parts, recipes, register_component, register_method,
-                       register_modality, register_part, register_recipe, resolve)
+from .registry import (KINDS, REQUIRED, Component, Composition, Method, Modality, Part, Recipe, TrainingRecipe, build,
+                       components, knobs, modalities, modality, names, option_name, parts, recipe_for, recipes,
+                       register_component, register_method, register_modality, register_part, register_recipe,
+                       resolve)
 from . import ar_image, continuous, text, video, vlm  # noqa: E402,F401  (the built-in registrations)
 
 __all__ = [
-    "KINDS", "Component", "Composition", "KnobSpec", "Method", "Modality", "Part", "Recipe", "TrainingRecipe",
-    "build", "check_config", "components", "knob", "knobs", "modality", "names", "parts", "recipes",
-    "register_component", "register_method", "register_modality", "register_part", "register_recipe", "resolve",
+    "KINDS", "REQUIRED", "Component", "Composition", "KnobSpec", "Method", "Modality", "Part", "Recipe",
+    "TrainingRecipe", "build", "check_config", "components", "knob", "knobs", "modalities", "modality", "names",
+    "option_name", "parts", "recipe_for", "recipes", "register_component", "register_method", "register_modality",
+    "register_part", "register_recipe", "resolve",
 ]

@@ -14,7 +14,7 @@ drafter is named; ``zipar`` runs a Jacobi window per row, never a draft model (d
 raster caches). Components: ``target`` (a
 LlamaGen-style model) and ``codebook`` (the VQ's code vectors); the parts declare ``draft_model``
 (``LlamaGenModel``), ``eagle_head`` (``EagleDraftHead``) and ``medusa_head`` (``GridMedusaHeads``),
-both heads bound to the target (``COMPONENTS``).
+both heads bound to the target (``COMPONENTS``), each trained by its recipe (``TRAINING``).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from ..core.relaxed import (GroupedAcceptance, GroupedAcceptanceConfig, LatentPr
                             LatentProximityConfig, latent_neighbours)
 from ..core.schedule import NextSetSchedule
 from .knobs import check_config, knob
-from .registry import Component, register_method, register_modality, register_part
-from .shared import SD, MedusaConfig, TreeConfig
+from .registry import REQUIRED, Component, TrainingRecipe, register_method, register_modality, register_part
+from .shared import SD, MedusaConfig, TreeConfig, agreement
 
 MODALITY = "ar-image"
 # the AR heads' tree: small, because this CPU verifies up to about 6 tokens at one token's cost on
@@ -150,14 +150,58 @@ COMPONENTS = {
 }
 """The pipeline component of each trained drafter part."""
 
-register_part(SD, modalities=(MODALITY,), component=COMPONENTS["sd"])
+
+def _train_draft(kind: str):
+    """``train`` of the ``ar-draft`` recipe of ``kind`` (``mmspec.training.recipes.train_ar_draft``)."""
+
+    def train(out_dir, *, vq, target=None, heads=None, **run) -> dict:
+        from ..training.recipes import train_ar_draft
+
+        return train_ar_draft(out_dir, kind=kind, vq_dir=vq, target_dir=target,
+                              **({} if heads is None else {"medusa_heads": heads}), **run)
+
+    return train
+
+
+def _report_draft(log: dict) -> str:
+    metric = (f"held-out loss {log['heldout_loss']:.4f}" if log["kind"] == "chain"
+              else f"held-out top-1 agreement {agreement(log['heldout_top1'])}")
+    return f"{metric}, {log['wall_time_s']:.0f} s"
+
+
+# one thread, batch 16: ~0.33 s per eagle step (the frozen target's forward dominates), ~0.2 s per
+# chain step; about 5 and 3.5 minutes with tokenizing
+_DRAFT_DEFAULTS = dict(steps=800, batch_size=16, lr=1e-3, dataset_size=4096)
+_VQ = ("--vq", str, REQUIRED, "folder written by 'mmspec train vq'")
+_TARGET = ("--target", str, REQUIRED, "the AR model it drafts for")
+TRAINING = {
+    "sd": TrainingRecipe(
+        "ar-sd", _train_draft("chain"), "heldout_loss", alias="ar-draft --kind chain", report=_report_draft,
+        options=(("--target", str, None, "folder written by 'mmspec train ar-image' (checked and recorded)"), _VQ),
+        defaults=_DRAFT_DEFAULTS, doc="the AR image model's chain draft: a small AR model on the VQ's ids"),
+    "eagle": TrainingRecipe(
+        "ar-eagle", _train_draft("eagle"), "heldout_top1", alias="ar-draft --kind eagle", report=_report_draft,
+        options=(_TARGET, _VQ), defaults=_DRAFT_DEFAULTS, doc="EAGLE's feature head on the AR image model"),
+    "medusa": TrainingRecipe(
+        "ar-medusa", _train_draft("medusa"), "heldout_top1", alias="ar-draft --kind medusa", report=_report_draft,
+        options=(_TARGET, _VQ, ("--heads", int, None, "parallel heads, the tree's depth below the root (default 4, "
+                                                     "less than the grid's width)")),
+        defaults=_DRAFT_DEFAULTS, doc="Medusa heads on the AR image model's features (root token, token above, "
+                                      "column)"),
+}
+"""The training recipe of each trained drafter part: ``mmspec train ar-sd``, ``ar-eagle``,
+``ar-medusa`` (also ``mmspec train ar-draft --kind chain|eagle|medusa``)."""
+
+register_part(SD, modalities=(MODALITY,), component=COMPONENTS["sd"], recipe=TRAINING["sd"])
 register_part(
-    name="eagle", component=COMPONENTS["eagle"], kind="drafter", config=TreeConfig, requires=("eagle_head",),
+    name="eagle", component=COMPONENTS["eagle"], recipe=TRAINING["eagle"], kind="drafter", config=TreeConfig,
+    requires=("eagle_head",),
     build=lambda cfg, c: EagleTreeDrafter(c["eagle_head"], top_k=cfg.top_k, depth=cfg.depth,
                                           total_tokens=cfg.total_tokens, mode=cfg.mode),
     doc="EAGLE-2 dynamic tree from the target's features (Li et al., 2024)", modalities=(MODALITY,))
 register_part(
-    name="medusa", component=COMPONENTS["medusa"], kind="drafter", config=MedusaConfig, requires=("medusa_head",),
+    name="medusa", component=COMPONENTS["medusa"], recipe=TRAINING["medusa"], kind="drafter", config=MedusaConfig,
+    requires=("medusa_head",),
     build=lambda cfg, c: ParallelHeadsDrafter(c["medusa_head"].bind(c["target"]), top_k=cfg.top_k,
                                               total_tokens=cfg.total_tokens, depth=cfg.depth),
     doc="parallel heads (Medusa) on the target's features score a whole EAGLE-2 tree in one pass; they also read "

@@ -168,6 +168,20 @@ class Component:
         return getattr(importlib.import_module(module), name)
 
 
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED = _Required()
+"""The default of a ``TrainingRecipe`` option that must be given."""
+
+
+def option_name(flag: str) -> str:
+    """The keyword an option's value is passed as: ``"--rollout-steps"`` -> ``"rollout_steps"``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
 @dataclass(frozen=True)
 class TrainingRecipe:
     """How to train a drafter's component: an ``mmspec train`` subcommand.
@@ -180,19 +194,31 @@ class TrainingRecipe:
             ``log_every`` and ``log``.
         options: the recipe's own CLI options: ``(flag, type, default, help)`` tuples, e.g.
             ``("--target", str, None, "the AR pipeline folder")``; the option's value is passed as
-            the flag's name without dashes (``target=...``).
+            the flag's name without dashes (``target=...``); a default of ``REQUIRED`` makes the
+            flag required. ``train`` validates the values (the types only parse them).
         heldout_metric: the key of the returned log that ``mmspec train`` prints.
         defaults: ``steps``, ``batch_size``, ``lr``, ``dataset_size`` defaults of the CLI.
         doc: one line for ``mmspec train --help``.
+        check_options: ``check_options(options)``: checks between options (``{name: value}``) run
+            before anything loads, raising ``ValueError`` that names the flags.
+        report: ``report(log) -> str``: what ``mmspec train`` prints after ``saved DIR: ``
+            (default: the held-out metric and its value). ``train`` may return None (the other
+            processes of an ``accelerate launch``): nothing is printed then.
+        alias: the built-in subcommand that also runs this recipe, as typed:
+            ``"ar-draft --kind chain"`` (its ``--kind`` choices list the recipes naming it) or
+            ``"continuous-draft"``; ``""`` for none.
     """
 
     name: str
-    train: Callable[..., dict]
+    train: Callable[..., dict | None]
     heldout_metric: str
     options: tuple[tuple[str, type, Any, str], ...] = ()
     defaults: Mapping[str, Any] = field(default_factory=lambda: dict(steps=100, batch_size=8, lr=1e-3,
                                                                      dataset_size=256))
     doc: str = ""
+    check_options: Callable[[Mapping[str, Any]], None] | None = None
+    report: Callable[[dict], str] | None = None
+    alias: str = ""
 
     def __post_init__(self):
         check(isinstance(self.name, str) and re.fullmatch(r"[a-z][a-z0-9-]*", self.name) is not None, "name",
@@ -206,6 +232,23 @@ class TrainingRecipe:
                   opt)
         missing = sorted({"steps", "batch_size", "lr", "dataset_size"} - set(self.defaults))
         check(not missing, "defaults", "steps, batch_size, lr and dataset_size", missing)
+        for name in ("check_options", "report"):
+            value = getattr(self, name)
+            check(value is None or callable(value), name, "a callable or None", value)
+        check(isinstance(self.alias, str) and (self.alias == "" or re.fullmatch(
+            r"[a-z][a-z0-9-]*( --[a-z][a-z0-9-]* [a-z][a-z0-9_-]*)?", self.alias) is not None), "alias",
+              "'' or a subcommand as typed, with at most one selecting option ('ar-draft --kind chain')", self.alias)
+
+    def option_values(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """``{name: value}`` of the recipe's options (``--rollout-steps`` is ``rollout_steps``):
+        the value in ``given`` unless that is None, the default otherwise (None for a required
+        option not given)."""
+        out = {}
+        for flag, _, default, _ in self.options:
+            name = option_name(flag)
+            value = given.get(name)
+            out[name] = value if value is not None else (None if default is REQUIRED else default)
+        return out
 
 
 @dataclass
@@ -213,7 +256,8 @@ class Modality:
     """What one modality supports: its parts, named methods (in listing order), the components
     its callers pass to ``build`` (``components``: the base ones, ``"target"`` among them;
     ``component_specs``: the parts' declared ``Component``s, in registration order) and default
-    knob overrides (``{"tree_depth": 6}``)."""
+    knob overrides (``{"tree_depth": 6}``); ``trained_by`` maps a component's name to the name of
+    the training recipe registered with it."""
 
     name: str
     components: tuple[str, ...]
@@ -222,6 +266,7 @@ class Modality:
     parts: dict[str, Part] = field(default_factory=dict)
     methods: dict[str, Method] = field(default_factory=dict)
     component_specs: dict[str, Component] = field(default_factory=dict)
+    trained_by: dict[str, str] = field(default_factory=dict)
 
     def accepted_components(self) -> tuple[str, ...]:
         declared = [c.provides for c in self.component_specs.values()]
@@ -315,6 +360,8 @@ def register_part(part: Part | None = None, *, modalities: Iterable[str], compon
         mod.parts[part.name] = part
         if component is not None:
             mod.component_specs[component.name] = component
+        if recipe is not None:
+            mod.trained_by[component.name] = recipe.name
     if recipe is not None:
         _RECIPES[recipe.name] = recipe
     return part
@@ -362,6 +409,19 @@ def components(modality_name: str) -> tuple[Component, ...]:
 def recipes() -> dict[str, TrainingRecipe]:
     """The registered training recipes by name, in registration order (``mmspec train`` lists them)."""
     return dict(_RECIPES)
+
+
+def recipe_for(modality_name: str, component_name: str) -> TrainingRecipe | None:
+    """The training recipe registered with a component of ``modality_name`` (``register_part(...,
+    component=, recipe=)``), or None; an unknown component raises ``ValueError`` naming it."""
+    mod = modality(modality_name)
+    check_choice("component", component_name, tuple(mod.component_specs))
+    return _RECIPES.get(mod.trained_by.get(component_name, ""))
+
+
+def modalities() -> tuple[str, ...]:
+    """The registered modalities, in registration order."""
+    return tuple(_MODALITIES)
 
 
 def register_method(name: str, parts: str | None = None, *, modalities: Iterable[str], doc: str = "",

@@ -1,5 +1,5 @@
 """Configs and parts more than one modality registers: a draft model's chain, a dynamic tree and
-the parallel heads' tree."""
+the parallel heads' tree; how their training recipes report agreement."""
 
 from __future__ import annotations
 
@@ -69,3 +69,9 @@ SD = Part(name="sd", kind="drafter", config=SDConfig, requires=("draft_model",),
           build=lambda cfg, c: ModelChainDrafter(c["draft_model"], gamma=cfg.gamma),
           doc="a small draft model drafting a chain (Leviathan et al., 2023)")
 """A small draft model (component ``draft_model``) drafting a chain of ``sd_gamma`` tokens."""
+
+
+def agreement(top1) -> str:
+    """A drafter's held-out top-1 agreement as ``mmspec train`` prints it: one figure, or one per
+    parallel head."""
+    return ", ".join(f"{x:.4f}" for x in top1) if isinstance(top1, list) else f"{top1:.4f}"

@@ -14,7 +14,8 @@ medusa   parallel heads (Medusa) score the whole tree in one pass, reading the r
 
 Components: ``target`` (a ``VLMTarget``); the parts declare ``draft_model`` (a small VLM, which
 ``build`` reads as ``draft``, its ``VLMTarget``), ``eagle_head`` / ``specvlm_head`` /
-``vispec_head`` (``VLMDraftHead``s, bound to the target here) and ``medusa_head`` (``MedusaHeads``). The three EAGLE head methods share the ``tree_*`` knobs;
+``vispec_head`` (``VLMDraftHead``s, bound to the target here) and ``medusa_head`` (``MedusaHeads``),
+each trained by its recipe (``TRAINING``). The three EAGLE head methods share the ``tree_*`` knobs;
 ``medusa`` has its own ``medusa_*`` (its depth is bounded by its head count).
 """
 
@@ -24,9 +25,9 @@ from dataclasses import dataclass
 
 from .. import core
 from ..core.errors import check
-from .shared import MedusaConfig, SDConfig
+from .shared import MedusaConfig, SDConfig, agreement
 from .knobs import check_config, knob
-from .registry import Component, register_method, register_modality, register_part
+from .registry import REQUIRED, Component, TrainingRecipe, register_method, register_modality, register_part
 
 MODALITY = "vlm"
 HEADS = ("eagle", "specvlm", "vispec")
@@ -101,8 +102,57 @@ COMPONENTS = {
 """The pipeline component of each trained drafter part (the draft VLM may be any class the
 adapter takes: LLaVA, Qwen2-VL, Qwen2.5-VL)."""
 
+
+def _train_draft_vlm(out_dir, **run) -> dict:
+    from ..training.recipes import train_vlm
+
+    return train_vlm(out_dir, size="draft", **run)
+
+
+def _train_head(method: str):
+    """``train`` of the ``vlm-draft`` recipe of ``method`` (``mmspec.training.recipes.train_vlm_draft``)."""
+
+    def train(out_dir, *, target, rollout_steps=None, heads=None, **run) -> dict | None:
+        from ..training.recipes import train_vlm_draft
+
+        return train_vlm_draft(out_dir, method=method, target_dir=target, rollout_steps=rollout_steps,
+                               **({} if heads is None else {"medusa_heads": heads}), **run)
+
+    return train
+
+
+def _report_head(log: dict) -> str:
+    return (f"held-out top-1 agreement {agreement(log['heldout_top1'])}, {log['wall_time_s']:.0f} s on "
+            f"{log['processes']} process(es)")
+
+
+# two threads, batch 32: ~0.1 s per draft-VLM step (the defaults of the target's recipe, 'mmspec train vlm')
+_DRAFT_VLM_DEFAULTS = dict(steps=1600, batch_size=32, lr=1e-3, dataset_size=16000)
+_HEAD_DEFAULTS = dict(steps=1000, batch_size=16, lr=1e-3, dataset_size=8000)
+_HEAD_OPTIONS = (("--target", str, REQUIRED, "folder written by 'mmspec train vlm' (the VLM it drafts for)"),
+                 ("--rollout-steps", int, None, "anti-shortcut rollout steps (default: 2 for vispec, 1 otherwise)"))
+TRAINING = {
+    "sd": TrainingRecipe(
+        "vlm-sd", _train_draft_vlm, "heldout_loss", defaults=_DRAFT_VLM_DEFAULTS,
+        report=lambda log: f"held-out loss {log['heldout_loss']:.4f} nats/answer token, {log['wall_time_s']:.0f} s",
+        doc="the small draft VLM of 'sd' (as 'mmspec train vlm --size draft')"),
+    **{h: TrainingRecipe(f"vlm-{h}", _train_head(h), "heldout_top1", options=_HEAD_OPTIONS, defaults=_HEAD_DEFAULTS,
+                         report=_report_head, alias=f"vlm-draft --method {h}",
+                         doc=f"the VLM's {h} draft head by online-logit distillation")
+       for h in HEADS},
+    "medusa": TrainingRecipe(
+        "vlm-medusa", _train_head("medusa"), "heldout_top1", defaults=_HEAD_DEFAULTS, report=_report_head,
+        options=_HEAD_OPTIONS + (("--heads", int, None, "parallel heads, the tree's depth below the root "
+                                                        "(default 6)"),),
+        alias="vlm-draft --method medusa", doc="the VLM's Medusa heads (root token + global image feature) by "
+                                               "online-logit distillation"),
+}
+"""The training recipe of each trained drafter part: ``mmspec train vlm-sd``, ``vlm-eagle``,
+``vlm-specvlm``, ``vlm-vispec``, ``vlm-medusa`` (the heads also ``mmspec train vlm-draft --method
+...``; the heads' recipes run under ``accelerate launch``)."""
+
 register_part(
-    name="sd", component=COMPONENTS["sd"], kind="drafter", config=SDConfig, requires=("draft",),
+    name="sd", component=COMPONENTS["sd"], recipe=TRAINING["sd"], kind="drafter", config=SDConfig, requires=("draft",),
     build=lambda cfg, c: core.ModelChainDrafter(c["draft"], gamma=cfg.gamma),
     doc="a small draft VLM (same tokenizer, sees the image) drafting a chain (Leviathan et al., 2023)",
     modalities=(MODALITY,))
@@ -116,11 +166,13 @@ _HEAD_DOCS = {
     "vispec": "EAGLE-2 tree from a head seeing the image through ViSpec's vision adaptor + global feature",
 }
 for _h in HEADS:
-    register_part(name=_h, component=COMPONENTS[_h], kind="drafter", config=TreeConfig, prefix="tree", requires=(f"{_h}_head",),
+    register_part(name=_h, component=COMPONENTS[_h], recipe=TRAINING[_h], kind="drafter", config=TreeConfig,
+                  prefix="tree", requires=(f"{_h}_head",),
                   build=_head_part(_h), doc=_HEAD_DOCS[_h], modalities=(MODALITY,))
 
 register_part(
-    name="medusa", component=COMPONENTS["medusa"], kind="drafter", config=MedusaConfig, prefix="medusa", requires=("medusa_head",),
+    name="medusa", component=COMPONENTS["medusa"], recipe=TRAINING["medusa"], kind="drafter", config=MedusaConfig,
+    prefix="medusa", requires=("medusa_head",),
     build=lambda cfg, c: core.ParallelHeadsDrafter(c["medusa_head"].bind(c["target"]), top_k=cfg.top_k,
                                                    total_tokens=cfg.total_tokens, depth=cfg.depth),
     doc="parallel heads (Medusa) on the target's features score a whole EAGLE-2 tree in one pass; they also "
