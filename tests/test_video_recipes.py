@@ -143,6 +143,8 @@ def test_bad_arguments_name_the_argument(tmp_path, ae_dir):
         train_video(tmp_path / "x", ae_dir=ae_dir, **{**DIT_RUN, "clip_frames": 6})
     with pytest.raises(ValueError, match="model_config must be free of latent_channels"):
         train_video(tmp_path / "x", ae_dir=ae_dir, **{**DIT_RUN, "model_config": {"latent_channels": 3}})
+    with pytest.raises(ValueError, match="autocast must be one of fp32, bf16"):
+        train_video(tmp_path / "x", ae_dir=ae_dir, **{**DIT_RUN, "autocast": "half"})
     assert not (tmp_path / "x").exists()
 
 
@@ -150,7 +152,7 @@ def test_cli_parses_the_video_recipes(tmp_path, ae_dir, capsys):
     from mmspec import commands
 
     args = commands.build_parser().parse_args(["train", "video", "--ae", str(ae_dir), "--out", str(tmp_path / "v")])
-    assert (args.recipe, args.ae, args.steps, args.batch_size) == ("video", str(ae_dir), 6000, 8)
+    assert (args.recipe, args.ae, args.steps, args.batch_size) == ("video", str(ae_dir), 7800, 8)
     with pytest.raises(SystemExit):
         commands.main(["train", "video", "--out", str(tmp_path / "v")])
     assert "the following arguments are required: --ae" in capsys.readouterr().err

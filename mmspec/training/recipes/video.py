@@ -149,6 +149,8 @@ def train_video_ae(out_dir: str | Path, *, steps: int, batch_size: int = 32, lr:
 # -- the video transformer ---------------------------------------------------------------------
 # the strengths a self-rollout's chunks start from (TwoStreamLoss): drawn from U(low, high)
 ROLLOUT_STRENGTH = (0.3, 0.8)
+# the precisions of the loss's forward passes (TwoStreamLoss's ``autocast``)
+AUTOCAST = ("fp32", "bf16")
 
 
 def schedule_texts(prompt: torch.Tensor) -> list[tuple[int, list[str]]]:
@@ -203,12 +205,19 @@ class TwoStreamLoss:
     Args:
         window_choices: window sizes (frames) drawn uniformly per step.
         pipe: a ``StreamingVideoPipeline`` around the model being trained (for rollouts).
+        autocast: ``"fp32"``, or ``"bf16"``: the loss's own forward passes (the one-step context
+            predictions and the two-stream pass) under CPU/CUDA bfloat16 autocast, the error in
+            float32 (weights, gradients and optimizer state stay float32); a self-rollout is the
+            inference code and runs in float32 either way.
     """
 
     def __init__(self, model: VideoDiTModel, num_frames: int, window_choices: list[int], generator: torch.Generator,
                  noisy_context_prob: float = 0.3, context_noise: float = 0.2, self_context_prob: float = 0.25,
-                 rollout_prob: float = 0.0, rollout_strength: tuple[float, float] = ROLLOUT_STRENGTH, pipe=None):
+                 rollout_prob: float = 0.0, rollout_strength: tuple[float, float] = ROLLOUT_STRENGTH, pipe=None,
+                 autocast: str = "fp32"):
         cfg = model.config
+        check(autocast in AUTOCAST, "autocast", f"one of {', '.join(AUTOCAST)}", autocast)
+        self.autocast = autocast
         for name, value in (("noisy_context_prob", noisy_context_prob), ("context_noise", context_noise),
                             ("self_context_prob", self_context_prob), ("rollout_prob", rollout_prob)):
             check(isinstance(value, (int, float)) and 0 <= value <= 1, name, "a number in [0, 1]", value)
@@ -223,6 +232,9 @@ class TwoStreamLoss:
                                                                                self_context_prob)
         self.rollout_prob, self.rollout_strength, self.pipe = rollout_prob, (float(lo), float(hi)), pipe
         self.last_rollout: dict | None = None  # the knobs of the last step's rollout (None: it had none)
+
+    def _precision(self, like: torch.Tensor):
+        return torch.autocast(like.device.type, dtype=torch.bfloat16, enabled=self.autocast == "bf16")
 
     def per_chunk(self, values: torch.Tensor) -> torch.Tensor:
         return values.repeat_interleave(self.C, dim=1)  # (B, chunks) -> (B, N)
@@ -259,17 +271,18 @@ class TwoStreamLoss:
         elif float(rand(1)) < self.self_context_prob:  # the model's own one-step predictions
             t_s = self.per_chunk(0.1 + 0.5 * rand(B, N // self.C))
             x_s = (1 - bcast(t_s)) * x0 + bcast(t_s) * randn(x0.shape)
-            with torch.no_grad():
+            with torch.no_grad(), self._precision(x0):
                 v = model(torch.cat([x0, x_s], 1), torch.cat([torch.zeros(B, N), t_s], 1),
-                          torch.cat([prompt, prompt], 1), plan=plan)[:, N:]
+                          torch.cat([prompt, prompt], 1), plan=plan)[:, N:].float()
             context, t_ctx = x_s - bcast(t_s) * v, torch.zeros(B, N)
 
         # query stream: every chunk at its own t
         t_q = self.per_chunk(rand(B, N // self.C))
         noise = randn(x0.shape)
         x_q = (1 - bcast(t_q)) * x0 + bcast(t_q) * noise
-        v = model(torch.cat([context, x_q], 1), torch.cat([t_ctx, t_q], 1), torch.cat([prompt, prompt], 1),
-                  plan=plan)[:, N:]
+        with self._precision(x0):
+            v = model(torch.cat([context, x_q], 1), torch.cat([t_ctx, t_q], 1), torch.cat([prompt, prompt], 1),
+                      plan=plan)[:, N:].float()
         err = (v - (noise - x0)).pow(2).mean(dim=(2, 3, 4))  # (B, N)
         return {"loss": (err * weight).sum() / weight.sum()}
 
@@ -371,11 +384,12 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
                 dataset_size: int, clip_frames: int = 18, heldout_size: int = 32, model_config: dict | None = None,
                 switch_prob: float = 0.25, eval_frames: int = 48, eval_clips: int = 12, log_every: int = 50,
                 warmup: int = 100, rollout_prob: float = 0.0, rollout_strength: tuple[float, float] = ROLLOUT_STRENGTH,
-                log: Callable[[str], None] = print) -> dict:
+                autocast: str = "fp32", log: Callable[[str], None] = print) -> dict:
     """Train a ``VideoDiTModel`` with AdamW on ``VideoClipDataset(dataset_size, seed, clip_frames,
     switch_prob=switch_prob, style=VIDEO_DATA_STYLE)`` encoded once by the autoencoder in
     ``ae_dir``, with the two-stream loss (``TwoStreamLoss``; module docstring; ``rollout_prob``
-    and ``rollout_strength``: its self-rollouts through the streaming pipeline), and save it to
+    and ``rollout_strength``: its self-rollouts through the streaming pipeline; ``autocast``: the
+    precision of its forward passes), and save it to
     ``out_dir`` (fp16 safetensors, atomically) with ``train_log.json`` and ``samples.png`` (``eval_clips`` streams of
     ``eval_frames`` frames, every other frame; every third stream switches its prompt mid-way).
 
@@ -399,6 +413,7 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
           switch_prob)
     check(_is_int(eval_frames, C) and eval_frames % C == 0, "eval_frames", f"a positive multiple of {C}", eval_frames)
     check(_is_int(eval_clips, 1), "eval_clips", "an int >= 1", eval_clips)
+    check(autocast in AUTOCAST, "autocast", f"one of {', '.join(AUTOCAST)}", autocast)
 
     accelerator = new_accelerator("train_video")
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -429,7 +444,8 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
     pipe = StreamingVideoPipeline(vae=ae, transformer=model)
     pipe.set_progress_bar_config(disable=True)
     loss = TwoStreamLoss(model, clip_frames, windows, torch.Generator().manual_seed(seed + 1),
-                         rollout_prob=rollout_prob, rollout_strength=tuple(rollout_strength), pipe=pipe)
+                         rollout_prob=rollout_prob, rollout_strength=tuple(rollout_strength), pipe=pipe,
+                         autocast=autocast)
     batches = ((latents[idx], prompts[idx], switches[idx])
                for idx in batch_indices(dataset_size, batch_size, steps, order))
     final_loss = train_loop(model, optimizer, batches, loss, steps=steps, accelerator=accelerator, schedule=schedule,
@@ -450,7 +466,7 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
                   "weight_decay": 0.01, "grad_clip": 1.0, "schedule": f"linear warmup {warmup} steps, cosine to 10%",
                   "noisy_context_prob": loss.noisy_context_prob, "context_noise": loss.context_noise,
                   "self_context_prob": loss.self_context_prob, "rollout_prob": loss.rollout_prob,
-                  "rollout_strength": list(loss.rollout_strength), "train_time_s": train_time},
+                  "rollout_strength": list(loss.rollout_strength), "autocast": autocast, "train_time_s": train_time},
         "ae_dir": str(ae_path.resolve()), "final_loss": final_loss, "heldout_loss": held,
         "rollout": {"clips": eval_clips, "frames": eval_frames, "colour_acc": metrics["colour_acc"],
                     "direction_acc": metrics["direction_acc"], "schedules": [[(s, p.text) for s, p in sch]
