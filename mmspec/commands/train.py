@@ -182,7 +182,7 @@ def _video_options(p) -> None:
                         "[LOW, HIGH] (default %(default)s)")
     p.add_argument("--autocast", choices=("fp32", "bf16"), default=VIDEO_ROLLOUT["autocast"],
                    help="precision of the loss's forward passes: bf16 autocast (float32 weights, gradients "
-                        "and rollouts; about 1.3x faster steps on this CPU) or fp32 (default %(default)s)")
+                        "and rollouts; faster steps, timed in assets/README.md) or fp32 (default %(default)s)")
 
 
 def _run_video(args, common) -> None:

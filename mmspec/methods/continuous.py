@@ -149,8 +149,8 @@ DRAFT_TRAINING = TrainingRecipe(
 """The ``sd`` part's training recipe: ``mmspec train continuous-sd`` (also ``continuous-draft``)."""
 
 register_part(
-    name="sd", component=DRAFT_MODEL, recipe=DRAFT_TRAINING, kind="drafter", config=ContinuousSDConfig, requires=("draft_model",),
-    build=_sd,
+    name="sd", component=DRAFT_MODEL, recipe=DRAFT_TRAINING, kind="drafter", config=ContinuousSDConfig,
+    requires=("draft_model",), build=_sd,
     doc="a small continuous draft model drafting a chain (Leviathan et al., 2023), optional target-only warm-up",
     modalities=(MODALITY,))
 register_part(

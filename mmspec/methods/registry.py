@@ -8,8 +8,10 @@ parts (``"gsd"`` = Jacobi drafter + grouped rule). A *modality* (``"ar-image"``,
 knob overrides. A part may declare the pipeline component it needs (``Component``: attribute name,
 class, how it binds to the target) and, for a trained drafter, its training recipe
 (``TrainingRecipe``): pipelines derive their optional components from ``components(modality)`` and
-``mmspec train`` its extra subcommands from ``recipes()``, so a new drafter is one file. Any ``a+b+c`` of a modality's parts resolves wherever the parts' declared partners
-allow it, so the grammar is the same for every modality.
+``mmspec train`` its extra subcommands from ``recipes()``, so a new drafter is one file.
+
+Any ``a+b+c`` of a modality's parts resolves wherever the parts' declared partners allow it, so
+the grammar is the same for every modality.
 
 Knobs are flat and prefixed by the part's knob prefix (``sjd_window``, ``tree_depth``), validated
 from the config's field types and metadata (``knob(default, min=..., choices=...)``) before any
@@ -356,14 +358,15 @@ def register_part(part: Part | None = None, *, modalities: Iterable[str], compon
     check(recipe is None or component is not None, "recipe", "given with the component it trains", recipe)
     if recipe is not None:
         _check_recipe(recipe)
+    # everything is checked above, so nothing below refuses: a refused part leaves no trace
     for mod in mods:
         mod.parts[part.name] = part
         if component is not None:
-            mod.component_specs[component.name] = component
+            register_component(mod.name, component)
         if recipe is not None:
             mod.trained_by[component.name] = recipe.name
     if recipe is not None:
-        _RECIPES[recipe.name] = recipe
+        register_recipe(recipe)
     return part
 
 

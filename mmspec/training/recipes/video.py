@@ -206,7 +206,7 @@ class TwoStreamLoss:
         window_choices: window sizes (frames) drawn uniformly per step.
         pipe: a ``StreamingVideoPipeline`` around the model being trained (for rollouts).
         autocast: ``"fp32"``, or ``"bf16"``: the loss's own forward passes (the one-step context
-            predictions and the two-stream pass) under CPU/CUDA bfloat16 autocast, the error in
+            predictions and the two-stream pass) under bfloat16 autocast on the batch's device, the error in
             float32 (weights, gradients and optimizer state stay float32); a self-rollout is the
             inference code and runs in float32 either way.
     """
