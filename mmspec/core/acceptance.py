@@ -102,12 +102,17 @@ class SpeculativeSampling:
             u = rand((B, G), generator, device, torch.float64)
             ok = u.log() < (logp - logq).clamp(max=0.0)
             n = ok.long().cumprod(1).sum(1)  # (B,) accepted prefix length
-        next_token = torch.zeros((B,) + tuple(p_all.token_shape), dtype=p_all.token_dtype, device=device)
         bonus = n == G
-        for take, dist in ((~bonus, lambda r: self.reject(p_all[r, n[r]], draft.q[r, n[r]], None)),
-                           (bonus, lambda r: p_all[r, torch.full_like(r, G)])):
-            r = rows[take]
-            if r.numel():
+        correct = lambda r: self.reject(p_all[r, n[r]], draft.q[r, n[r]], None)  # noqa: E731
+        extra = lambda r: p_all[r, torch.full_like(r, G)]  # noqa: E731
+        settled = int(bonus.sum())
+        if settled in (0, B):  # every row draws from the same kind (always at batch 1): no split
+            dist = extra(rows) if settled else correct(rows)
+            next_token = dist.sample(generator).token.to(p_all.token_dtype)
+        else:
+            next_token = torch.zeros((B,) + tuple(p_all.token_shape), dtype=p_all.token_dtype, device=device)
+            for take, dist in ((~bonus, correct), (bonus, extra)):
+                r = rows[take]
                 next_token[r] = dist(r).sample(select_rows(generator, r)).token.to(next_token.dtype)
         depth = torch.arange(G + 1, device=device)
         path = torch.where(depth <= n[:, None], depth, -1)

@@ -214,8 +214,7 @@ class Residual:
         p, q = self.p, self.q
         n = p.batch_shape[0]
         device = p.device
-        tokens = torch.zeros((n,) + tuple(p.token_shape), dtype=p.token_dtype, device=device)
-        log_p = torch.zeros(n, dtype=torch.float64, device=device)
+        tokens = log_p = None
         pending = torch.arange(n, device=device)
         tries = 0
         while pending.numel() > 0:
@@ -225,6 +224,7 @@ class Residual:
             k = self.tries_per_round if self.max_tries is None else min(self.tries_per_round,
                                                                         self.max_tries - tries)
             m = pending.numel()
+            first_round = tries == 0
             idx = pending.repeat_interleave(k)  # row r's k tries side by side (one generator run)
             gen = select_rows(generator, idx)
             pp, qq = p[idx], q[idx]
@@ -235,12 +235,23 @@ class Residual:
             ok = (u < -torch.expm1(logq - logp)).view(m, k)  # u < 1 - q(y)/p(y)
             tries += k
             hit = ok.any(1)
-            take = hit if self.max_tries is None or tries < self.max_tries else torch.ones_like(hit)
-            first = torch.where(hit, ok.long().argmax(1), k - 1)  # a capped row takes its last try
+            capped = self.max_tries is not None and tries >= self.max_tries
+            first = ok.to(torch.int8).argmax(1)  # a row's first success (0 where none)
+            rows = torch.arange(m, device=device)
+            if first_round and not capped and bool(hit.all()):  # the common case: one round settles every row
+                if self.meter is not None:
+                    self.meter.residual_tries += int(first.sum()) + m
+                    self.meter.residual_rows += n
+                tokens = y.token.view((m, k) + tuple(y.token.shape[1:]))[rows, first].to(p.token_dtype)
+                return Draw(tokens), logp.view(m, k)[rows, first]
+            if tokens is None:
+                tokens = torch.zeros((n,) + tuple(p.token_shape), dtype=p.token_dtype, device=device)
+                log_p = torch.zeros(n, dtype=torch.float64, device=device)
+            take = torch.ones_like(hit) if capped else hit
+            first = torch.where(hit, first, k - 1)  # a capped row takes its last try
             if self.meter is not None:
                 self.meter.residual_tries += int(torch.where(hit, first + 1, k).sum())
                 self.meter.residual_fallbacks += int((take & ~hit).sum())
-            rows = torch.arange(m, device=device)
             done = pending[take]
             tokens[done] = y.token.view((m, k) + tuple(y.token.shape[1:]))[rows, first][take].to(tokens.dtype)
             log_p[done] = logp.view(m, k)[rows, first][take]

@@ -637,7 +637,7 @@ class JacobiDensityDrafter(DrafterBase):
         check_choice("coupling", coupling, self.COUPLINGS)
         self.token_shape, self.window, self.coupling = token_shape, window, coupling
         self.max_block = window
-        self.draws = self.q = self.noise = None
+        self.draws = self.q = self.noise = self._chain = None
 
     def start(self, state: DecodeState) -> None:
         out = state.prefill
@@ -692,7 +692,9 @@ class JacobiDensityDrafter(DrafterBase):
     def propose(self, state: DecodeState) -> DraftTree:
         x = self.draws
         B, n = x.token.shape[:2]
-        return DraftTree(x.token.to(state.tokens.dtype), Tree.chain(B, n, x.token.device), self.q, draws=x)
+        if self._chain is None or self._chain.parents.shape != (B, n) or self._chain.parents.device != x.token.device:
+            self._chain = Tree.chain(B, n, x.token.device)  # the same chain every pass (and its cached depths)
+        return DraftTree(x.token.to(state.tokens.dtype), self._chain, self.q, draws=x)
 
     def update(self, state, draft, acceptance, target_probs, target_out):
         B, n = state.batch_size, self.window - 1

@@ -34,7 +34,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..core.acceptance import check_chain
-from ..core.distributions import DensityPipeline, Draw, HeadMeter, TokenDist, normal_log_prob
+from ..core.distributions import LOG_2PI, DensityPipeline, Draw, HeadMeter, TokenDist, normal_log_prob
 from ..core.errors import check
 from ..core.logits import cfg_merge
 from ..core.sampling import Generators, inverse_cdf, rand, randn, sample, select_rows
@@ -103,15 +103,17 @@ class GaussianMixture(TokenDist):
 
     def latent_log_prob(self, latent: torch.Tensor) -> torch.Tensor:
         """(*batch, d) latents -> (*batch,) float64 mixture log-density."""
-        comp = normal_log_prob(latent.double()[..., None, :], self.mu, self.sigma).sum(-1)  # (*batch, M)
-        return torch.logsumexp(self.log_pi + comp, -1)
+        z = (latent.double()[..., None, :] - self.mu) / self.sigma  # (*batch, M, d)
+        comp = self.log_pi - 0.5 * (z * z).sum(-1) - self.sigma.log().sum(-1)
+        return torch.logsumexp(comp, -1) - 0.5 * latent.shape[-1] * LOG_2PI
 
     def log_prob(self, draw: Draw) -> torch.Tensor:
         state, latent = draw.token.double().unbind(-2)
         lp = self.latent_log_prob(latent)
         a, b = self.state_kernel
-        if b > 0:
-            lp = lp + normal_log_prob(state, a * latent, torch.full_like(state, b)).sum(-1)
+        if b > 0:  # the kernel N(state; a latent, b^2 I), in closed form
+            r = state - a * latent
+            lp = lp - ((0.5 / (b * b)) * (r * r).sum(-1) + latent.shape[-1] * (math.log(b) + 0.5 * LOG_2PI))
         return lp
 
     def noise(self, generator: Generators = None) -> torch.Tensor:
