@@ -104,7 +104,7 @@ class GaussianMixture(TokenDist):
     def latent_log_prob(self, latent: torch.Tensor) -> torch.Tensor:
         """(*batch, d) latents -> (*batch,) float64 mixture log-density."""
         z = (latent.double()[..., None, :] - self.mu) / self.sigma  # (*batch, M, d)
-        comp = self.log_pi - 0.5 * (z * z).sum(-1) - self.sigma.log().sum(-1)
+        comp = torch.add(self.log_pi, torch.linalg.vecdot(z, z), alpha=-0.5) - self.sigma.log().sum(-1)
         return torch.logsumexp(comp, -1) - 0.5 * latent.shape[-1] * LOG_2PI
 
     def log_prob(self, draw: Draw) -> torch.Tensor:
@@ -112,8 +112,9 @@ class GaussianMixture(TokenDist):
         lp = self.latent_log_prob(latent)
         a, b = self.state_kernel
         if b > 0:  # the kernel N(state; a latent, b^2 I), in closed form
-            r = state - a * latent
-            lp = lp - ((0.5 / (b * b)) * (r * r).sum(-1) + latent.shape[-1] * (math.log(b) + 0.5 * LOG_2PI))
+            r = torch.sub(state, latent, alpha=a)
+            lp = torch.add(lp, torch.linalg.vecdot(r, r), alpha=-0.5 / (b * b)) - latent.shape[-1] * (
+                math.log(b) + 0.5 * LOG_2PI)
         return lp
 
     def noise(self, generator: Generators = None) -> torch.Tensor:
