@@ -59,7 +59,7 @@ def test_bench_rows_and_columns(folders, tmp_path):
     assert result["setup"]["diffusion_images"] == 2 and by["path"]["fd_real_floor"] != by["sd"]["fd_real_floor"]
     assert by["none"]["nfe"] == 16 and by["none"]["draft_nfe"] == 0  # one pass per token (the prefill's first)
     assert by["sd"]["draft_nfe"] > 0 and by["sd+distill"]["draft"] == "booster"
-    for label in ("sjd", "sjd-w12", "sjd-w16", "sjd-mc", "sjd-independent"):  # the target drafts for itself: no draft model, mixture head
+    for label in ("sjd", "sjd-w4", "sjd-w6", "sjd-w12", "sjd-w16", "sjd-mc", "sjd-independent"):  # the target drafts for itself: no draft model, mixture head
         assert by[label]["draft_nfe"] == 0 and by[label]["head"] == "mixture" and by[label]["lossless"]
         assert isinstance(by[label]["exact"], bool) and by[label]["nfe"] < by["none"]["nfe"]
     assert by["none"]["exact"] is None and isinstance(by["sd"]["exact"], bool) and isinstance(by["path"]["exact"], bool)
