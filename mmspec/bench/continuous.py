@@ -9,7 +9,8 @@ the acceptance booster; needs ``booster_dir``), ``none-diffusion`` (the diffusio
 baseline), ``path`` (diffusion, lossless), ``cspd`` at inner temperature 1, 10 and 42 (lossy),
 ``sd`` after 5% and 15% target-only warm-up tokens, ``sjd`` (a Jacobi window of 8 on densities, each
 position redrawn with its own fixed noise; no draft model), ``sjd-w4``, ``sjd-w6``, ``sjd-w12`` and
-``sjd-w16`` (windows 4, 6, 12 and 16: a narrower verify costs less per pass here), ``sjd-mc`` (MC-SJD's maximal coupling) and ``sjd-independent`` (SJD's independent redrafts).
+``sjd-w16`` (windows 4, 6, 12 and 16: a narrower verify costs less per pass here), ``sjd-mc``
+(MC-SJD's maximal coupling) and ``sjd-independent`` (SJD's independent redrafts).
 
 Columns per row: backbone passes per image (``nfe``, prefill included) and ``nfe_speedup`` over
 ``none``, draft backbone passes (``draft_nfe``), head calls and rows of target and draft

@@ -103,8 +103,13 @@ class SpeculativeSampling:
             ok = u.log() < (logp - logq).clamp(max=0.0)
             n = ok.long().cumprod(1).sum(1)  # (B,) accepted prefix length
         bonus = n == G
-        correct = lambda r: self.reject(p_all[r, n[r]], draft.q[r, n[r]], None)  # noqa: E731
-        extra = lambda r: p_all[r, torch.full_like(r, G)]  # noqa: E731
+
+        def correct(r):  # the residual at each row's first rejection
+            return self.reject(p_all[r, n[r]], draft.q[r, n[r]], None)
+
+        def extra(r):  # the target's distribution after an all-accepted chain
+            return p_all[r, torch.full_like(r, G)]
+
         settled = int(bonus.sum())
         if settled in (0, B):  # every row draws from the same kind (always at batch 1): no split
             dist = extra(rows) if settled else correct(rows)

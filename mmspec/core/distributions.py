@@ -236,25 +236,25 @@ class Residual:
             tries += k
             hit = ok.any(1)
             capped = self.max_tries is not None and tries >= self.max_tries
-            first = ok.to(torch.int8).argmax(1)  # a row's first success (0 where none)
+            first = torch.where(hit, ok.to(torch.int8).argmax(1), k - 1)  # a capped row takes its last try
+            if self.meter is not None:  # a settled row counts its tries up to its first success, the others k
+                self.meter.residual_tries += int(first.sum()) + m
+                if capped:
+                    self.meter.residual_fallbacks += int((~hit).sum())
             rows = torch.arange(m, device=device)
-            if first_round and not capped and bool(hit.all()):  # the common case: one round settles every row
+            chosen = y.token.view((m, k) + tuple(y.token.shape[1:]))[rows, first].to(p.token_dtype)
+            chosen_log_p = logp.view(m, k)[rows, first]
+            if first_round and (capped or bool(hit.all())):  # one round settled every row (the common case)
                 if self.meter is not None:
-                    self.meter.residual_tries += int(first.sum()) + m
                     self.meter.residual_rows += n
-                tokens = y.token.view((m, k) + tuple(y.token.shape[1:]))[rows, first].to(p.token_dtype)
-                return Draw(tokens), logp.view(m, k)[rows, first]
+                return Draw(chosen), chosen_log_p
             if tokens is None:
                 tokens = torch.zeros((n,) + tuple(p.token_shape), dtype=p.token_dtype, device=device)
                 log_p = torch.zeros(n, dtype=torch.float64, device=device)
             take = torch.ones_like(hit) if capped else hit
-            first = torch.where(hit, first, k - 1)  # a capped row takes its last try
-            if self.meter is not None:
-                self.meter.residual_tries += int(torch.where(hit, first + 1, k).sum())
-                self.meter.residual_fallbacks += int((take & ~hit).sum())
             done = pending[take]
-            tokens[done] = y.token.view((m, k) + tuple(y.token.shape[1:]))[rows, first][take].to(tokens.dtype)
-            log_p[done] = logp.view(m, k)[rows, first][take]
+            tokens[done] = chosen[take]
+            log_p[done] = chosen_log_p[take]
             pending = pending[~take]
         if self.meter is not None:
             self.meter.residual_rows += n
