@@ -65,8 +65,8 @@ TRAIN_DEFAULTS = {
     "video-judge": dict(steps=1000, batch_size=64, lr=3e-3, dataset_size=16384),
     # --kind conv (default): 1,500 Adam steps of a small conv autoencoder; --kind pca: an SVD, seconds
     "continuous-tokenizer": dict(steps=1500, batch_size=32, lr=2e-3, dataset_size=4096),
-    # batch 32, 64 tokens of 8 channels: 0.12 s per target step at two threads (9,000: 19 min)
-    "continuous-ar": dict(steps=9000, batch_size=32, lr=1e-3, dataset_size=16384),
+    # batch 32, 64 tokens of 8 channels: 0.13 s per target step at two threads (18,000: 39.5 min)
+    "continuous-ar": dict(steps=18000, batch_size=32, lr=1e-3, dataset_size=16384),
     "continuous-draft": _alias_defaults("continuous-draft"),  # mmspec.methods.continuous.DRAFT_TRAINING
 }
 
@@ -230,8 +230,8 @@ def _run_continuous_tokenizer(args, common) -> None:
 def _continuous_options(p, draft: bool) -> None:
     p.add_argument("--tokenizer", required=True, type=existing_dir, metavar="DIR",
                    help="folder written by 'mmspec train continuous-tokenizer'")
-    p.add_argument("--input-noise", type=number(float, 0, strict=False), default=0.25,
-                   help="std of extra noise on the teacher-forced input latents (default 0.25; training only)")
+    p.add_argument("--input-noise", type=number(float, 0, strict=False), default=0.5,
+                   help="std of extra noise on the teacher-forced input latents (default 0.5; training only)")
     if draft:
         p.add_argument("--target", type=existing_dir, metavar="DIR",
                        help="folder written by 'mmspec train continuous-ar' (its diffusion schedule is copied; "
