@@ -95,7 +95,7 @@ assets: $(STAMP)
 	$(BIN)/mmspec train vlm-draft --method medusa --target $(VLM)/target --out $(VLM)/medusa_head
 	$(BIN)/mmspec train continuous-tokenizer --out $(CONT)/tokenizer --classifier assets/classifier
 	$(BIN)/mmspec train continuous-ar --tokenizer $(CONT)/tokenizer --out $(CONT)/transformer --threads 2
-	# the two drafts side by side, one thread each (37.5 min from the tokenizer on, measured)
+	# the two drafts side by side, one thread each (59.3 min from the tokenizer on, measured 2026-11-28)
 	$(BIN)/mmspec train continuous-draft --tokenizer $(CONT)/tokenizer --target $(CONT)/transformer --out $(CONT)/draft_model --threads 1 & pid=$$!; \
 	$(BIN)/mmspec train continuous-draft --tokenizer $(CONT)/tokenizer --target $(CONT)/transformer --distill 0.5 --steps 2500 --out $(CONT)/draft_distilled --threads 1 && wait $$pid
 

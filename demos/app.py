@@ -218,7 +218,7 @@ def continuous_generate(prompt, method, seed, guidance_scale, *knob_values):
 def continuous_tab():
     with gr.Row():
         with gr.Column(scale=1):
-            prompt, method, seed, cfg, knobs, run = _class_prompt_inputs("continuous", "cont", "sd")
+            prompt, method, seed, cfg, knobs, run = _class_prompt_inputs("continuous", "cont", "sjd")
         with gr.Column(scale=2):
             error = gr.Markdown("", elem_id="cont-error")
             with gr.Row():

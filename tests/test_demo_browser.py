@@ -153,6 +153,31 @@ def test_vlm_tab(page, tmp_path):
     page.screenshot(path=str(tmp_path / "vlm-error.png"), full_page=True)
 
 
+def test_continuous_tab(page, tmp_path):
+    """The continuous-token tab opens on ``sjd`` (the lossless method faster than the target alone
+    in ``mmspec bench continuous``), runs it beside the baseline and labels it lossless."""
+    page.get_by_role("tab", name="Continuous tokens").click()
+    page.wait_for_selector("#cont-run", state="visible", timeout=TIMEOUT)
+    assert page.locator("#cont-method input").input_value() == "sjd"
+    assert page.locator("#cont-knob-sjd_window").is_visible()
+    page.click("#cont-run")
+    _wait_text(page, "#cont-ours-stats", "speed-up")
+    assert _image_width(page, "#cont-base-img") == 64
+    assert _image_width(page, "#cont-ours-img") == 64
+    base, ours = _text(page, "#cont-base-stats"), _text(page, "#cont-ours-stats")
+    assert "NFE 64" in base and "tau 1.00" in base  # 8 x 8 tokens, one per target pass
+    assert "sjd: lossless" in ours and "p(requested class)" in ours
+    nfe = int(re.search(r"NFE (\d+)", ours).group(1))
+    assert nfe < 64, ours  # the Jacobi window committed several tokens in some pass
+    assert _text(page, "#cont-error").strip() == ""
+    page.screenshot(path=str(tmp_path / "continuous.png"), full_page=True)
+
+    page.fill("#cont-knob-sjd_window input", "1")
+    page.click("#cont-run")
+    _wait_text(page, "#cont-error", "sjd_window must be an int >= 2")
+    assert "Traceback" not in page.content()
+
+
 def test_video_tab(page, tmp_path):
     page.get_by_role("tab", name="Streaming video").click()
     page.wait_for_selector("#video-run", state="visible", timeout=TIMEOUT)

@@ -57,8 +57,9 @@
                                      5 min) or the closed-form PCA of patches (seconds)
     mmspec train continuous-ar --tokenizer DIR --out DIR
     mmspec train continuous-draft --tokenizer DIR --target DIR [--distill W] --out DIR
-                                     the continuous AR target and its drafts (target 9,000 steps in 19 min
-                                     at two threads, drafts 4,000 and 2,500 steps in 6 and 9 min at one)
+                                     the continuous AR target and its drafts (target 18,000 steps in 40 min
+                                     at two threads, drafts 4,000 and 2,500 steps in 5 and 8 min at one
+                                     thread each, side by side)
     mmspec train ar-eagle | vlm-medusa | continuous-sd | ... --out DIR
                                      each trained drafter's registered recipe (mmspec.methods); ar-draft,
                                      vlm-draft and continuous-draft run them
