@@ -86,6 +86,16 @@ def _image_width(page, selector: str) -> int:
     return img.evaluate("el => el.naturalWidth")
 
 
+def _bad_input(page, tab: str, field: str, value: str, message: str, shot) -> None:
+    """Fill ``field`` (a CSS selector) with ``value``, run ``tab``: ``message`` shows in the tab's
+    error box, the page stays alive (no traceback); screenshot to ``shot``."""
+    page.fill(field, value)
+    page.click(f"#{tab}-run")
+    _wait_text(page, f"#{tab}-error", message)
+    assert "Traceback" not in page.content()
+    page.screenshot(path=str(shot), full_page=True)
+
+
 def test_ar_tab(page, tmp_path):
     page.fill("#ar-seed input", "3")
     page.click("#ar-run")
@@ -105,11 +115,7 @@ def test_ar_tab(page, tmp_path):
         page.screenshot(path=os.environ["MMSPEC_DEMO_SCREENSHOT"], full_page=True)
 
     # a bad knob: the message appears in the page, the page stays alive
-    page.fill("#ar-knob-sjd_window input", "1")
-    page.click("#ar-run")
-    _wait_text(page, "#ar-error", "sjd_window must be an int >= 2")
-    assert "Traceback" not in page.content()
-    page.screenshot(path=str(tmp_path / "ar-error.png"), full_page=True)
+    _bad_input(page, "ar", "#ar-knob-sjd_window input", "1", "sjd_window must be an int >= 2", tmp_path / "ar-error.png")
 
     # the method dropdown shows that method's knobs (from the registry) and hides the others
     page.click("#ar-method input")
@@ -146,11 +152,8 @@ def test_vlm_tab(page, tmp_path):
     assert len(growing) >= 2, partial
     page.screenshot(path=str(tmp_path / "vlm.png"), full_page=True)
 
-    page.fill("#vlm-question textarea", "")
-    page.click("#vlm-run")
-    _wait_text(page, "#vlm-error", "question must be a non-empty question")
-    assert "Traceback" not in page.content()
-    page.screenshot(path=str(tmp_path / "vlm-error.png"), full_page=True)
+    _bad_input(page, "vlm", "#vlm-question textarea", "", "question must be a non-empty question",
+               tmp_path / "vlm-error.png")
 
 
 def test_continuous_tab(page, tmp_path):
@@ -172,10 +175,8 @@ def test_continuous_tab(page, tmp_path):
     assert _text(page, "#cont-error").strip() == ""
     page.screenshot(path=str(tmp_path / "continuous.png"), full_page=True)
 
-    page.fill("#cont-knob-sjd_window input", "1")
-    page.click("#cont-run")
-    _wait_text(page, "#cont-error", "sjd_window must be an int >= 2")
-    assert "Traceback" not in page.content()
+    _bad_input(page, "cont", "#cont-knob-sjd_window input", "1", "sjd_window must be an int >= 2",
+               tmp_path / "continuous-error.png")
 
 
 def test_video_tab(page, tmp_path):
@@ -206,8 +207,5 @@ def test_video_tab(page, tmp_path):
     assert _text(page, "#video-error").strip() == ""
     page.screenshot(path=str(tmp_path / "video.png"), full_page=True)
 
-    page.fill("#video-switch-frame input", "31")
-    page.click("#video-run")
-    _wait_text(page, "#video-error", "switch frame must be a multiple of the model's chunk (3 frames)")
-    assert "Traceback" not in page.content()
-    page.screenshot(path=str(tmp_path / "video-error.png"), full_page=True)
+    _bad_input(page, "video", "#video-switch-frame input", "31",
+               "switch frame must be a multiple of the model's chunk (3 frames)", tmp_path / "video-error.png")
