@@ -141,7 +141,7 @@ DRAFT_TRAINING = TrainingRecipe(
     "continuous-sd", _train_draft, "heldout_loss", alias="continuous-draft", check_options=_check_draft,
     report=report, defaults=dict(steps=4000, batch_size=32, lr=2e-3, dataset_size=16384),
     options=(("--tokenizer", str, REQUIRED, "folder written by 'mmspec train continuous-tokenizer'"),
-             ("--input-noise", float, 0.25, "std of extra noise on the teacher-forced input latents (training only)"),
+             ("--input-noise", float, 0.5, "std of extra noise on the teacher-forced input latents (training only)"),
              ("--target", str, None, "folder written by 'mmspec train continuous-ar' (its diffusion schedule is "
                                      "copied; required with --distill)"),
              ("--distill", float, 0.0, "weight of distillation to the target's heads, in [0, 1] (0: data only)")),
