@@ -48,7 +48,8 @@ CONT = ASSETS / "continuous"
 
 
 def test_bundled_continuous_pipeline():
-    """assets/continuous: fp16 safetensors within the issue's 30 MB, seed-0 train logs, the
+    """assets/continuous: fp16 safetensors within the issue's 30 MB, seed-0 train logs (target and
+    drafts trained with the recipes' default input noise, the target for its default steps), the
     tokenizer's 8x8 grid of 16-dim latents, and lossless ``sd`` running offline with the bundled
     draft (fewer backbone passes than tokens); the distilled draft shares the target's schedule."""
     from mmspec.models.continuous import ContinuousARModel
@@ -61,6 +62,14 @@ def test_bundled_continuous_pipeline():
         with safe_open(f, "pt") as st:
             assert {st.get_tensor(k).dtype for k in st.keys()} == {torch.float16}, f
         assert json.loads((f.parent / "train_log.json").read_text())["seed"] == 0
+    # the recipes' defaults are what the bundled target and drafts were trained with
+    from mmspec.commands.train import TRAIN_DEFAULTS
+    from mmspec.methods.continuous import INPUT_NOISE
+
+    logs = {name: json.loads((CONT / name / "train_log.json").read_text())
+            for name in ("transformer", "draft_model", "draft_distilled")}
+    assert {name: log["train"]["input_noise"] for name, log in logs.items()} == dict.fromkeys(logs, INPUT_NOISE)
+    assert logs["transformer"]["steps"] == TRAIN_DEFAULTS["continuous-ar"]["steps"]
     pipe = SpeculativeContinuousARPipeline.from_pretrained(CONT)
     pipe.set_progress_bar_config(disable=True)
     t = pipe.transformer

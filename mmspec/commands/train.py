@@ -230,10 +230,9 @@ def _run_continuous_tokenizer(args, common) -> None:
 def _continuous_options(p, draft: bool) -> None:
     p.add_argument("--tokenizer", required=True, type=existing_dir, metavar="DIR",
                    help="folder written by 'mmspec train continuous-tokenizer'")
-    # the target's and the drafts' default alike (the registered continuous-sd recipe's, which
-    # continuous-draft runs): the bundled target and drafts were trained with it
-    p.add_argument("--input-noise", type=number(float, 0, strict=False), default=0.5,
-                   help="std of extra noise on the teacher-forced input latents (default 0.5; training only)")
+    noise = methods.continuous.INPUT_NOISE  # the target's and the drafts' default alike
+    p.add_argument("--input-noise", type=number(float, 0, strict=False), default=noise,
+                   help=f"std of extra noise on the teacher-forced input latents (default {noise}; training only)")
     if draft:
         p.add_argument("--target", type=existing_dir, metavar="DIR",
                        help="folder written by 'mmspec train continuous-ar' (its diffusion schedule is copied; "

@@ -135,13 +135,18 @@ def report(log: dict) -> str:
             f"{log['s_per_step']:.2f} s/step, {log['wall_time_s']:.0f} s")
 
 
+INPUT_NOISE = 0.5
+"""Default std of the extra noise on the teacher-forced input latents, for the target's recipe
+(``mmspec train continuous-ar``) and the drafts' (``continuous-sd`` / ``continuous-draft``) alike:
+the bundled target and drafts were trained with it (docs/continuous.md)."""
+
 # batch 32, 64 tokens of 8 channels: 0.07 s per plain draft step, 0.16 s per distilled draft step
 # at one thread each (the two bundled drafts side by side)
 DRAFT_TRAINING = TrainingRecipe(
     "continuous-sd", _train_draft, "heldout_loss", alias="continuous-draft", check_options=_check_draft,
     report=report, defaults=dict(steps=4000, batch_size=32, lr=2e-3, dataset_size=16384),
     options=(("--tokenizer", str, REQUIRED, "folder written by 'mmspec train continuous-tokenizer'"),
-             ("--input-noise", float, 0.5, "std of extra noise on the teacher-forced input latents (training only)"),
+             ("--input-noise", float, INPUT_NOISE, "std of extra noise on the teacher-forced input latents (training only)"),
              ("--target", str, None, "folder written by 'mmspec train continuous-ar' (its diffusion schedule is "
                                      "copied; required with --distill)"),
              ("--distill", float, 0.0, "weight of distillation to the target's heads, in [0, 1] (0: data only)")),
