@@ -17,6 +17,8 @@ from mmspec.adapters.video import FlowSampler, sample_chunk
 from mmspec.models.video_dit import ChunkPlan, VideoDiTModel, commit, parse_prompt, rewind, visible_chunks
 
 TINY = dict(dim=32, n_layers=3, n_heads=2, mlp_hidden=64, chunk_frames=2, sink_frames=2, window_frames=4)
+# the output heads: linear (unpatchify), and linear plus U-ViT's conv head
+HEADS = pytest.mark.parametrize("heads", [{}, dict(conv_head=8)], ids=["linear", "conv"])
 
 
 def tiny_dit(seed=0, **overrides):
@@ -63,12 +65,13 @@ def test_visible_chunks_are_what_a_sink_window_cache_holds():
     assert visible_chunks(6, 1, None) == [0, 1, 2, 3, 4, 5]
 
 
-def test_two_stream_training_forward_equals_the_rolling_cache():
+@HEADS
+def test_two_stream_training_forward_equals_the_rolling_cache(heads):
     """3 layers, 6 chunks of 2 frames, sink 1 chunk + window 2 chunks (so chunks 4 and 5 see a
     rolled cache): max |difference| below 1e-5; a plan without the window (attention over the
     whole past, absolute positions) differs by more than 1e-3, as does a cache that does not
     roll."""
-    model = tiny_dit()
+    model = tiny_dit(**heads)
     x0, x_t, t = clip()
     prompt = torch.tensor([[0, 1, 2], [3, 0, 1]])
     want, cache = cached_chunks(model, x0, x_t, t, prompt)
@@ -101,10 +104,11 @@ def test_per_frame_prompts_and_times_reach_their_frames():
     assert torch.equal(a[:, :-2], b[:, :-2]) and (a[:, -2:] - b[:, -2:]).abs().max() > 1e-3
 
 
-def test_default_forward_is_chunk_causal():
+@HEADS
+def test_default_forward_is_chunk_causal(heads):
     """Without cache or plan: a frame's output depends on frames of its own chunk (both ways) and
     of earlier chunks, never on later ones."""
-    model = tiny_dit()
+    model = tiny_dit(**heads)
     x0, _, _ = clip(B=1, N=6)
     base = model(x0, 0.5, torch.tensor([[0, 0, 0]]))
     later = x0.clone()
@@ -117,11 +121,12 @@ def test_default_forward_is_chunk_causal():
     assert torch.equal(out[:, :2], base[:, :2]) and (out[:, 2] - base[:, 2]).abs().max() > 1e-3
 
 
-def test_default_forward_equals_the_rolling_plan_without_a_window():
+@HEADS
+def test_default_forward_equals_the_rolling_plan_without_a_window(heads):
     """The plan-less forward (dense: one attention call under a (T, T) chunk-causal mask, every
     token rotated once; what the window-recompute baseline runs) equals the gathered
     ``ChunkPlan.rolling(F)`` forward within 1e-5, over 12 frames with per-frame times and prompts."""
-    model = tiny_dit()
+    model = tiny_dit(**heads)
     x0, x_t, t = clip(B=2, N=12)
     prompt = torch.tensor([[0, 1, 2], [3, 0, 1]])
     dense = model(x_t, t, prompt)
@@ -222,12 +227,16 @@ def test_bad_inputs_name_the_argument():
         VideoDiTModel(chunk_frames=3, sink_frames=2)
     with pytest.raises(ValueError, match="num_frames must be a positive multiple"):
         ChunkPlan.rolling(5, 2, 16)
+    for bad in (-2, 3, 1, 2.0, True):
+        with pytest.raises(ValueError, match="conv_head must be 0 \\(none\\) or an even int >= 2"):
+            VideoDiTModel(conv_head=bad)
 
 
-def test_save_and_load_round_trip(tmp_path):
+@HEADS
+def test_save_and_load_round_trip(tmp_path, heads):
     """fp16 safetensors in a diffusers folder: the loaded model (computed in fp32) matches the
     saved one within fp16 rounding, and keeps its prompt vocabulary."""
-    model = tiny_dit()
+    model = tiny_dit(**heads)
     model.to(torch.float16).save_pretrained(tmp_path / "dit")
     model.to(torch.float32)
     loaded = load_checkpoint(VideoDiTModel, tmp_path / "dit")
@@ -241,6 +250,26 @@ def test_save_and_load_round_trip(tmp_path):
     ae.to(torch.float16).save_pretrained(tmp_path / "ae")
     back = load_checkpoint(FrameAutoencoder, tmp_path / "ae")
     assert torch.equal(back.latent_std, torch.full((4,), 2.0))
+
+
+def test_conv_head_starts_as_no_head():
+    """A fresh model with ``conv_head`` computes exactly what the same weights without it do (its
+    last convolution is zero-initialised, adaLN-Zero style); once trained (perturbed here) the
+    head changes the output."""
+    torch.manual_seed(0)
+    plain = VideoDiTModel(**TINY).eval()
+    torch.manual_seed(0)
+    headed = VideoDiTModel(**TINY, conv_head=8).eval()
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        headed.load_state_dict({**headed.state_dict(), **plain.state_dict()})
+    x0, x_t, t = clip(B=1, N=4)
+    prompt = torch.tensor([[1, 2, 3]])
+    assert torch.equal(headed(x_t, t, prompt), plain(x_t, t, prompt))
+    with torch.no_grad():
+        headed.head_conv[-1].weight.add_(0.05 * torch.randn_like(headed.head_conv[-1].weight))
+    assert (headed(x_t, t, prompt) - plain(x_t, t, prompt)).abs().max() > 1e-3
 
 
 def test_autoencoder_shapes_and_latent_statistics():

@@ -227,6 +227,11 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
         prompt_dropout_prob: probability of training a clip with the null prompt (for CFG).
         sample_steps, time_shift, guidance_scale: sampling defaults (Euler steps per chunk, the
             scheduler's sigma shift, classifier-free guidance scale).
+        conv_head: 0, or the width of a 3x3 convolutional head after the linear unpatchify, as
+            U-ViT adds one (Bao et al., 2023): the last block's tokens are also projected to
+            ``conv_head // 2`` channels per latent cell, put back on the latent grid, and refined
+            by conv3x3 -> GELU -> conv3x3 (zero-initialised, so it starts as no head) into a
+            correction added to the linear output (its 3x3 kernels reach across the patches' borders).
     """
 
     config_name = "config.json"
@@ -236,7 +241,7 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
                  sink_frames: int = 3, window_frames: int = 9, dim: int = 128, n_layers: int = 4, n_heads: int = 4,
                  mlp_hidden: int = 384, rope_theta: float = 100.0, prompt_vocab: dict | None = None,
                  prompt_dropout_prob: float = 0.1, sample_steps: int = 4, time_shift: float = 1.0,
-                 guidance_scale: float = 3.0):
+                 guidance_scale: float = 3.0, conv_head: int = 0):
         super().__init__()
         for name, value in dict(latent_channels=latent_channels, latent_size=latent_size, patch_size=patch_size,
                                 chunk_frames=chunk_frames, dim=dim, n_layers=n_layers, n_heads=n_heads,
@@ -248,6 +253,8 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
         _chunks(chunk_frames, chunk_frames, sink_frames, window_frames)
         check(0.0 <= prompt_dropout_prob <= 1.0, "prompt_dropout_prob", "a number in [0, 1]", prompt_dropout_prob)
         check(time_shift > 0, "time_shift", "> 0", time_shift)
+        check(isinstance(conv_head, int) and not isinstance(conv_head, bool) and (conv_head == 0 or (
+            conv_head >= 2 and conv_head % 2 == 0)), "conv_head", "0 (none) or an even int >= 2", conv_head)
         if prompt_vocab is None:
             prompt_vocab = {"colour": ["red", "green", "blue", "yellow"],
                             "shape": ["circle", "square", "triangle", "star"],
@@ -268,6 +275,12 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
         self.norm_out = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.ada_out = nn.Linear(dim, 2 * dim)
         self.proj_out = nn.Linear(dim, patch_dim)
+        if conv_head:
+            self.head_in = nn.Linear(dim, conv_head // 2 * patch_size * patch_size)
+            self.head_conv = nn.Sequential(nn.Conv2d(conv_head // 2, conv_head, 3, padding=1),
+                                           nn.GELU(approximate="tanh"), nn.Conv2d(conv_head, latent_channels, 3, padding=1))
+        else:
+            self.head_in = self.head_conv = None
         self._init_weights()
         # the (time, row, column) RoPE, also the caches' ``rope(x, token positions)``
         self.rope = Rope3D(dim // n_heads, rope_theta, frame_shape=(grid, grid))
@@ -279,7 +292,8 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
                 nn.init.zeros_(m.bias)
         for emb in self.prompt_embed:
             nn.init.normal_(emb.weight, std=0.02)
-        for m in [*(b.ada for b in self.blocks), self.ada_out, self.proj_out]:  # adaLN-Zero
+        last = [self.head_conv[-1]] if self.head_conv is not None else []
+        for m in [*(b.ada for b in self.blocks), self.ada_out, self.proj_out, *last]:  # adaLN-Zero
             nn.init.zeros_(m.weight)
             nn.init.zeros_(m.bias)
 
@@ -311,8 +325,11 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
         return x.reshape(B, Fr * (h // p) * (w // p), C * p * p)
 
     def unpatchify(self, tokens: torch.Tensor, num_frames: int) -> torch.Tensor:
+        """(B, F * P, C' * p * p) -> (B, F, C', h, w): ``patchify``'s inverse, for any channel
+        count C' (the latent's, or the conv head's input)."""
         B = tokens.shape[0]
-        p, C, s = self.config.patch_size, self.config.latent_channels, self.config.latent_size
+        p, s = self.config.patch_size, self.config.latent_size
+        C = tokens.shape[-1] // (p * p)
         g = s // p
         x = tokens.reshape(B, num_frames, g, g, C, p, p).permute(0, 1, 4, 2, 5, 3, 6)
         return x.reshape(B, num_frames, C, s, s)
@@ -420,8 +437,12 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
         for block in self.blocks:
             x = block(x, c, attend)
         shift, scale = (m[:, :, None] for m in self.ada_out(c).chunk(2, -1))  # (B, F, 1, dim) each
-        h = modulate(self.norm_out(x).view(B, Fr, P, -1), shift, scale)
-        return self.unpatchify(self.proj_out(h).flatten(1, 2), Fr)
+        h = modulate(self.norm_out(x).view(B, Fr, P, -1), shift, scale).flatten(1, 2)
+        out = self.unpatchify(self.proj_out(h), Fr)
+        if self.head_conv is not None:
+            grid = self.unpatchify(self.head_in(h), Fr)  # (B, F, C', h, w)
+            out = out + self.head_conv(grid.flatten(0, 1)).view(out.shape)
+        return out
 
 
 # -- decoder-style cache use ----------------------------------------------------------------
