@@ -9,7 +9,7 @@ from transformers import get_cosine_with_min_lr_schedule_with_warmup
 from mmspec.training.recipes.common import gaussian_blur, warmup_cosine
 
 # (warmup, steps) of the bundled checkpoints' recipes (assets/*/train_log.json)
-RECIPE_SCHEDULES = [(100, 800), (100, 1600), (100, 2500), (100, 3000), (100, 4000), (100, 6000), (100, 7800), (100, 9000),
+RECIPE_SCHEDULES = [(100, 800), (100, 1600), (100, 2500), (100, 3000), (100, 4000), (100, 9600), (100, 18000),
                     (50, 1000), (50, 1500), (50, 1600), (2, 6)]
 
 

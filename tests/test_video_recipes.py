@@ -11,7 +11,7 @@ from mmspec.models import load_checkpoint
 from mmspec.models.video_ae import FrameAutoencoder
 from mmspec.models.video_dit import VideoDiTModel
 from mmspec.training.recipes import train_video, train_video_ae
-from mmspec.training.recipes.video import TwoStreamLoss, rollout, rollout_metrics
+from mmspec.training.recipes.video import DEFAULT_VIDEO_CONFIG, TwoStreamLoss, rollout, rollout_metrics
 from mmspec.training.data.video import VideoPrompt, render_clip
 
 pytestmark = pytest.mark.slow
@@ -56,7 +56,7 @@ def test_ae_recipe_saves_a_loadable_folder(ae_dir):
 def test_video_recipe_saves_a_loadable_folder_and_samples(tmp_path, ae_dir):
     lines = []
     out = tmp_path / "dit"
-    record = train_video(out, ae_dir=ae_dir, log=lines.append, **DIT_RUN)
+    record = train_video(out, ae_dir=ae_dir, log=lines.append, first_chunk_prob=0.5, **DIT_RUN)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dit"]  # no temp folder left
     assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", WEIGHTS, "train_log.json", "samples.png"])
     assert read_log(out) == json.loads(json.dumps(record))
@@ -64,7 +64,8 @@ def test_video_recipe_saves_a_loadable_folder_and_samples(tmp_path, ae_dir):
     assert [line.split()[2] for line in lines if " step " in line] == ["2/3", "3/3"]
     model = load_checkpoint(VideoDiTModel, out)
     assert model.config.latent_size == 8 and model.config.dim == 32 and model.config.chunk_frames == 2
-    assert record["train"]["windows"] == [2, 4]
+    assert model.config.conv_head == DEFAULT_VIDEO_CONFIG["conv_head"] and model.head_conv is not None
+    assert record["train"]["windows"] == [2, 4] and record["train"]["first_chunk_prob"] == 0.5
     assert 0 <= record["rollout"]["colour_acc"] <= 1 and len(record["rollout"]["schedules"]) == 3
     from PIL import Image
 
@@ -145,6 +146,8 @@ def test_bad_arguments_name_the_argument(tmp_path, ae_dir):
         train_video(tmp_path / "x", ae_dir=ae_dir, **{**DIT_RUN, "model_config": {"latent_channels": 3}})
     with pytest.raises(ValueError, match="autocast must be one of fp32, bf16"):
         train_video(tmp_path / "x", ae_dir=ae_dir, **{**DIT_RUN, "autocast": "half"})
+    with pytest.raises(ValueError, match="first_chunk_prob must be a number in \\[0, 1\\]"):
+        train_video(tmp_path / "x", ae_dir=ae_dir, **{**DIT_RUN, "first_chunk_prob": 2})
     assert not (tmp_path / "x").exists()
 
 
@@ -152,7 +155,16 @@ def test_cli_parses_the_video_recipes(tmp_path, ae_dir, capsys):
     from mmspec import commands
 
     args = commands.build_parser().parse_args(["train", "video", "--ae", str(ae_dir), "--out", str(tmp_path / "v")])
-    assert (args.recipe, args.ae, args.steps, args.batch_size) == ("video", str(ae_dir), 7800, 8)
+    from mmspec.commands.train import TRAIN_DEFAULTS, VIDEO_ROLLOUT
+
+    assert (args.recipe, args.ae, args.steps, args.batch_size) == ("video", str(ae_dir),
+                                                                    TRAIN_DEFAULTS["video"]["steps"], 8)
+    assert args.first_chunk_prob == VIDEO_ROLLOUT["first_chunk_prob"]
+    from mmspec.commands.common import UsageError
+
+    with pytest.raises(UsageError, match="--first-chunk-prob: must be a number in \\[0, 1\\], got 1.5"):
+        commands.build_parser().parse_args(["train", "video", "--ae", str(ae_dir), "--out", str(tmp_path / "v"),
+                                            "--first-chunk-prob", "1.5"])
     with pytest.raises(SystemExit):
         commands.main(["train", "video", "--out", str(tmp_path / "v")])
     assert "the following arguments are required: --ae" in capsys.readouterr().err

@@ -321,3 +321,72 @@ def test_bf16_autocast_runs_the_loss_in_bfloat16_and_the_rollout_in_float32():
     assert torch.equal(out["fp32"]["context"], out["bf16"]["context"])
     assert torch.isclose(out["bf16"]["loss"], out["fp32"]["loss"], rtol=0.02)
     assert not torch.equal(out["bf16"]["loss"], out["fp32"]["loss"])
+
+
+def test_first_chunk_steps_train_each_chunk_as_a_streams_first_chunk():
+    """``first_chunk_prob=1``: one forward, without plan or cache, over the clips cut into their 6
+    chunks (12 rows of 2 frames) under each chunk's own prompt (the switched clip's chunks after
+    frame 6 carry the new colour, those before it the old one); its velocity for a chunk is what
+    the pipeline's first chunk computes through the rolling cache (within 1e-5), and the loss is
+    the mean flow-matching error recomputed from the forward's inputs and output."""
+    pipe = tiny_pipe()
+    model = pipe.transformer
+    model.register_to_config(prompt_dropout_prob=0.0)
+    x0, prompt, switch = batch()
+    fn = TwoStreamLoss(model, N, [4], torch.Generator().manual_seed(5), first_chunk_prob=1.0)
+    calls = []
+    original = model.forward
+
+    def spy(latents, t, prompt, **kwargs):
+        v = original(latents, t, prompt, **kwargs)
+        calls.append(dict(latents=latents, t=t, prompt=prompt, v=v, kwargs=kwargs))
+        return v
+
+    model.forward = spy
+    loss = fn(model, (x0, prompt, switch))["loss"]
+    assert fn.last_first_chunks and len(calls) == 1 and calls[0]["kwargs"] == {}
+    c = calls[0]
+    C = model.config.chunk_frames
+    assert c["latents"].shape == (2 * N // C, C, 4, 8, 8)
+    assert torch.equal(c["prompt"], prompt.reshape(2 * N // C, C, 3))
+    assert c["prompt"][2, 0, 0] == 0 and c["prompt"][3, 0, 0] == 3  # chunks 2 and 3 of the switched clip
+    t = c["t"][..., None, None, None]
+    chunks = x0.reshape(2 * N // C, C, 4, 8, 8)
+    noise = (c["latents"] - (1 - t) * chunks) / t
+    assert torch.isclose(loss, (c["v"] - (noise - chunks)).pow(2).mean(), rtol=1e-5)
+    assert loss.requires_grad
+    # the velocity a stream's first chunk gets: an empty rolling cache, the chunk appended to it
+    model.forward = original
+    with torch.no_grad():
+        for row in (0, 3, 11):
+            cache = model.new_cache(1)
+            v = model(c["latents"][row:row + 1], c["t"][row:row + 1], c["prompt"][row:row + 1], cache=cache)
+            assert (v - c["v"][row:row + 1]).abs().max() < 1e-5
+        # a chunk placed later in the stream (after one committed chunk) is not what was trained
+        cache = model.new_cache(1)
+        model(chunks[:1], 0.0, c["prompt"][:1], cache=cache)
+        later = model(c["latents"][1:2], c["t"][1:2], c["prompt"][1:2], cache=cache)
+        assert (later - c["v"][1:2]).abs().max() > 1e-3
+
+
+def test_first_chunk_prob_mixes_the_two_kinds_of_step():
+    """At ``first_chunk_prob`` 0 (the default) no step is a first-chunk step; at 0.5 over 40 steps
+    (seed 9) both kinds occur (the chance that either kind never occurs is 2 x 0.5^40)."""
+    pipe = tiny_pipe()
+    model = pipe.transformer
+    x0, prompt, switch = batch()
+    for prob, want in ((0.0, {False}), (0.5, {True, False})):
+        fn = TwoStreamLoss(model, N, [2, 4], torch.Generator().manual_seed(9), first_chunk_prob=prob)
+        kinds = set()
+        with torch.no_grad():
+            for _ in range(40):
+                fn(model, (x0, prompt, switch))
+                kinds.add(fn.last_first_chunks)
+        assert kinds == want
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, "0.3", None])
+def test_first_chunk_prob_must_be_a_probability(bad):
+    model = tiny_pipe().transformer
+    with pytest.raises(ValueError, match="first_chunk_prob must be a number in \\[0, 1\\]"):
+        TwoStreamLoss(model, N, [4], torch.Generator(), first_chunk_prob=bad)

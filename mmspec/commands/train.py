@@ -56,11 +56,11 @@ TRAIN_DEFAULTS = {
     "vlm": dict(steps=1600, batch_size=32, lr=1e-3, dataset_size=16000),
     "vlm-draft": _alias_defaults("vlm-draft"),  # mmspec.methods.vlm.TRAINING
     # two threads, alone: the autoencoder (dataset_size in frames) 57 s with rendering; the video
-    # transformer (dataset_size in clips of 18 frames) ~0.43 s per step with bf16 autocast and
-    # self-rollouts on 30% of them (0.56 s in fp32), 3,361 s for the bundled weights: 57.0 minutes
-    # from a seed
+    # transformer (dataset_size in clips of 18 frames) ~0.35 s per step with bf16 autocast,
+    # first-chunk steps on 30% of them and self-rollouts on 30% of the others, 3,363 s for the
+    # bundled weights: 57.0 minutes from a seed
     "video-ae": dict(steps=1500, batch_size=16, lr=2e-3, dataset_size=4096),
-    "video": dict(steps=7800, batch_size=8, lr=1e-3, dataset_size=4096),
+    "video": dict(steps=9600, batch_size=8, lr=1e-3, dataset_size=4096),
     # one thread, batch 64: ~0.12 s per step, about 2.5 minutes with rendering (dataset_size in frames)
     "video-judge": dict(steps=1000, batch_size=64, lr=3e-3, dataset_size=16384),
     # --kind conv (default): 1,500 Adam steps of a small conv autoencoder; --kind pca: an SVD, seconds
@@ -72,7 +72,7 @@ TRAIN_DEFAULTS = {
 
 
 # the video recipe's self-rollouts (mmspec.training.recipes.video.TwoStreamLoss)
-VIDEO_ROLLOUT = dict(rollout_prob=0.3, rollout_strength=[0.3, 0.8], autocast="bf16")
+VIDEO_ROLLOUT = dict(rollout_prob=0.3, rollout_strength=[0.3, 0.8], autocast="bf16", first_chunk_prob=0.3)
 
 
 class Recipe(NamedTuple):
@@ -183,13 +183,18 @@ def _video_options(p) -> None:
     p.add_argument("--autocast", choices=("fp32", "bf16"), default=VIDEO_ROLLOUT["autocast"],
                    help="precision of the loss's forward passes: bf16 autocast (float32 weights, gradients "
                         "and rollouts; faster steps, timed in assets/README.md) or fp32 (default %(default)s)")
+    p.add_argument("--first-chunk-prob", type=number(float, 0, strict=False, high=1),
+                   default=VIDEO_ROLLOUT["first_chunk_prob"],
+                   help="share of steps that train every chunk alone, as a stream's first chunk is drawn "
+                        f"(default {VIDEO_ROLLOUT['first_chunk_prob']})")
 
 
 def _run_video(args, common) -> None:
     from ..training import recipes
 
     record = recipes.train_video(args.out, ae_dir=args.ae, rollout_prob=args.rollout_prob,
-                                 rollout_strength=tuple(args.rollout_strength), autocast=args.autocast, **common)
+                                 rollout_strength=tuple(args.rollout_strength), autocast=args.autocast,
+                                 first_chunk_prob=args.first_chunk_prob, **common)
     print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f}, rollout colour accuracy "
           f"{record['rollout']['colour_acc']:.3f}, direction accuracy {record['rollout']['direction_acc']:.3f}, "
           f"{record['wall_time_s']:.0f} s")

@@ -43,7 +43,7 @@ from .common import (_is_int, batch_indices, check_checkpoint_dir, check_run_arg
 # 0.54 and 0.45 at 4 steps and CFG 3; CFG 4 and more saturates the frames with colour))
 DEFAULT_VIDEO_CONFIG = dict(chunk_frames=3, sink_frames=3, window_frames=9, dim=128, n_layers=4, n_heads=4,
                             mlp_hidden=384, rope_theta=100.0, prompt_dropout_prob=0.1, sample_steps=8,
-                            time_shift=1.0, guidance_scale=3.5)
+                            time_shift=1.0, guidance_scale=3.5, conv_head=32)
 _DERIVED = ("latent_channels", "latent_size", "prompt_vocab")
 SAMPLES_PNG = "samples.png"
 # the clips both video recipes (and the video bench's reference clips) draw: see STYLES in
@@ -202,9 +202,17 @@ class TwoStreamLoss:
     - else the clean latents, per clip noised to t ~ U(0, ``context_noise``) with probability
       ``noisy_context_prob`` (diffusion forcing's noisy context).
 
+    With probability ``first_chunk_prob`` a step has no context at all: every clip is cut into
+    its chunks and each chunk is trained as a stream's *first* chunk (alone, at positions ``0 ..
+    chunk_frames - 1``, exactly what a stream's first chunk is denoised with), under its own
+    prompt. The two-stream steps train drawing from nothing only on a clip's first chunk (one in
+    ``num_frames / chunk_frames``) and mostly teach continuing visible frames; the first chunk
+    is the sink every later chunk of a stream reads, so how well it is drawn lasts the stream.
+
     Args:
         window_choices: window sizes (frames) drawn uniformly per step.
         pipe: a ``StreamingVideoPipeline`` around the model being trained (for rollouts).
+        first_chunk_prob: probability of a first-chunk step (above).
         autocast: ``"fp32"``, or ``"bf16"``: the loss's own forward passes (the one-step context
             predictions and the two-stream pass) under bfloat16 autocast on the batch's device, the error in
             float32 (weights, gradients and optimizer state stay float32); a self-rollout is the
@@ -214,12 +222,13 @@ class TwoStreamLoss:
     def __init__(self, model: VideoDiTModel, num_frames: int, window_choices: list[int], generator: torch.Generator,
                  noisy_context_prob: float = 0.3, context_noise: float = 0.2, self_context_prob: float = 0.25,
                  rollout_prob: float = 0.0, rollout_strength: tuple[float, float] = ROLLOUT_STRENGTH, pipe=None,
-                 autocast: str = "fp32"):
+                 autocast: str = "fp32", first_chunk_prob: float = 0.0):
         cfg = model.config
         check(autocast in AUTOCAST, "autocast", f"one of {', '.join(AUTOCAST)}", autocast)
         self.autocast = autocast
         for name, value in (("noisy_context_prob", noisy_context_prob), ("context_noise", context_noise),
-                            ("self_context_prob", self_context_prob), ("rollout_prob", rollout_prob)):
+                            ("self_context_prob", self_context_prob), ("rollout_prob", rollout_prob),
+                            ("first_chunk_prob", first_chunk_prob)):
             check(isinstance(value, (int, float)) and 0 <= value <= 1, name, "a number in [0, 1]", value)
         lo, hi = rollout_strength
         check(0 < lo <= hi <= 1, "rollout_strength", "(low, high) with 0 < low <= high <= 1", rollout_strength)
@@ -231,7 +240,9 @@ class TwoStreamLoss:
         self.noisy_context_prob, self.context_noise, self.self_context_prob = (noisy_context_prob, context_noise,
                                                                                self_context_prob)
         self.rollout_prob, self.rollout_strength, self.pipe = rollout_prob, (float(lo), float(hi)), pipe
+        self.first_chunk_prob = first_chunk_prob
         self.last_rollout: dict | None = None  # the knobs of the last step's rollout (None: it had none)
+        self.last_first_chunks = False  # whether the last step was a first-chunk step
 
     def _precision(self, like: torch.Tensor):
         return torch.autocast(like.device.type, dtype=torch.bfloat16, enabled=self.autocast == "bf16")
@@ -245,9 +256,13 @@ class TwoStreamLoss:
         g = self.generator
         rand = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
         randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+        self.last_rollout = None
+        # no draw when off, so a loss without first-chunk steps repeats the earlier recipes' draws
+        self.last_first_chunks = self.first_chunk_prob > 0 and float(rand(1)) < self.first_chunk_prob
+        if self.last_first_chunks:
+            return self._first_chunks(model, x0, prompt)
         window = self.windows[int(torch.randint(len(self.windows), (1,), generator=g))]
         plan = self.plans[window]
-        self.last_rollout = None
         rolled = self.rollout_prob > 0 and float(rand(1)) < self.rollout_prob
         if rolled:  # before the prompts are changed below: the stream sees the clips' own schedules
             lo, hi = self.rollout_strength
@@ -285,6 +300,21 @@ class TwoStreamLoss:
                       plan=plan)[:, N:].float()
         err = (v - (noise - x0)).pow(2).mean(dim=(2, 3, 4))  # (B, N)
         return {"loss": (err * weight).sum() / weight.sum()}
+
+    def _first_chunks(self, model: VideoDiTModel, x0: torch.Tensor, prompt: torch.Tensor) -> dict:
+        """A first-chunk step: the (B, N) clips as (B * N / C, C) chunk-long clips, each flow-
+        matched alone (no plan, no cache: one chunk at positions 0 .. C - 1) under its own
+        per-frame prompts (a chunk never straddles a switch: switches fall on chunk boundaries)."""
+        B, N = x0.shape[:2]
+        C, g = self.C, self.generator
+        x0 = x0.reshape(B * N // C, C, *x0.shape[2:])
+        prompt = model.drop_prompts(prompt.reshape(B * N // C, C, prompt.shape[-1]), g)
+        t = torch.rand(B * N // C, generator=g)[:, None].expand(-1, C)
+        noise = torch.randn(x0.shape, generator=g)
+        x_t = (1 - t[..., None, None, None]) * x0 + t[..., None, None, None] * noise
+        with self._precision(x0):
+            v = model(x_t, t, prompt).float()
+        return {"loss": (v - (noise - x0)).pow(2).mean()}
 
 
 @torch.no_grad()
@@ -384,12 +414,13 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
                 dataset_size: int, clip_frames: int = 18, heldout_size: int = 32, model_config: dict | None = None,
                 switch_prob: float = 0.25, eval_frames: int = 48, eval_clips: int = 12, log_every: int = 50,
                 warmup: int = 100, rollout_prob: float = 0.0, rollout_strength: tuple[float, float] = ROLLOUT_STRENGTH,
-                autocast: str = "fp32", log: Callable[[str], None] = print) -> dict:
+                autocast: str = "fp32", first_chunk_prob: float = 0.0, log: Callable[[str], None] = print) -> dict:
     """Train a ``VideoDiTModel`` with AdamW on ``VideoClipDataset(dataset_size, seed, clip_frames,
     switch_prob=switch_prob, style=VIDEO_DATA_STYLE)`` encoded once by the autoencoder in
     ``ae_dir``, with the two-stream loss (``TwoStreamLoss``; module docstring; ``rollout_prob``
     and ``rollout_strength``: its self-rollouts through the streaming pipeline; ``autocast``: the
-    precision of its forward passes), and save it to
+    precision of its forward passes; ``first_chunk_prob``: its steps that train every chunk as a
+    stream's first), and save it to
     ``out_dir`` (fp16 safetensors, atomically) with ``train_log.json`` and ``samples.png`` (``eval_clips`` streams of
     ``eval_frames`` frames, every other frame; every third stream switches its prompt mid-way).
 
@@ -445,7 +476,7 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
     pipe.set_progress_bar_config(disable=True)
     loss = TwoStreamLoss(model, clip_frames, windows, torch.Generator().manual_seed(seed + 1),
                          rollout_prob=rollout_prob, rollout_strength=tuple(rollout_strength), pipe=pipe,
-                         autocast=autocast)
+                         autocast=autocast, first_chunk_prob=first_chunk_prob)
     batches = ((latents[idx], prompts[idx], switches[idx])
                for idx in batch_indices(dataset_size, batch_size, steps, order))
     final_loss = train_loop(model, optimizer, batches, loss, steps=steps, accelerator=accelerator, schedule=schedule,
@@ -466,7 +497,8 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
                   "weight_decay": 0.01, "grad_clip": 1.0, "schedule": f"linear warmup {warmup} steps, cosine to 10%",
                   "noisy_context_prob": loss.noisy_context_prob, "context_noise": loss.context_noise,
                   "self_context_prob": loss.self_context_prob, "rollout_prob": loss.rollout_prob,
-                  "rollout_strength": list(loss.rollout_strength), "autocast": autocast, "train_time_s": train_time},
+                  "rollout_strength": list(loss.rollout_strength), "autocast": autocast,
+                  "first_chunk_prob": loss.first_chunk_prob, "train_time_s": train_time},
         "ae_dir": str(ae_path.resolve()), "final_loss": final_loss, "heldout_loss": held,
         "rollout": {"clips": eval_clips, "frames": eval_frames, "colour_acc": metrics["colour_acc"],
                     "direction_acc": metrics["direction_acc"], "schedules": [[(s, p.text) for s, p in sch]
