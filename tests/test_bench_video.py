@@ -354,6 +354,61 @@ def test_bench_writes_every_column(folders, tmp_path):
     setup = saved["setup"]
     assert setup["batch"] == 2 and setup["full_cache_limit_frames"] == 32 and setup["trained_window"] == 4
     assert set(setup["ceiling"]) >= {"real_class_acc", "recon_class_acc", "real_direction_acc"}
+    for r in rows:
+        if r["group"] != "window-sweep":
+            assert r["streams"] == 2
+            for when in ("first", "last"):
+                low, high = r[f"shape_acc_{when}_ci_low"], r[f"shape_acc_{when}_ci_high"]
+                assert 0 <= low <= r[f"shape_acc_{when}"] <= high <= 1
+
+
+def test_shape_interval_is_a_bootstrap_over_the_streams():
+    """``_quality``'s shape interval: the percentile interval of the mean over
+    ``bootstrap_indices(streams, resamples, seed)`` resamples of the per-stream accuracies. Four
+    synthetic streams whose judged shape is right on 0, 1/3, 2/3 and all of their frames (mean
+    0.5): with 2,000 resamples of seed 0 the interval is what ``mean_ci`` gives on those four
+    values, strictly inside [0, 1] and around 0.5; one stream gives a zero-width interval."""
+    from mmspec.bench.stats import bootstrap_indices, mean_ci
+    from mmspec.bench.video import quality
+
+    cfg = vb.VideoBenchConfig(bootstrap_resamples=2000, quality_frames=3)
+    want_shape = 1  # square
+
+    class Buffer:
+        def __init__(self, n):
+            self.n = n
+
+        def frames(self):
+            x = torch.zeros(self.n, 3, 3, 8, 8)
+            return x, x, 0
+
+    class Run:
+        done = 3
+
+        def __init__(self, n):
+            self.buffer = Buffer(n)
+
+    right = iter([0, 0, 1, 1, 2, 2, 3, 3, 3, 3])  # head then tail of each stream
+
+    def fake_judge(frames, want, judge):
+        k = next(right)
+        shape = torch.tensor([want_shape] * k + [0] * (3 - k))
+        return dict(colour=want[:, 0], judge_colour=want[:, 0], judge_shape=shape,
+                    direction=torch.full((2,), -1))
+
+    texts = ["a red square moving right"] * 4
+    orig = quality.judge_frames
+    quality.judge_frames = fake_judge
+    try:
+        out = quality._quality(Run(4), texts, None, object(), cfg)
+        assert out["streams"] == 4 and out["shape_acc_first"] == pytest.approx(0.5)
+        want = mean_ci([0, 1 / 3, 2 / 3, 1], bootstrap_indices(4, 2000, 0))
+        assert (out["shape_acc_first_ci_low"], out["shape_acc_first_ci_high"]) == pytest.approx(want)
+        assert 0 < want[0] < 0.5 < want[1] < 1
+        one = quality._quality(Run(1), texts[:1], None, object(), cfg)
+        assert one["shape_acc_first_ci_low"] == one["shape_acc_first_ci_high"] == one["shape_acc_first"] == 1.0
+    finally:
+        quality.judge_frames = orig
 
 
 def test_wan_rows_measure_rolling_against_recompute(folders):
@@ -436,6 +491,28 @@ def test_cli_frames_is_for_the_video_bench(capsys):
     assert "--frames is for 'bench video' only, got 'bench core'" in capsys.readouterr().err
     args = commands.build_parser().parse_args(["bench", "video", "--frames", "100", "1000", "--quick"])
     assert args.name == "video" and args.frames == [100, 1000] and args.quick
+
+
+def test_cli_prompts_picks_the_first_n_of_the_prompt_set(capsys, monkeypatch):
+    """``--prompts N``: the first N of the 16 colour x shape prompts (the default four first);
+    for the video bench only, 1-16."""
+    from mmspec import commands
+
+    assert len(set(vb.PROMPT_SET)) == 16 and vb.PROMPT_SET[:4] == vb.DEFAULT_PROMPTS
+    pairs = {tuple(p.split()[1:3]) for p in vb.PROMPT_SET}
+    assert len(pairs) == 16  # every colour x shape once
+    seen = []
+    monkeypatch.setattr(vb, "run", lambda cfg, **kw: seen.append(cfg) or {"rows": [], "setup": {}})
+    monkeypatch.setattr(vb, "public", lambda result: result)
+    commands.main(["bench", "video", "--prompts", "9", "--groups", "frames", "--quiet"])
+    assert seen[0].prompts == vb.PROMPT_SET[:9]
+    for bad in ("0", "17"):
+        with pytest.raises(SystemExit):
+            commands.main(["bench", "video", "--prompts", bad])
+        assert "--prompts: must be an int in [1, 16]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        commands.main(["bench", "core", "--prompts", "4"])
+    assert "--prompts is for 'bench video' only, got 'bench core'" in capsys.readouterr().err
 
 
 # -- the judge -----------------------------------------------------------------------------------

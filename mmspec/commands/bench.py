@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 from typing import Callable
 
-from .common import existing_dir, existing_file, output_file, positive_int, progress, set_threads
+from .common import existing_dir, existing_file, number, output_file, positive_int, progress, set_threads
 
 NAME = "bench"
 
@@ -73,6 +73,8 @@ def _video(args):
     cfg = _config(video.VideoBenchConfig, args)
     if args.frames is not None:
         cfg.frames = tuple(args.frames)
+    if args.prompts is not None:
+        cfg.prompts = video.PROMPT_SET[:args.prompts]
     groups = set(args.groups or VIDEO_GROUPS)
     for group, (field, off) in VIDEO_GROUPS.items():
         if group not in groups:
@@ -139,6 +141,9 @@ def register_subcommand(subparsers) -> None:
     bench.add_argument("--frames", type=positive_int, nargs="+", metavar="N",
                        help="video only: stream lengths of the per-method rows (default 100 1000 10000, "
                             "100 300 with --quick)")
+    bench.add_argument("--prompts", type=number(int, 1, strict=False, high=16), metavar="N",
+                       help="video only: streams per row, the first N of the 16 colour x shape prompts (default 4, "
+                            "2 with --quick); the shape columns' 95%% intervals are over these streams")
     bench.add_argument("--groups", nargs="+", choices=tuple(VIDEO_GROUPS), metavar="GROUP",
                        help=f"video only: the row groups to run, among {', '.join(VIDEO_GROUPS)} (default all)")
     bench.add_argument("--gpu-curve", type=existing_file, metavar="FILE",
@@ -147,7 +152,8 @@ def register_subcommand(subparsers) -> None:
 
 
 # options that belong to one bench: (argument, attribute, the bench)
-_ONLY = (("--pipeline", "pipeline", "vlm"), ("--frames", "frames", "video"), ("--groups", "groups", "video"),
+_ONLY = (("--pipeline", "pipeline", "vlm"), ("--frames", "frames", "video"), ("--prompts", "prompts", "video"),
+         ("--groups", "groups", "video"),
          ("--images", "images", "ar-image"), ("--gpu-curve", "gpu_curve", "cost"))
 
 

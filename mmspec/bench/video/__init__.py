@@ -76,13 +76,13 @@ JSON), ``runner`` (``run`` and its groups).
 """
 
 from ..stats import fit_slope
-from .config import ASSETS, DEFAULT_PROMPTS, METHODS, SWITCH_FIELDS, VideoBenchConfig
+from .config import ASSETS, DEFAULT_PROMPTS, METHODS, PROMPT_SET, SWITCH_FIELDS, VideoBenchConfig
 from .model import compute_ratio
 from .quality import accuracy, frames_until, judge_frames, pixel_changes, switch_jump
 from .report import VIDEO_COLUMNS, public
 from .runner import WAN_NOTE, run
 from .timing import FrameBuffer, rss_mb, speed_index, trim_heap
 
-__all__ = ["DEFAULT_PROMPTS", "METHODS", "SWITCH_FIELDS", "VideoBenchConfig", "VIDEO_COLUMNS", "WAN_NOTE", "accuracy",
+__all__ = ["DEFAULT_PROMPTS", "METHODS", "PROMPT_SET", "SWITCH_FIELDS", "VideoBenchConfig", "VIDEO_COLUMNS", "WAN_NOTE", "accuracy",
            "compute_ratio", "fit_slope", "frames_until", "judge_frames", "pixel_changes", "public", "rss_mb", "run",
            "speed_index", "switch_jump", "trim_heap", "FrameBuffer"]

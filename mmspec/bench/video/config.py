@@ -12,6 +12,12 @@ METHODS = ("rolling", "window-recompute", "full-cache", "no-sink")
 SWITCH_FIELDS = ("colour", "direction")
 DEFAULT_PROMPTS = ("a red circle moving right", "a green square moving left", "a blue triangle moving up",
                    "a yellow star moving down")
+# every colour x shape once, the default four first, directions taking turns: ``--prompts N`` runs
+# the first N (more streams per row: narrower intervals on the quality columns, slower rows)
+PROMPT_SET = DEFAULT_PROMPTS + tuple(
+    f"a {c} {s} moving {('right', 'left', 'up', 'down')[i % 4]}" for i, (c, s) in enumerate(
+        (c, s) for c in ("red", "green", "blue", "yellow") for s in ("circle", "square", "triangle", "star")
+        if f"a {c} {s}" not in {p.rsplit(" moving", 1)[0] for p in DEFAULT_PROMPTS}))
 
 
 @dataclass

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ...core.errors import check
+from ..stats import bootstrap_indices, mean_ci
 from .config import VideoBenchConfig
 from .timing import _Run
 
@@ -124,7 +125,10 @@ def _want(texts: list[str], schedule: list | None, n_frames: int) -> torch.Tenso
 
 def _quality(run: _Run, texts: list[str], schedule, judge, cfg: VideoBenchConfig) -> dict:
     """First/last ``quality_frames`` accuracies (mean over videos), pixel change medians, and the
-    judged frames of the head (the switch rows need them)."""
+    judged frames of the head (the switch rows need them); ``streams``, the number of videos, and
+    for the shape accuracy a 95% percentile-bootstrap interval over the videos
+    (``shape_acc_{first,last}_ci_{low,high}``: ``bootstrap_resamples`` resamples of the streams,
+    ``bootstrap_indices(streams, resamples, bootstrap_seed)``; None without a judge or resamples)."""
     head, tail, tail_start = run.buffer.frames()
     q = cfg.quality_frames
     total = run.done
@@ -137,11 +141,15 @@ def _quality(run: _Run, texts: list[str], schedule, judge, cfg: VideoBenchConfig
         seen_head.append(sh)
         rows["first"].append(accuracy(sh, want[b, :head.shape[1]], slice(0, min(q, head.shape[1]))))
         rows["last"].append(accuracy(st, want[b, tail_start:], slice(max(0, tail.shape[1] - q), tail.shape[1])))
-    out = {}
+    out = {"streams": head.shape[0]}
     for when, accs in rows.items():
         for key in ("class_acc", "shape_acc", "colour_acc", "direction_acc"):
             vals = [a[key] for a in accs if a[key] is not None]
             out[f"{key}_{when}"] = float(np.mean(vals)) if vals else None
+        shape = [a["shape_acc"] for a in accs if a["shape_acc"] is not None]
+        ci = (mean_ci(shape, bootstrap_indices(len(shape), cfg.bootstrap_resamples, cfg.bootstrap_seed))
+              if shape and cfg.bootstrap_resamples else (None, None))
+        out[f"shape_acc_{when}_ci_low"], out[f"shape_acc_{when}_ci_high"] = ci
     for key in ("class_acc", "direction_acc"):  # drift: last minus first, in points
         a, z = out[f"{key}_first"], out[f"{key}_last"]
         out[f"{key}_drift"] = None if a is None or z is None else 100 * (z - a)
