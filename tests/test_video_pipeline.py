@@ -337,9 +337,10 @@ def test_bad_input_fails_before_any_work(pipe, kwargs, match):
 
 def test_bundled_assets_are_fp16_within_budget_and_stream():
     """assets/video: fp16 safetensors in the diffusers layout, at most 30 MB, trained by the
-    recipes (train_log.json), components that fit each other; it streams offline, and its RoPE
-    range puts the full-cache limit at 288 frames (the module docstring's figure); it samples with
-    8 Euler steps at CFG 3.5 by default."""
+    recipes (train_log.json) with the recipes' defaults (steps, self-rollouts, first-chunk steps,
+    the conv head), components that fit each other; it streams offline, and its RoPE range puts
+    the full-cache limit at 288 frames (the module docstring's figure); it samples with 8 Euler
+    steps at CFG 3.5 by default."""
     from pathlib import Path
 
     from safetensors import safe_open
@@ -353,6 +354,13 @@ def test_bundled_assets_are_fp16_within_budget_and_stream():
             assert {st.get_tensor(k).dtype for k in st.keys()} == {torch.float16}
         log = json.loads((f.parent / "train_log.json").read_text())
         assert log["recipe"] in ("video", "video-ae") and log["seed"] == 0
+    from mmspec.commands.train import TRAIN_DEFAULTS, VIDEO_ROLLOUT
+    from mmspec.training.recipes.video import DEFAULT_VIDEO_CONFIG
+
+    log = json.loads((root / "transformer" / "train_log.json").read_text())
+    assert log["steps"] == TRAIN_DEFAULTS["video"]["steps"]
+    assert {k: log["train"][k] for k in VIDEO_ROLLOUT} == VIDEO_ROLLOUT
+    assert {k: log["config"][k] for k in DEFAULT_VIDEO_CONFIG} == DEFAULT_VIDEO_CONFIG
     bundled = StreamingVideoPipeline.from_pretrained(root)
     bundled.set_progress_bar_config(disable=True)
     model, vae = bundled.transformer, bundled.vae
