@@ -255,7 +255,8 @@ def test_save_and_load_round_trip(tmp_path, heads):
 def test_conv_head_starts_as_no_head():
     """A fresh model with ``conv_head`` computes exactly what the same weights without it do (its
     last convolution is zero-initialised, adaLN-Zero style); once trained (perturbed here) the
-    head changes the output."""
+    head changes the output. It convolves each whole latent frame (conv_head / 2 channels on the
+    8x8 grid, one image per frame), not each patch."""
     torch.manual_seed(0)
     plain = VideoDiTModel(**TINY).eval()
     torch.manual_seed(0)
@@ -269,7 +270,10 @@ def test_conv_head_starts_as_no_head():
     assert torch.equal(headed(x_t, t, prompt), plain(x_t, t, prompt))
     with torch.no_grad():
         headed.head_conv[-1].weight.add_(0.05 * torch.randn_like(headed.head_conv[-1].weight))
+    seen = []
+    headed.head_conv.register_forward_pre_hook(lambda mod, args: seen.append(tuple(args[0].shape)))
     assert (headed(x_t, t, prompt) - plain(x_t, t, prompt)).abs().max() > 1e-3
+    assert seen == [(1 * 4, 4, 8, 8)]  # (batch x frames, conv_head // 2, latent grid)
 
 
 def test_autoencoder_shapes_and_latent_statistics():

@@ -71,7 +71,8 @@ TRAIN_DEFAULTS = {
 }
 
 
-# the video recipe's self-rollouts (mmspec.training.recipes.video.TwoStreamLoss)
+# the video recipe's loss knobs (mmspec.training.recipes.video.TwoStreamLoss): self-rollouts, the
+# precision of its forward passes, first-chunk steps
 VIDEO_ROLLOUT = dict(rollout_prob=0.3, rollout_strength=[0.3, 0.8], autocast="bf16", first_chunk_prob=0.3)
 
 

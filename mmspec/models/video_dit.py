@@ -230,8 +230,8 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
         conv_head: 0, or the width of a 3x3 convolutional head after the linear unpatchify, as
             U-ViT adds one (Bao et al., 2023): the last block's tokens are also projected to
             ``conv_head // 2`` channels per latent cell, put back on the latent grid, and refined
-            by conv3x3 -> GELU -> conv3x3 (zero-initialised, so it starts as no head) into a
-            correction added to the linear output (its 3x3 kernels reach across the patches' borders).
+            by conv3x3 -> GELU -> conv3x3 over each whole latent frame (zero-initialised, so it
+            starts as no head) into a correction added to the linear output.
     """
 
     config_name = "config.json"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
 from ...core.errors import check
+from ...training.data.video import PROMPT_VOCAB
 
 ASSETS = Path(__file__).resolve().parents[3] / "assets"
 METHODS = ("rolling", "window-recompute", "full-cache", "no-sink")
@@ -14,10 +16,11 @@ DEFAULT_PROMPTS = ("a red circle moving right", "a green square moving left", "a
                    "a yellow star moving down")
 # every colour x shape once, the default four first, directions taking turns: ``--prompts N`` runs
 # the first N (more streams per row: narrower intervals on the quality columns, slower rows)
+_DEFAULT_PAIRS = {tuple(p.split()[1:3]) for p in DEFAULT_PROMPTS}
 PROMPT_SET = DEFAULT_PROMPTS + tuple(
-    f"a {c} {s} moving {('right', 'left', 'up', 'down')[i % 4]}" for i, (c, s) in enumerate(
-        (c, s) for c in ("red", "green", "blue", "yellow") for s in ("circle", "square", "triangle", "star")
-        if f"a {c} {s}" not in {p.rsplit(" moving", 1)[0] for p in DEFAULT_PROMPTS}))
+    f"a {c} {s} moving {d}" for (c, s), d in zip(
+        [(c, s) for c in PROMPT_VOCAB["colour"] for s in PROMPT_VOCAB["shape"] if (c, s) not in _DEFAULT_PAIRS],
+        itertools.cycle(PROMPT_VOCAB["direction"])))
 
 
 @dataclass

@@ -146,10 +146,10 @@ def _quality(run: _Run, texts: list[str], schedule, judge, cfg: VideoBenchConfig
         for key in ("class_acc", "shape_acc", "colour_acc", "direction_acc"):
             vals = [a[key] for a in accs if a[key] is not None]
             out[f"{key}_{when}"] = float(np.mean(vals)) if vals else None
-        shape = [a["shape_acc"] for a in accs if a["shape_acc"] is not None]
-        ci = (mean_ci(shape, bootstrap_indices(len(shape), cfg.bootstrap_resamples, cfg.bootstrap_seed))
-              if shape and cfg.bootstrap_resamples else (None, None))
-        out[f"shape_acc_{when}_ci_low"], out[f"shape_acc_{when}_ci_high"] = ci
+            if key == "shape_acc":
+                ci = (mean_ci(vals, bootstrap_indices(len(vals), cfg.bootstrap_resamples, cfg.bootstrap_seed))
+                      if vals and cfg.bootstrap_resamples else (None, None))
+                out[f"shape_acc_{when}_ci_low"], out[f"shape_acc_{when}_ci_high"] = ci
     for key in ("class_acc", "direction_acc"):  # drift: last minus first, in points
         a, z = out[f"{key}_first"], out[f"{key}_last"]
         out[f"{key}_drift"] = None if a is None or z is None else 100 * (z - a)

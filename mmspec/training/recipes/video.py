@@ -180,6 +180,13 @@ def self_rollout(pipe, latents: torch.Tensor, prompt: torch.Tensor, window_frame
     return torch.cat([chunk.latents for chunk in chunks], 1)
 
 
+def flow_mix(x0: torch.Tensor, t: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """Rectified flow's ``x_t = (1 - t) x0 + t noise`` for latents (B, F, C, h, w) at per-frame
+    times ``t`` (B, F): the model's training input at time t (its target is ``noise - x0``)."""
+    t = t[..., None, None, None]
+    return (1 - t) * x0 + t * noise
+
+
 class TwoStreamLoss:
     """The video DiT's training loss on a batch ``(latents (B, N, C, h, w), prompt ids (B, N, 3),
     switch frames (B,))``: flow matching on the query stream of the two-stream plan.
@@ -257,7 +264,7 @@ class TwoStreamLoss:
         rand = lambda *shape: torch.rand(*shape, generator=g)  # noqa: E731
         randn = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
         self.last_rollout = None
-        # no draw when off, so a loss without first-chunk steps repeats the earlier recipes' draws
+        # drawn only when on: at 0 a step makes the two-stream step's draws alone
         self.last_first_chunks = self.first_chunk_prob > 0 and float(rand(1)) < self.first_chunk_prob
         if self.last_first_chunks:
             return self._first_chunks(model, x0, prompt)
@@ -275,26 +282,25 @@ class TwoStreamLoss:
         prompt = model.drop_prompts(prompt, g)
         frame = torch.arange(N)
         weight = (frame[None, :] >= switch.clamp(min=0)[:, None]).float()  # (B, N)
-        bcast = lambda t: t[..., None, None, None]  # noqa: E731
 
         # context stream: clean, or noised to a small t
         noisy = rand(B) < self.noisy_context_prob
         t_ctx = torch.where(noisy[:, None], self.per_chunk(rand(B, N // self.C)) * self.context_noise, 0.0)
-        context = (1 - bcast(t_ctx)) * x0 + bcast(t_ctx) * randn(x0.shape)
+        context = flow_mix(x0, t_ctx, randn(x0.shape))
         if rolled:
             context, t_ctx = rollout_context, torch.zeros(B, N)
         elif float(rand(1)) < self.self_context_prob:  # the model's own one-step predictions
             t_s = self.per_chunk(0.1 + 0.5 * rand(B, N // self.C))
-            x_s = (1 - bcast(t_s)) * x0 + bcast(t_s) * randn(x0.shape)
+            x_s = flow_mix(x0, t_s, randn(x0.shape))
             with torch.no_grad(), self._precision(x0):
                 v = model(torch.cat([x0, x_s], 1), torch.cat([torch.zeros(B, N), t_s], 1),
                           torch.cat([prompt, prompt], 1), plan=plan)[:, N:].float()
-            context, t_ctx = x_s - bcast(t_s) * v, torch.zeros(B, N)
+            context, t_ctx = x_s - t_s[..., None, None, None] * v, torch.zeros(B, N)
 
         # query stream: every chunk at its own t
         t_q = self.per_chunk(rand(B, N // self.C))
         noise = randn(x0.shape)
-        x_q = (1 - bcast(t_q)) * x0 + bcast(t_q) * noise
+        x_q = flow_mix(x0, t_q, noise)
         with self._precision(x0):
             v = model(torch.cat([context, x_q], 1), torch.cat([t_ctx, t_q], 1), torch.cat([prompt, prompt], 1),
                       plan=plan)[:, N:].float()
@@ -311,7 +317,7 @@ class TwoStreamLoss:
         prompt = model.drop_prompts(prompt.reshape(B * N // C, C, prompt.shape[-1]), g)
         t = torch.rand(B * N // C, generator=g)[:, None].expand(-1, C)
         noise = torch.randn(x0.shape, generator=g)
-        x_t = (1 - t[..., None, None, None]) * x0 + t[..., None, None, None] * noise
+        x_t = flow_mix(x0, t, noise)
         with self._precision(x0):
             v = model(x_t, t, prompt).float()
         return {"loss": (v - (noise - x0)).pow(2).mean()}
@@ -332,7 +338,7 @@ def heldout_loss(model: VideoDiTModel, latents: torch.Tensor, prompts: torch.Ten
         B = len(x0)
         t = torch.rand(B, N // cfg.chunk_frames, generator=g).repeat_interleave(cfg.chunk_frames, 1)
         noise = torch.randn(x0.shape, generator=g)
-        x_t = (1 - t[..., None, None, None]) * x0 + t[..., None, None, None] * noise
+        x_t = flow_mix(x0, t, noise)
         v = model(torch.cat([x0, x_t], 1), torch.cat([torch.zeros(B, N), t], 1), p, plan=plan)
         total += (v[:, N:] - (noise - x0)).pow(2).mean().item() * B
     return total / len(latents)
