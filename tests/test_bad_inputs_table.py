@@ -300,7 +300,7 @@ CLI_CASES = [
     ("bench --json under a file", ["bench", "core", "--json", "a_file/core.json"],
      "mmspec bench", "argument --json: cannot write 'a_file/core.json'"),
     ("bench --pipeline for core", ["bench", "core", "--pipeline", "empty_dir"],
-     "mmspec bench", "--pipeline is for 'bench vlm' only, got 'bench core'"),
+     "mmspec bench", "--pipeline is for 'bench vlm' and 'bench video' only, got 'bench core'"),
     ("bench --pipeline missing", ["bench", "vlm", "--pipeline", "missing_dir"],
      "mmspec bench", "argument --pipeline: no such folder: 'missing_dir'"),
     ("bench --threads 0", ["bench", "core", "--threads", "0"],

@@ -515,6 +515,24 @@ def test_cli_prompts_picks_the_first_n_of_the_prompt_set(capsys, monkeypatch):
     assert "--prompts is for 'bench video' only, got 'bench core'" in capsys.readouterr().err
 
 
+def test_cli_pipeline_benches_another_video_folder(capsys, monkeypatch, tmp_path):
+    """``--pipeline DIR``: the video bench streams the pipeline saved there (a user's own training)
+    instead of assets/video; a missing folder is refused before anything runs."""
+    from mmspec import commands
+
+    seen = []
+    monkeypatch.setattr(vb, "run", lambda cfg, **kw: seen.append(cfg) or {"rows": [], "setup": {}})
+    monkeypatch.setattr(vb, "public", lambda result: result)
+    commands.main(["bench", "video", "--groups", "frames", "--quiet"])
+    commands.main(["bench", "video", "--pipeline", str(tmp_path), "--groups", "frames", "--quiet"])
+    assert seen[0].pipeline_dir == vb.VideoBenchConfig().pipeline_dir and seen[0].pipeline_dir.endswith("video")
+    assert seen[1].pipeline_dir == str(tmp_path)
+    with pytest.raises(SystemExit):
+        commands.main(["bench", "video", "--pipeline", str(tmp_path / "missing")])
+    assert "argument --pipeline: no such folder" in capsys.readouterr().err
+    assert len(seen) == 2
+
+
 # -- the judge -----------------------------------------------------------------------------------
 def test_judge_model_shapes_labels_and_bad_input(tmp_path):
     judge = FrameJudge(block_out_channels=(8, 8, 8), feature_dim=8).eval()

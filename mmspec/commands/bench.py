@@ -73,6 +73,8 @@ def _video(args):
     cfg = _config(video.VideoBenchConfig, args)
     if args.frames is not None:
         cfg.frames = tuple(args.frames)
+    if args.pipeline is not None:
+        cfg.pipeline_dir = args.pipeline
     if args.prompts is not None:
         cfg.prompts = video.PROMPT_SET[:args.prompts]
     groups = set(args.groups or VIDEO_GROUPS)
@@ -133,7 +135,7 @@ def register_subcommand(subparsers) -> None:
     bench.add_argument("--json", type=output_file, metavar="PATH", help='write {"bench": name, "rows": [...]} here')
     bench.add_argument("--quick", action="store_true", help="smaller sample counts (the showcase's)")
     bench.add_argument("--pipeline", type=existing_dir, metavar="DIR",
-                       help="vlm only: the pipeline folder (default assets/vlm)")
+                       help="vlm and video only: the pipeline folder to bench (default assets/vlm, assets/video)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bench.add_argument("--images", type=positive_int, metavar="N",
                        help="ar-image only: images per method (default 128, 16 with --quick); KID intervals "
@@ -152,16 +154,17 @@ def register_subcommand(subparsers) -> None:
 
 
 # options that belong to one bench: (argument, attribute, the bench)
-_ONLY = (("--pipeline", "pipeline", "vlm"), ("--frames", "frames", "video"), ("--prompts", "prompts", "video"),
-         ("--groups", "groups", "video"),
-         ("--images", "images", "ar-image"), ("--gpu-curve", "gpu_curve", "cost"))
+_ONLY = (("--pipeline", "pipeline", ("vlm", "video")), ("--frames", "frames", ("video",)),
+         ("--prompts", "prompts", ("video",)), ("--groups", "groups", ("video",)),
+         ("--images", "images", ("ar-image",)), ("--gpu-curve", "gpu_curve", ("cost",)))
 
 
 def check(args) -> None:
     """Options given to a bench they are not for; ``--gpu-curve`` loaded (``ValueError`` if bad)."""
-    for option, attr, name in _ONLY:
-        if getattr(args, attr) is not None and args.name != name:
-            raise ValueError(f"{option} is for 'bench {name}' only, got 'bench {args.name}'")
+    for option, attr, names in _ONLY:
+        if getattr(args, attr) is not None and args.name not in names:
+            allowed = " and ".join(f"'bench {n}'" for n in names)
+            raise ValueError(f"{option} is for {allowed} only, got 'bench {args.name}'")
     if args.gpu_curve is not None:
         from ..bench import cost
 
