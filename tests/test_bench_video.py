@@ -531,6 +531,11 @@ def test_cli_pipeline_benches_another_video_folder(capsys, monkeypatch, tmp_path
         commands.main(["bench", "video", "--pipeline", str(tmp_path / "missing")])
     assert "argument --pipeline: no such folder" in capsys.readouterr().err
     assert len(seen) == 2
+    from mmspec.bench import vlm  # the one seam (the bench's config) serves the VLM bench too
+
+    monkeypatch.setattr(vlm, "run", lambda cfg, **kw: seen.append(cfg) or {"rows": [], "setup": {}})
+    commands.main(["bench", "vlm", "--pipeline", str(tmp_path), "--quiet"])
+    assert isinstance(seen[2], vlm.VLMBenchConfig) and seen[2].pipeline_dir == str(tmp_path)
 
 
 # -- the judge -----------------------------------------------------------------------------------

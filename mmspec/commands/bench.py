@@ -34,8 +34,12 @@ def _progress(args):
 
 
 def _config(config_cls, args):
-    """The bench's config: its ``quick()`` sizes with ``--quick``, its defaults otherwise."""
-    return config_cls.quick() if args.quick else config_cls()
+    """The bench's config: its ``quick()`` sizes with ``--quick``, its defaults otherwise, and
+    ``pipeline_dir`` from ``--pipeline`` (given only to the benches ``_ONLY`` allows it for)."""
+    cfg = config_cls.quick() if args.quick else config_cls()
+    if args.pipeline is not None:
+        cfg.pipeline_dir = args.pipeline
+    return cfg
 
 
 @_bench("core")
@@ -61,8 +65,6 @@ def _vlm(args):
     from ..bench import vlm
 
     cfg = _config(vlm.VLMBenchConfig, args)
-    if args.pipeline is not None:
-        cfg.pipeline_dir = args.pipeline
     return vlm.run(cfg, progress=_progress(args)), vlm.VLM_COLUMNS
 
 
@@ -73,8 +75,6 @@ def _video(args):
     cfg = _config(video.VideoBenchConfig, args)
     if args.frames is not None:
         cfg.frames = tuple(args.frames)
-    if args.pipeline is not None:
-        cfg.pipeline_dir = args.pipeline
     if args.prompts is not None:
         cfg.prompts = video.PROMPT_SET[:args.prompts]
     groups = set(args.groups or VIDEO_GROUPS)
@@ -153,7 +153,7 @@ def register_subcommand(subparsers) -> None:
                             "cost ratios; see assets/cost_curves/); adds a projected column, labelled as not measured")
 
 
-# options that belong to one bench: (argument, attribute, the bench)
+# options that belong to some benches: (argument, attribute, the benches it is for)
 _ONLY = (("--pipeline", "pipeline", ("vlm", "video")), ("--frames", "frames", ("video",)),
          ("--prompts", "prompts", ("video",)), ("--groups", "groups", ("video",)),
          ("--images", "images", ("ar-image",)), ("--gpu-curve", "gpu_curve", ("cost",)))
