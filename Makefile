@@ -49,7 +49,7 @@ bench-kernels: $(STAMP)
 bench-video: $(STAMP)
 	$(BIN)/mmspec bench video --json bench-video.json
 
-# the prepared GPU check (at most 8 minutes on a CUDA machine; report in $(OUT) or gpu-check-out):
+# the prepared GPU check (at most 9 minutes on a CUDA machine; report in $(OUT) or gpu-check-out):
 #   here:             make gpu-wheels     (diffusers, transformers, importlib_metadata, setuptools for the
 #                                          editable install: Python 3.12 wheels in .whl/)
 #   on the GPU:       make gpu-check      (python3 with its own torch and triton; installs .whl/ and mmspec)

@@ -305,19 +305,34 @@ def rolling_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 # bench's projection: about 2x the attention's own tensor-core time for a Wan-sized chunk). Auto
 # mode sends such blocks to the reference (rotate once, then attend).
 FUSED_MAX_QUERIES = 128
+# Measured on an H200 (the GPU check, 2026-11-28, docs/guides/kernels.md): the kernel beat the
+# models' SDPA path with sink + window = 255 keys (4 queries: 0.19 against 0.21 ms in bf16, 0.21
+# against 0.51 in fp32) and with 64 keys (16 queries, 3-D rope: 0.22 against 0.45 ms in bf16), and
+# lost with 4,096 keys (a 60-node tree, Llama-7B heads, fp16: 3.0 against 0.41 ms): one program per
+# query tile walks every key alone, so long windows leave most of the GPU idle. Auto mode keeps
+# the kernel to windows of at most this many keys (between 256 and 4,096 nothing was measured).
+FUSED_MAX_KEYS = 256
+
+
+def kernel_preferred(queries: int, sink: int, window: int) -> bool:
+    """Whether auto mode picks the rolling kernel for a block of ``queries`` queries over a sink
+    of ``sink`` and a window of ``window`` keys (tokens): at most ``FUSED_MAX_QUERIES`` queries
+    and ``FUSED_MAX_KEYS`` keys, where the H200 measured it ahead of SDPA."""
+    return queries <= FUSED_MAX_QUERIES and sink + window <= FUSED_MAX_KEYS
 
 
 def rolling_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                       block_start: torch.Tensor, positions: torch.Tensor, rope, *, sink: int, window: int,
                       ring_start: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
                       scale: float | None = None) -> torch.Tensor:
-    """Sink-window attention with fused RoPE (module docstring): the Triton kernel on CUDA for
-    blocks of at most ``FUSED_MAX_QUERIES`` queries, the reference elsewhere, for longer blocks or
-    for ropes the kernel cannot fuse (``MMSPEC_KERNELS`` forces either)."""
+    """Sink-window attention with fused RoPE (module docstring): the Triton kernel on CUDA where
+    ``kernel_preferred`` (blocks of at most ``FUSED_MAX_QUERIES`` queries over at most
+    ``FUSED_MAX_KEYS`` keys), the reference elsewhere, for longer blocks and windows or for ropes
+    the kernel cannot fuse (``MMSPEC_KERNELS`` forces either)."""
     problem = (dtype_problem(q, k, v) or (None if q.dtype == k.dtype == v.dtype else "q, k, v differ in dtype")
                or rope_problem(rope))
     args = (q, k, v, lengths, block_start, positions, rope)
     kwargs = dict(sink=sink, window=window, ring_start=ring_start, tree_mask=tree_mask, scale=scale)
-    if use_triton("rolling attention", q.device, problem, preferred=q.shape[2] <= FUSED_MAX_QUERIES):
+    if use_triton("rolling attention", q.device, problem, preferred=kernel_preferred(q.shape[2], sink, window)):
         return rolling_attention_triton(*args, **kwargs)
     return rolling_attention_reference(*args, **kwargs)

@@ -510,6 +510,9 @@ class StreamingVideoPipeline(PipelineBase):
         causal feature cache (1 frame for the stream's first latent frame, 4 for each later one)."""
         B, n = latents.shape[:2]
         if decoder is not None:
+            # the streaming decoder calls the VAE's parts, not its hooked forward or decode: under model
+            # offload the VAE moves to the execution device here (else the decode ran on the CPU)
+            onload(self.vae)
             pixels = decoder.decode(latents).clamp(-1, 1)  # (B, n', 3, H, W)
         else:
             pixels = self.vae.decode(latents.flatten(0, 1)).clamp(-1, 1).unflatten(0, (B, n))  # (B, n, 3, H, W)

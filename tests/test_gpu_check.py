@@ -123,6 +123,41 @@ def test_kernel_step_reads_the_bench(monkeypatch, tmp_path):
     assert gc.step_kernels(tmp_path, 60, dry_run=False)["status"] == "timeout"
 
 
+def test_kernel_summary_shows_every_timing():
+    """Small-shape rows in ms, projected rows from their ``measured_*_us`` (the first GPU report
+    printed "not timed" beside four timed projected rows), SDPA where timed, and why a row was not."""
+    rows = [{"kernel": "tree_attention", "shape": "s", "dtype": "float16", "correct": True, "kernel_ms": 0.124,
+             "reference_ms": 0.318, "sdpa_ms": 0.048},
+            {"kernel": "rolling_attention", "shape": "big", "dtype": "bfloat16", "projected": True, "correct": True,
+             "measured_kernel_us": 166891.3, "measured_torch_us": 7428.2, "measured_sdpa_us": 5317.9},
+            {"kernel": "guided_accept", "shape": "b", "dtype": "float32", "correct": None,
+             "note": "not run: the bench's 70 s budget (budget_s) was spent"}]
+    lines = gc._step_lines({"name": "kernels", "summary": {"rows": rows}})
+    assert lines[0].endswith("kernel 0.1240 ms, reference 0.3180 ms, sdpa 0.0480 ms")
+    assert lines[1].endswith("kernel 166.8913 ms, reference 7.4282 ms, sdpa 5.3179 ms")
+    assert lines[2].endswith("not timed (not run: the bench's 70 s budget (budget_s) was spent)")
+
+
+@pytest.mark.parametrize("xdist, cpus, expected", [(True, 16, 8), (True, 2, 2), (False, 16, 1), (True, 1, 1)])
+def test_cuda_tests_run_on_xdist_workers(monkeypatch, tmp_path, xdist, cpus, expected):
+    """The first GPU run took the CUDA tests one at a time and ran past the step's limit with
+    Triton's cache cold; they now run on up to CUDA_TEST_WORKERS xdist workers, one per CPU."""
+    calls = []
+
+    def child(args, timeout, env=None):
+        calls.append(args)
+        return (0, "tests/test_kernels_attention.py::test_a\n") if "--collect-only" in args else (0, "")
+    monkeypatch.setattr(gc, "_child", child)
+    monkeypatch.setattr(gc.os, "cpu_count", lambda: cpus)
+    real = gc.importlib.util.find_spec
+    monkeypatch.setattr(gc.importlib.util, "find_spec", lambda name: (real(name) if xdist else None)
+                        if name == "xdist" else real(name))
+    step = gc.step_cuda_tests(tmp_path, 100, dry_run=False)
+    run = calls[-1]
+    assert step["summary"]["workers"] == expected
+    assert (run[run.index("-n") + 1] == str(expected)) if expected > 1 else "-n" not in run
+
+
 def test_pipeline_step_reads_its_child(monkeypatch, tmp_path):
     found = {"pipeline": "vlm", "identity": [], "speed": {}, "offload": [], "problems": ["offload changes sd"]}
 

@@ -391,6 +391,29 @@ def test_long_rolling_blocks_take_the_reference_unless_forced(monkeypatch):
     assert calls == [T]
 
 
+def test_auto_mode_follows_the_h200_measurements(monkeypatch):
+    """The GPU check (H200, 2026-11-28): SDPA beat the tree kernel at every fp16/bf16 shape, and
+    the rolling kernel beat SDPA only over short windows. Auto mode asks for the tree kernel with
+    preferred=False (so it takes the reference) and for the rolling kernel only for blocks of at
+    most FUSED_MAX_QUERIES queries over at most FUSED_MAX_KEYS keys; cache and functional paths
+    ask alike."""
+    assert tree_mod.KERNEL_PREFERRED is False
+    Q, K = rolling_mod.FUSED_MAX_QUERIES, rolling_mod.FUSED_MAX_KEYS
+    assert rolling_mod.kernel_preferred(4, 4, 251) and rolling_mod.kernel_preferred(Q, 0, K)
+    assert not rolling_mod.kernel_preferred(Q + 1, 0, 8)
+    assert not rolling_mod.kernel_preferred(60, 4, 4092) and not rolling_mod.kernel_preferred(4, 1, K)
+    asked = []
+    record = lambda op, device, unsupported=None, available=True, preferred=True: asked.append((op, preferred))  # noqa: E731
+    monkeypatch.setattr(tree_mod, "use_triton", record)
+    monkeypatch.setattr(rolling_mod, "use_triton", record)
+    tree_attention(**TREE_CASES["tree-T17"])
+    case = ROLLING_CASES["tokens-1d-ring5"][0]
+    rolling_attention(**case)
+    with pytest.raises(ValueError, match="sink \\+ window"):  # asked first; the small buffer then refuses it
+        rolling_attention(**dict(case, window=K + 1 - case["sink"]))
+    assert asked == [("tree attention", False), ("rolling attention", True), ("rolling attention", False)]
+
+
 def test_considered_never_hides_a_kernel_use_triton_would_pick(monkeypatch):
     monkeypatch.delenv("MMSPEC_DISABLE_KERNELS", raising=False)
     monkeypatch.setenv("TRITON_INTERPRET", "1")

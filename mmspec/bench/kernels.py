@@ -79,7 +79,7 @@ class KernelBenchConfig:
     seed: int = 0
     warmup_ms: float = 10.0
     rep_ms: float = 40.0
-    budget_s: float = 70.0
+    budget_s: float = 90.0
 
     @classmethod
     def quick(cls) -> "KernelBenchConfig":

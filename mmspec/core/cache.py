@@ -33,7 +33,9 @@ import torch
 from torch.nn import functional as F
 
 from ..kernels import dispatch as kernel_dispatch
-from ..kernels.rolling_attention import FUSED_MAX_QUERIES, rolling_attention_triton, rope_problem
+from ..kernels.rolling_attention import kernel_preferred as rolling_kernel_preferred
+from ..kernels.rolling_attention import rolling_attention_triton, rope_problem
+from ..kernels.tree_attention import KERNEL_PREFERRED as TREE_KERNEL_PREFERRED
 from ..kernels.tree_attention import tree_attention_triton
 from .errors import check
 
@@ -172,7 +174,7 @@ class StaticKVCache:
             return None
         problem = kernel_dispatch.dtype_problem(q, self.k) or (None if q.dtype == self.k.dtype else "q and the cache "
                                                               "differ in dtype")
-        if not kernel_dispatch.use_triton("tree attention", q.device, problem):
+        if not kernel_dispatch.use_triton("tree attention", q.device, problem, preferred=TREE_KERNEL_PREFERRED):
             return None
         width = step.positions.shape[1] if step.tree_mask is None else step.tree_mask.shape[-1]
         q, keys, values = self._update(step, layer, q, k, v)
@@ -453,7 +455,8 @@ class SinkWindowCache(StaticKVCache):
             return None
         problem = (kernel_dispatch.dtype_problem(q, self.k) or (None if q.dtype == self.k.dtype else
                    "q and the cache differ in dtype") or rope_problem(self.rope))
-        if not kernel_dispatch.use_triton("rolling attention", q.device, problem, preferred=T <= FUSED_MAX_QUERIES):
+        if not kernel_dispatch.use_triton("rolling attention", q.device, problem,
+                                          preferred=rolling_kernel_preferred(T, self.sink, self.window)):
             return None
         self._write(layer, step, k, v)
         start = step.slots[:, 0]
