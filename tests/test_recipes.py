@@ -213,6 +213,45 @@ def test_train_loop_equals_the_plain_torch_loop_bit_for_bit():
     assert not all(torch.equal(unclipped[k], ref[k]) for k in ref), "the clip must matter in this test"
 
 
+def test_ema_follows_its_formula_and_the_loop_calls_it_each_step():
+    """``EMA``: after update n each float average moves by 1 - min(decay, (1 + n) / (10 + n)) toward
+    the module (checked against that sum written out over 6 updates of a module whose weight takes
+    known values); integer buffers are not averaged; ``copy_to`` writes the averages back in the
+    module's dtype; ``train_loop`` calls ``on_step`` once per step, after the optimizer step."""
+    from mmspec.training.loop import EMA, new_accelerator, train_loop
+
+    module = torch.nn.BatchNorm1d(1)  # weight, bias, running stats, and an int64 step counter
+    values = [3.0, -1.0, 2.0, 0.5, 4.0, -2.0]
+    ema = EMA(module, 0.6)
+    expected = 1.0  # BatchNorm's initial weight
+    for n, v in enumerate(values, start=1):
+        module.weight.data.fill_(v)
+        ema.update(module)
+        d = min(0.6, (1 + n) / (10 + n))
+        expected = d * expected + (1 - d) * v
+    assert ema.updates == 6 and "num_batches_tracked" not in ema.shadow
+    assert abs(float(ema.shadow["weight"]) - expected) < 1e-6
+    plain = 1.0  # without the warm-up the average is elsewhere: the check can fail
+    for v in values:
+        plain = 0.6 * plain + 0.4 * v
+    assert abs(plain - expected) > 0.1
+    module.half()
+    ema.copy_to(module)
+    assert module.weight.dtype == torch.float16 and float(module.weight) == float(torch.tensor(expected).half())
+    with pytest.raises(ValueError, match="decay must be a float in \\(0, 1\\)"):
+        EMA(module, 1.0)
+
+    steps, seen = [], []
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = [torch.ones(1, 2)] * 3
+    start = model.bias.item()
+    train_loop(model, optimizer, batches, lambda m, b: m(b).sum(), steps=3, accelerator=new_accelerator("toy"),
+               log=lambda line: None, on_step=lambda step: (steps.append(step), seen.append(model.bias.item())))
+    assert steps == [1, 2, 3]
+    assert [b - start for b in seen] == pytest.approx([-0.1, -0.2, -0.3], abs=1e-6)  # after each SGD step
+
+
 def test_single_process_recipes_refuse_a_multi_process_launch(tmp_path, monkeypatch):
     """Under ``accelerate launch`` with N > 1 only vlm-draft splits its batches; the others would
     train N identical copies into one folder, so they stop before any data is made."""

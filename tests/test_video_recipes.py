@@ -135,6 +135,21 @@ def test_rollout_switches_and_recaches(tmp_path, ae_dir):
         assert torch.equal(switched[:, :4], plain[:, :4])
 
 
+def test_ema_saves_and_measures_the_average(tmp_path, ae_dir):
+    """``ema_decay``: the same run (EMA draws nothing from the generators) with and without it. The
+    averaged run's ``heldout_loss_raw`` is the plain run's held-out loss exactly (same trained
+    weights), while the folder holds different weights, whose held-out loss it records."""
+    plain = train_video(tmp_path / "plain", ae_dir=ae_dir, log=quiet, **DIT_RUN)
+    ema = train_video(tmp_path / "ema", ae_dir=ae_dir, log=quiet, ema_decay=0.5, **DIT_RUN)
+    assert "heldout_loss_raw" not in plain and plain["train"]["ema_decay"] is None
+    assert ema["train"]["ema_decay"] == 0.5 and ema["heldout_loss_raw"] == plain["heldout_loss"]
+    assert ema["heldout_loss"] != plain["heldout_loss"]
+    assert (tmp_path / "ema" / WEIGHTS).read_bytes() != (tmp_path / "plain" / WEIGHTS).read_bytes()
+    for bad in (1.0, 0.0, 1):
+        with pytest.raises(ValueError, match="ema_decay must be None or a float in \\(0, 1\\)"):
+            train_video(tmp_path / "x", ae_dir=ae_dir, ema_decay=bad, **DIT_RUN)
+
+
 def test_bad_arguments_name_the_argument(tmp_path, ae_dir):
     with pytest.raises(ValueError, match="steps must be an int >= 1"):
         train_video_ae(tmp_path / "x", **{**AE_RUN, "steps": 0})
@@ -165,6 +180,13 @@ def test_cli_parses_the_video_recipes(tmp_path, ae_dir, capsys):
     with pytest.raises(UsageError, match="--first-chunk-prob: must be a number in \\[0, 1\\], got 1.5"):
         commands.build_parser().parse_args(["train", "video", "--ae", str(ae_dir), "--out", str(tmp_path / "v"),
                                             "--first-chunk-prob", "1.5"])
+    assert args.ema_decay is None
+    parsed = commands.build_parser().parse_args(["train", "video", "--ae", str(ae_dir), "--out", str(tmp_path / "v"),
+                                                 "--ema-decay", "0.999"])
+    assert parsed.ema_decay == 0.999
+    with pytest.raises(UsageError, match="--ema-decay: must be a number in \\(0, 1\\], got 0.0"):
+        commands.build_parser().parse_args(["train", "video", "--ae", str(ae_dir), "--out", str(tmp_path / "v"),
+                                            "--ema-decay", "0"])
     with pytest.raises(SystemExit):
         commands.main(["train", "video", "--out", str(tmp_path / "v")])
     assert "the following arguments are required: --ae" in capsys.readouterr().err

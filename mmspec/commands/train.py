@@ -73,7 +73,8 @@ TRAIN_DEFAULTS = {
 
 # the video recipe's loss knobs (mmspec.training.recipes.video.TwoStreamLoss): self-rollouts, the
 # precision of its forward passes, first-chunk steps
-VIDEO_ROLLOUT = dict(rollout_prob=0.3, rollout_strength=[0.3, 0.8], autocast="bf16", first_chunk_prob=0.3)
+VIDEO_ROLLOUT = dict(rollout_prob=0.3, rollout_strength=[0.3, 0.8], autocast="bf16", first_chunk_prob=0.3,
+                     ema_decay=None)
 
 
 class Recipe(NamedTuple):
@@ -188,6 +189,9 @@ def _video_options(p) -> None:
                    default=VIDEO_ROLLOUT["first_chunk_prob"],
                    help="share of steps that train every chunk alone, as a stream's first chunk is drawn "
                         f"(default {VIDEO_ROLLOUT['first_chunk_prob']})")
+    p.add_argument("--ema-decay", type=number(float, 0, strict=True, high=1), default=VIDEO_ROLLOUT["ema_decay"],
+                   help="save an exponential moving average of the weights with this decay, in (0, 1) "
+                        "(default: none, the trained weights)")
 
 
 def _run_video(args, common) -> None:
@@ -195,7 +199,7 @@ def _run_video(args, common) -> None:
 
     record = recipes.train_video(args.out, ae_dir=args.ae, rollout_prob=args.rollout_prob,
                                  rollout_strength=tuple(args.rollout_strength), autocast=args.autocast,
-                                 first_chunk_prob=args.first_chunk_prob, **common)
+                                 first_chunk_prob=args.first_chunk_prob, ema_decay=args.ema_decay, **common)
     print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f}, rollout colour accuracy "
           f"{record['rollout']['colour_acc']:.3f}, direction accuracy {record['rollout']['direction_acc']:.3f}, "
           f"{record['wall_time_s']:.0f} s")

@@ -64,7 +64,8 @@ class _LossStep(nn.Module):
 
 def train_loop(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable, loss: LossFn, *,
                steps: int, accelerator, schedule=None, grad_clip: float | None = None, name: str = "train",
-               log: Callable[[str], None] = print, log_every: int = 50) -> float:
+               log: Callable[[str], None] = print, log_every: int = 50,
+               on_step: Callable[[int], None] | None = None) -> float:
     """Train ``model`` for ``steps`` steps on the first ``steps`` items of ``batches`` (this
     process's part of each batch) and return the last step's loss (mean over processes).
 
@@ -78,6 +79,8 @@ def train_loop(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
         grad_clip: clip the gradients' global L2 norm to this value (None: no clipping).
         name, log, log_every: log ``"<name> step <i>/<steps>  loss <v> ... <t>s"`` every
             ``log_every`` steps and at the last.
+        on_step: called with the step number (from 1) after each optimizer and schedule step
+            (an ``EMA``'s ``update``, say).
     """
     check(isinstance(steps, int) and steps >= 1, "steps", "an int >= 1", steps)
     check(grad_clip is None or grad_clip > 0, "grad_clip", "None or a number > 0", grad_clip)
@@ -98,6 +101,8 @@ def train_loop(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
         optimizer.step()
         if schedule is not None:
             schedule.step()
+        if on_step is not None:
+            on_step(step)
         if step % log_every == 0 or step == steps:
             scalars = {k: torch.as_tensor(v).detach().float() for k, v in out.items()
                        if isinstance(v, (torch.Tensor, float)) and torch.as_tensor(v).numel() == 1}
@@ -106,3 +111,34 @@ def train_loop(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
             shown = "  ".join(f"{k} {v:.4f}" for k, v in values.items())
             log(f"{name} step {step}/{steps}  {shown}  {time.perf_counter() - start:.0f}s")
     return final
+
+
+class EMA:
+    """An exponential moving average of a module's floating-point weights and buffers, kept in
+    float32: after update ``n`` (from 1) each average moves toward the module's value by
+    ``1 - d``, ``d = min(decay, (1 + n) / (10 + n))`` (diffusers' ``EMAModel`` without its
+    power warm-up, so early updates follow the weights closely). ``copy_to`` writes the averages
+    into a module of the same structure, cast to its dtypes."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        check(isinstance(decay, float) and 0 < decay < 1, "decay", "a float in (0, 1)", decay)
+        self.decay = decay
+        self.updates = 0
+        self.shadow = {k: v.detach().float().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+    def current_decay(self) -> float:
+        return min(self.decay, (1 + self.updates) / (10 + self.updates))
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        self.updates += 1
+        d = self.current_decay()
+        for k, v in model.state_dict().items():
+            if k in self.shadow:
+                self.shadow[k].lerp_(v.detach().float(), 1 - d)
+
+    @torch.no_grad()
+    def copy_to(self, model: nn.Module) -> None:
+        state = model.state_dict()
+        for k, v in self.shadow.items():
+            state[k].copy_(v.to(state[k].dtype))

@@ -33,7 +33,7 @@ from ...models.video_dit import ChunkPlan, VideoDiTModel
 from ...utils.atomic import atomic_path
 from ..data.video import (PROMPT_VOCAB, VideoClipDataset, VideoPrompt, frame_colour, motion_direction,
                           pixel_centroid, prompt_at)
-from ..loop import new_accelerator, train_loop
+from ..loop import EMA, new_accelerator, train_loop
 from .common import (_is_int, batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, json_config,
                      save_atomically, warmup_cosine)
 
@@ -420,13 +420,15 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
                 dataset_size: int, clip_frames: int = 18, heldout_size: int = 32, model_config: dict | None = None,
                 switch_prob: float = 0.25, eval_frames: int = 48, eval_clips: int = 12, log_every: int = 50,
                 warmup: int = 100, rollout_prob: float = 0.0, rollout_strength: tuple[float, float] = ROLLOUT_STRENGTH,
-                autocast: str = "fp32", first_chunk_prob: float = 0.0, log: Callable[[str], None] = print) -> dict:
+                autocast: str = "fp32", first_chunk_prob: float = 0.0, ema_decay: float | None = None,
+                log: Callable[[str], None] = print) -> dict:
     """Train a ``VideoDiTModel`` with AdamW on ``VideoClipDataset(dataset_size, seed, clip_frames,
     switch_prob=switch_prob, style=VIDEO_DATA_STYLE)`` encoded once by the autoencoder in
     ``ae_dir``, with the two-stream loss (``TwoStreamLoss``; module docstring; ``rollout_prob``
     and ``rollout_strength``: its self-rollouts through the streaming pipeline; ``autocast``: the
     precision of its forward passes; ``first_chunk_prob``: its steps that train every chunk as a
-    stream's first), and save it to
+    stream's first; ``ema_decay``: when set, the weights saved, measured and sampled are an ``EMA``
+    of the trained ones, whose held-out loss is recorded as ``heldout_loss_raw``), and save it to
     ``out_dir`` (fp16 safetensors, atomically) with ``train_log.json`` and ``samples.png`` (``eval_clips`` streams of
     ``eval_frames`` frames, every other frame; every third stream switches its prompt mid-way).
 
@@ -451,6 +453,8 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
     check(_is_int(eval_frames, C) and eval_frames % C == 0, "eval_frames", f"a positive multiple of {C}", eval_frames)
     check(_is_int(eval_clips, 1), "eval_clips", "an int >= 1", eval_clips)
     check(autocast in AUTOCAST, "autocast", f"one of {', '.join(AUTOCAST)}", autocast)
+    check(ema_decay is None or (isinstance(ema_decay, float) and 0 < ema_decay < 1), "ema_decay",
+          "None or a float in (0, 1)", ema_decay)
 
     accelerator = new_accelerator("train_video")
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -485,10 +489,16 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
                          autocast=autocast, first_chunk_prob=first_chunk_prob)
     batches = ((latents[idx], prompts[idx], switches[idx])
                for idx in batch_indices(dataset_size, batch_size, steps, order))
+    ema = EMA(model, ema_decay) if ema_decay is not None else None
     final_loss = train_loop(model, optimizer, batches, loss, steps=steps, accelerator=accelerator, schedule=schedule,
-                            grad_clip=1.0, name="video", log=log, log_every=log_every)
+                            grad_clip=1.0, name="video", log=log, log_every=log_every,
+                            on_step=None if ema is None else lambda step: ema.update(model))
     train_time = time.perf_counter() - start
 
+    held_raw = None
+    if ema is not None:  # the saved, measured and sampled weights are the averages
+        held_raw = heldout_loss(model, held_latents, held_prompts[:, 0], held_seed)
+        ema.copy_to(model)
     held = heldout_loss(model, held_latents, held_prompts[:, 0], held_seed)
     schedules = eval_schedules(eval_clips, eval_frames, C)
     samples = rollout(model, ae, schedules, eval_frames, torch.Generator().manual_seed(seed))
@@ -504,8 +514,9 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
                   "noisy_context_prob": loss.noisy_context_prob, "context_noise": loss.context_noise,
                   "self_context_prob": loss.self_context_prob, "rollout_prob": loss.rollout_prob,
                   "rollout_strength": list(loss.rollout_strength), "autocast": autocast,
-                  "first_chunk_prob": loss.first_chunk_prob, "train_time_s": train_time},
+                  "first_chunk_prob": loss.first_chunk_prob, "ema_decay": ema_decay, "train_time_s": train_time},
         "ae_dir": str(ae_path.resolve()), "final_loss": final_loss, "heldout_loss": held,
+        **({} if held_raw is None else {"heldout_loss_raw": held_raw}),
         "rollout": {"clips": eval_clips, "frames": eval_frames, "colour_acc": metrics["colour_acc"],
                     "direction_acc": metrics["direction_acc"], "schedules": [[(s, p.text) for s, p in sch]
                                                                               for sch in schedules]},
