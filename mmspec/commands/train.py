@@ -73,8 +73,9 @@ TRAIN_DEFAULTS = {
 
 # the video recipe's loss knobs (mmspec.training.recipes.video.TwoStreamLoss): self-rollouts, the
 # precision of its forward passes, first-chunk steps
-VIDEO_ROLLOUT = dict(rollout_prob=0.3, rollout_strength=[0.3, 0.8], autocast="bf16", first_chunk_prob=0.3,
-                     ema_decay=None)
+VIDEO_ROLLOUT = dict(rollout_prob=0.3, rollout_strength=[0.3, 0.8], autocast="bf16", first_chunk_prob=0.3)
+# the weights the video recipe saves: None, the trained ones (else an EMA with this decay)
+VIDEO_EMA_DECAY = None
 
 
 class Recipe(NamedTuple):
@@ -189,7 +190,7 @@ def _video_options(p) -> None:
                    default=VIDEO_ROLLOUT["first_chunk_prob"],
                    help="share of steps that train every chunk alone, as a stream's first chunk is drawn "
                         f"(default {VIDEO_ROLLOUT['first_chunk_prob']})")
-    p.add_argument("--ema-decay", type=number(float, 0, strict=True, high=1), default=VIDEO_ROLLOUT["ema_decay"],
+    p.add_argument("--ema-decay", type=number(float, 0, strict=True, high=1), default=VIDEO_EMA_DECAY,
                    help="save an exponential moving average of the weights with this decay, in (0, 1) "
                         "(default: none, the trained weights)")
 
