@@ -515,6 +515,38 @@ def test_cli_prompts_picks_the_first_n_of_the_prompt_set(capsys, monkeypatch):
     assert "--prompts is for 'bench video' only, got 'bench core'" in capsys.readouterr().err
 
 
+def test_cli_videos_per_prompt_and_methods(capsys, monkeypatch):
+    """``--videos-per-prompt K``: the prompts K times over (video i shows prompt i % N; the runner
+    seeds video i with ``seed + i``, so every stream has its own seed); ``--methods``: the
+    per-method rows' cache modes. Both for the video bench only; bad values refused by name."""
+    from mmspec import commands
+    from mmspec.commands import bench
+
+    assert bench.METHODS == vb.METHODS  # the parser's copy (no bench import to build it)
+    seen = []
+    monkeypatch.setattr(vb, "run", lambda cfg, **kw: seen.append(cfg) or {"rows": [], "setup": {}})
+    monkeypatch.setattr(vb, "public", lambda result: result)
+    commands.main(["bench", "video", "--prompts", "3", "--videos-per-prompt", "2", "--methods", "rolling",
+                   "--groups", "frames", "--quiet"])
+    commands.main(["bench", "video", "--videos-per-prompt", "3", "--groups", "frames", "--quiet"])
+    commands.main(["bench", "video", "--groups", "frames", "--quiet"])
+    assert seen[0].prompts == vb.PROMPT_SET[:3] * 2 and seen[0].methods == ("rolling",)
+    assert seen[1].prompts == vb.DEFAULT_PROMPTS * 3 and seen[1].methods == vb.METHODS
+    assert seen[2].prompts == vb.DEFAULT_PROMPTS
+    for bad in ("0", "65", "two"):
+        with pytest.raises(SystemExit):
+            commands.main(["bench", "video", "--videos-per-prompt", bad])
+        assert "--videos-per-prompt: must be an int in [1, 64]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        commands.main(["bench", "video", "--methods", "rolling", "fastest"])
+    assert "invalid choice: 'fastest'" in capsys.readouterr().err
+    for option in (["--videos-per-prompt", "2"], ["--methods", "rolling"]):
+        with pytest.raises(SystemExit):
+            commands.main(["bench", "core", *option])
+        assert f"{option[0]} is for 'bench video' only, got 'bench core'" in capsys.readouterr().err
+    assert len(seen) == 3
+
+
 def test_cli_pipeline_benches_another_video_folder(capsys, monkeypatch, tmp_path):
     """``--pipeline DIR``: the video bench streams the pipeline saved there (a user's own training)
     instead of assets/video; a missing folder is refused before anything runs."""

@@ -184,9 +184,10 @@ def test_cli_parses_the_video_recipes(tmp_path, ae_dir, capsys):
     parsed = commands.build_parser().parse_args(["train", "video", "--ae", str(ae_dir), "--out", str(tmp_path / "v"),
                                                  "--ema-decay", "0.999"])
     assert parsed.ema_decay == 0.999
-    with pytest.raises(UsageError, match="--ema-decay: must be a number in \\(0, 1\\], got 0.0"):
-        commands.build_parser().parse_args(["train", "video", "--ae", str(ae_dir), "--out", str(tmp_path / "v"),
-                                            "--ema-decay", "0"])
+    for bad in ("0", "1", "1.5"):  # the recipe's range (0, 1): refused by the parser, before any work
+        with pytest.raises(UsageError, match=f"--ema-decay: must be a number in \\(0, 1\\), got {float(bad)}"):
+            commands.build_parser().parse_args(["train", "video", "--ae", str(ae_dir), "--out", str(tmp_path / "v"),
+                                                "--ema-decay", bad])
     with pytest.raises(SystemExit):
         commands.main(["train", "video", "--out", str(tmp_path / "v")])
     assert "the following arguments are required: --ae" in capsys.readouterr().err

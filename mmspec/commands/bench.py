@@ -19,6 +19,9 @@ VIDEO_GROUPS = {"window-sweep": ("windows", ()), "prompt-switch": ("switches", (
                 "multi-switch": ("multi_switches", 0), "frames": ("frames", ()), "wan-tiny": ("wan_frames", 0)}
 """``bench video --groups``: each row group, the ``VideoBenchConfig`` field that sizes it and the
 value that turns it off."""
+METHODS = ("rolling", "window-recompute", "full-cache", "no-sink")
+"""``bench video --methods``: ``mmspec.bench.video``'s cache modes (named here so the parser is
+built without importing the bench)."""
 
 
 def _bench(name: str):
@@ -77,6 +80,10 @@ def _video(args):
         cfg.frames = tuple(args.frames)
     if args.prompts is not None:
         cfg.prompts = video.PROMPT_SET[:args.prompts]
+    if args.videos_per_prompt is not None:  # video i: prompt i % N, generator seed + i
+        cfg.prompts = tuple(cfg.prompts) * args.videos_per_prompt
+    if args.methods is not None:
+        cfg.methods = tuple(args.methods)
     groups = set(args.groups or VIDEO_GROUPS)
     for group, (field, off) in VIDEO_GROUPS.items():
         if group not in groups:
@@ -146,6 +153,12 @@ def register_subcommand(subparsers) -> None:
     bench.add_argument("--prompts", type=number(int, 1, strict=False, high=16), metavar="N",
                        help="video only: streams per row, the first N of the 16 colour x shape prompts (default 4, "
                             "2 with --quick); the shape columns' 95%% intervals are over these streams")
+    bench.add_argument("--videos-per-prompt", type=number(int, 1, strict=False, high=64), metavar="K",
+                       help="video only: streams per prompt, each from its own seed (default 1): the rows average "
+                            "over prompts x K streams, video i showing prompt i %% N from seed i")
+    bench.add_argument("--methods", nargs="+", choices=METHODS, metavar="METHOD",
+                       help=f"video only: the cache modes of the per-method rows, among {', '.join(METHODS)} "
+                            "(default all)")
     bench.add_argument("--groups", nargs="+", choices=tuple(VIDEO_GROUPS), metavar="GROUP",
                        help=f"video only: the row groups to run, among {', '.join(VIDEO_GROUPS)} (default all)")
     bench.add_argument("--gpu-curve", type=existing_file, metavar="FILE",
@@ -156,6 +169,7 @@ def register_subcommand(subparsers) -> None:
 # options that belong to some benches: (argument, attribute, the benches it is for)
 _ONLY = (("--pipeline", "pipeline", ("vlm", "video")), ("--frames", "frames", ("video",)),
          ("--prompts", "prompts", ("video",)), ("--groups", "groups", ("video",)),
+         ("--videos-per-prompt", "videos_per_prompt", ("video",)), ("--methods", "methods", ("video",)),
          ("--images", "images", ("ar-image",)), ("--gpu-curve", "gpu_curve", ("cost",)))
 
 

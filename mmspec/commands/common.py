@@ -72,12 +72,12 @@ def set_threads(n: int) -> None:
     torch.set_num_threads(n)
 
 
-def number(cast, low, strict: bool, high=None):
+def number(cast, low, strict: bool, high=None, strict_high: bool = False):
     """An argparse type: ``cast(text)``, finite, above ``low`` (or at least, if not strict) and at
-    most ``high``."""
+    most ``high`` (below it, if ``strict_high``)."""
     kind = "an int" if cast is int else "a number"
     if high is not None:
-        allowed = f"{kind} in {'(' if strict else '['}{low}, {high}]"
+        allowed = f"{kind} in {'(' if strict else '['}{low}, {high}{')' if strict_high else ']'}"
     else:
         allowed = f"{kind} {'>' if strict else '>='} {low}"
 
@@ -86,7 +86,8 @@ def number(cast, low, strict: bool, high=None):
             value = cast(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
-        if not math.isfinite(value) or value < low or (strict and value == low) or (high is not None and value > high):
+        if not math.isfinite(value) or value < low or (strict and value == low) or (high is not None and (
+                value > high or (strict_high and value == high))):
             raise argparse.ArgumentTypeError(f"must be {allowed}, got {value}")
         return value
 

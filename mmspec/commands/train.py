@@ -190,7 +190,7 @@ def _video_options(p) -> None:
                    default=VIDEO_ROLLOUT["first_chunk_prob"],
                    help="share of steps that train every chunk alone, as a stream's first chunk is drawn "
                         f"(default {VIDEO_ROLLOUT['first_chunk_prob']})")
-    p.add_argument("--ema-decay", type=number(float, 0, strict=True, high=1), default=VIDEO_EMA_DECAY,
+    p.add_argument("--ema-decay", type=number(float, 0, strict=True, high=1, strict_high=True), default=VIDEO_EMA_DECAY,
                    help="save an exponential moving average of the weights with this decay, in (0, 1) "
                         "(default: none, the trained weights)")
 
