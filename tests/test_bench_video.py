@@ -362,6 +362,27 @@ def test_bench_writes_every_column(folders, tmp_path):
                 assert 0 <= low <= r[f"shape_acc_{when}"] <= high <= 1
 
 
+def test_a_repeated_prompt_streams_from_its_own_seeds(folders, monkeypatch):
+    """What ``--videos-per-prompt`` relies on: a prompt listed twice is streamed twice in the
+    batch, video i from ``torch.Generator().manual_seed(seed + i)`` (read at the pipeline's
+    ``stream`` call), and the row averages over both streams."""
+    from mmspec.pipelines.video import StreamingVideoPipeline
+
+    calls = []
+    stream = StreamingVideoPipeline.stream
+
+    def spy(self, *args, **kw):
+        calls.append((kw.get("prompt"), [g.initial_seed() for g in kw["generator"]]))
+        return stream(self, *args, **kw)
+
+    monkeypatch.setattr(StreamingVideoPipeline, "stream", spy)
+    text = vb.DEFAULT_PROMPTS[0]
+    result = vb.run(tiny_config(folders, prompts=(text, text), seed=5, methods=("rolling",), windows=(),
+                                switches=(), multi_switches=0, warmup=False))
+    assert calls and all(call == ([text, text], [5, 6]) for call in calls)
+    assert [r["streams"] for r in result["rows"]] == [2]
+
+
 def test_shape_interval_is_a_bootstrap_over_the_streams():
     """``_quality``'s shape interval: the percentile interval of the mean over
     ``bootstrap_indices(streams, resamples, seed)`` resamples of the per-stream accuracies. Four
