@@ -8,6 +8,12 @@ Consecutive rows that share one generator draw in one call (the lanes of one Zip
 single generator for the whole batch), which keeps a single generator's stream exactly as one
 ``torch.rand`` over the batch.
 
+Devices follow diffusers' ``randn_tensor`` rule: numbers are drawn on the generator's device and then
+moved to the requested one, so a CPU ``torch.Generator()`` (the README's snippets, ``mmspec.serve``,
+the demo, ``mmspec batch``) drives a pipeline on CUDA and gives the tokens it gives on the CPU for
+the same draws (torch refuses a CPU generator in a CUDA ``torch.rand``). With ``generator=None``
+torch's global generator of the requested device draws there.
+
 ``sample`` is inverse-CDF sampling: one uniform per row, no per-row setup.
 ``torch.multinomial`` builds per-row alias state on the CPU and is the slowest op in a decode
 step at large batch; a cumulative sum and a binary search do the same job exactly.
@@ -61,28 +67,46 @@ def _runs(generators: tuple):
             start = i
 
 
-def _per_row(draw, shape: tuple, generator: Generators):
+def _per_row(draw, shape: tuple, generator: Generators, device) -> torch.Tensor:
+    """``draw(shape, generator, device)`` row-wise over a per-row tuple, each run of rows sharing a
+    generator in one call on that generator's device; the result on ``device``."""
+    device = torch.device("cpu") if device is None else torch.device(device)
     if not isinstance(generator, tuple):
-        return draw(shape, generator)
+        return _on(draw, shape, generator, device)
     check(len(generator) == shape[0], "generator", f"{shape[0]} generators (one per row)", len(generator))
     if shape[0] == 0:
-        return draw(shape, None)
-    return torch.cat([draw((stop - start,) + tuple(shape[1:]), g) for g, start, stop in _runs(generator)])
+        return draw(shape, None, device)
+    parts = [draw((stop - start,) + tuple(shape[1:]), g, g.device) for g, start, stop in _runs(generator)]
+    # one concatenation where the generators live, then one copy to the device
+    return (parts[0] if len(parts) == 1 else torch.cat([p.to(parts[0].device) for p in parts])).to(device)
+
+
+def _on(draw, shape: tuple, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One draw on the generator's device (torch's global generator of ``device`` for None), moved."""
+    if generator is None or _same_device(generator.device, device):
+        return draw(shape, generator, device)
+    return draw(shape, generator, generator.device).to(device)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
 
 
 def rand(shape, generator: Generators = None, device=None, dtype=torch.float32) -> torch.Tensor:
     """``torch.rand(shape)`` whose row r (``shape[0]``) comes from generator r of a per-row tuple."""
-    return _per_row(lambda s, g: torch.rand(s, device=device, dtype=dtype, generator=g), tuple(shape), generator)
+    return _per_row(lambda s, g, d: torch.rand(s, device=d, dtype=dtype, generator=g), tuple(shape), generator, device)
 
 
 def randn(shape, generator: Generators = None, device=None, dtype=torch.float32) -> torch.Tensor:
     """``torch.randn(shape)`` drawn per row like ``rand`` (continuous tokens' noise)."""
-    return _per_row(lambda s, g: torch.randn(s, device=device, dtype=dtype, generator=g), tuple(shape), generator)
+    return _per_row(lambda s, g, d: torch.randn(s, device=d, dtype=dtype, generator=g), tuple(shape), generator,
+                    device)
 
 
 def randint(low: int, high: int, shape, generator: Generators = None, device=None) -> torch.Tensor:
     """``torch.randint(low, high, shape)`` drawn per row like ``rand``."""
-    return _per_row(lambda s, g: torch.randint(low, high, s, device=device, generator=g), tuple(shape), generator)
+    return _per_row(lambda s, g, d: torch.randint(low, high, s, device=d, generator=g), tuple(shape), generator,
+                    device)
 
 
 def sample(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
