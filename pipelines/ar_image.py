@@ -148,8 +148,8 @@ class SpeculativeARImagePipeline(ClassLabelsMixin, SpeculativePipeline):
         N = self.transformer.num_image_tokens
 
         def tokens_done(state) -> int:
-            B = state.batch_size  # images, or ZipAR's row lanes: a lane's seed counts as one token
-            return int((state.lengths[:B] - state.prompt_lengths[:B]).clamp(min=0).sum()) // len(labels)
+            # images, or ZipAR's row lanes: a lane's seed counts as one token
+            return sum(max(0, n) for n in state.generated) // len(labels)
 
         # 3. decode the token grids: one SpeculativeDecoder.generate
         out = self.decode(recipe, logits, self.transformer.class_prompts(labels), N, tokens_done=tokens_done,

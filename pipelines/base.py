@@ -257,7 +257,8 @@ class SpeculativePipeline(PipelineBase):
                guidance_scale: float | None = None, **generate_kwargs) -> DecodeOutput:
         """One ``SpeculativeDecoder.generate`` with ``recipe``'s parts, under the progress bar.
 
-        ``tokens_done(state)``: the progress, in tokens per output (at most ``max_new_tokens``);
+        ``tokens_done(state)``: the progress, in tokens per output (at most ``max_new_tokens``), from
+        ``state.generated`` (host ints the loop read with its stop flag: the bar reads no device value);
         ``on_step(state)``: the subclass's own per-pass hook (a streamer); ``guidance_scale``: the
         call's, as given (``pipe.guidance_scale`` during the call); ``generate_kwargs`` go to
         ``generate`` (``generator``, ``conditioning``, ``eos_token_id``, ...).

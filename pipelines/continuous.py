@@ -172,7 +172,7 @@ class SpeculativeContinuousARPipeline(ClassLabelsMixin, SpeculativePipeline):
         N = self.transformer.num_image_tokens
 
         def tokens_done(state) -> int:
-            return int((state.lengths[:B] - state.prompt_lengths[:B]).clamp(min=0).sum()) // B
+            return sum(max(0, n) for n in state.generated) // B
 
         # 3. decode the latents: one SpeculativeDecoder.generate
         out = self.decode(recipe, density, self.transformer.class_prompts(labels), N, tokens_done=tokens_done,

@@ -145,8 +145,7 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
         feed = None if streamer is None else StreamerFeed(streamer, ids[0], max_new_tokens, eos)
 
         def tokens_done(state) -> int:
-            B = state.batch_size
-            return int((state.lengths[:B] - state.prompt_lengths[:B]).max())
+            return max(state.generated)
 
         # 3. decode the answers: one SpeculativeDecoder.generate
         out = self.decode(recipe, LogitsPipeline(**sampling), ids, max_new_tokens, tokens_done=tokens_done,

@@ -38,6 +38,7 @@ from ..kernels.rolling_attention import rolling_attention_triton, rope_problem
 from ..kernels.tree_attention import KERNEL_PREFERRED as TREE_KERNEL_PREFERRED
 from ..kernels.tree_attention import tree_attention_triton
 from .errors import check
+from .shapes import static_shapes
 
 Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``rope(x (B, H, T, D), positions (B, T)) -> x`` rotated by position."""
@@ -129,6 +130,7 @@ class StaticKVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
         self.rope = rope
+        self.overflowed = torch.zeros((), dtype=torch.bool, device=device)  # static widths' deferred check
 
     @property
     def batch_size(self) -> int:
@@ -141,12 +143,21 @@ class StaticKVCache:
         return self.k.nbytes + self.v.nbytes
 
     def step(self, positions: torch.Tensor, tree_mask: torch.Tensor | None = None) -> CacheStep:
+        """Open a block of ``positions.shape[1]`` entries past each row's length. With static shapes
+        (``mmspec.core.shapes``) the block sees every slot, masked, and nothing is read from the
+        device: an overflowing write lands in the never-visible spare slot and ``check_overflow``
+        reports it; otherwise the key range ends at the longest row and an overflow raises here."""
         T = positions.shape[1]
         slots = self.lengths[:, None] + torch.arange(T, device=positions.device)
         ends = self.lengths + T
-        S = int(ends.max())
-        if S > self.max_len:
-            raise ValueError(f"cache overflow: a block needs {S} slots, the cache has max_len={self.max_len}")
+        if static_shapes(ends.device):
+            S = self.max_len
+            self.overflowed.logical_or_((ends > S).any())
+            slots = slots.clamp(max=S)
+        else:
+            S = int(ends.max())
+            if S > self.max_len:
+                raise ValueError(f"cache overflow: a block needs {S} slots, the cache has max_len={self.max_len}")
         mask = visibility_mask(ends, T, S, tree_mask)
         step = CacheStep(self, positions, slots, mask, self._key_positions(slots, positions, S), tree_mask)
         self.lengths = ends
@@ -179,6 +190,11 @@ class StaticKVCache:
         width = step.positions.shape[1] if step.tree_mask is None else step.tree_mask.shape[-1]
         q, keys, values = self._update(step, layer, q, k, v)
         return tree_attention_triton(q, keys, values, step.slots[:, -1] + 1 - width, step.tree_mask)
+
+    def check_overflow(self) -> None:
+        """Raise if a block was written past ``max_len`` under static shapes (one host read)."""
+        if bool(self.overflowed):
+            raise ValueError(f"cache overflow: a block needed more than max_len={self.max_len} slots")
 
     # -- decoder-facing -------------------------------------------------------------------------
     def truncate(self, lengths: torch.Tensor) -> None:

@@ -232,8 +232,9 @@ class SpeculativeDecoder:
             state.prefill = None
 
         done = plan.finished(state)
+        finished = _host_read(state, done)
         step = 0
-        while not bool(done.all()):
+        while not finished:
             fed, emitting = plan.step(state, done)
             # 2. draft a chain or tree from every row's root
             with stats.timed("draft", device):
@@ -278,6 +279,7 @@ class SpeculativeDecoder:
                     stats.record_tests(draft.tokens.shape[1], acc.num_accepted[emitting])
                 self._emit(state, new, emitted)
                 done = plan.finished(state)
+                finished = _host_read(state, done)
             step += 1
             if callback is not None:
                 logits = state.logits
@@ -288,6 +290,9 @@ class SpeculativeDecoder:
                     break  # interrupted by the caller: every row keeps what it has emitted
 
         stats.draft_forwards = self.drafter.forwards - draft_forwards_before
+        check_overflow = getattr(cache, "check_overflow", None)
+        if check_overflow is not None:  # static shapes defer the cache's bound check to here
+            check_overflow()
         sequences, out_lens = plan.collect(state, pad_token_id)
         if device.type == "cuda":  # one sync per call, so the wall time covers the queued work
             torch.cuda.synchronize(device)
@@ -310,6 +315,15 @@ class SpeculativeDecoder:
         cols = state.lengths[:, None] + torch.arange(new.shape[1], device=new.device)
         scatter_tokens_(state.tokens, cols.clamp(max=state.tokens.shape[1] - 1), new)
         state.lengths = state.lengths + count
+
+
+def _host_read(state: DecodeState, done: torch.Tensor) -> bool:
+    """The pass's one host read (a device sync): whether every row is done, and in the same
+    transfer each row's generated-token count into ``state.generated`` for progress bars."""
+    B = state.batch_size
+    values = torch.cat([done.all().view(1).long(), state.lengths[:B] - state.prompt_lengths[:B]]).tolist()
+    state.generated = values[1:]
+    return bool(values[0])
 
 
 def _check_swapped_logits(old, new) -> None:

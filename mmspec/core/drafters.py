@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -71,21 +72,22 @@ class _DraftModelRunner:
         self.conditioned = conditioned
         self.vocab_size = model.vocab_size
         self.forwards = 0
-        self.cache = self.exact = None
+        self.cache = self.exact = self.fed_at = None
         self.tree_slots = 0  # cache slots a proposal's tree nodes take past the history (tree drafters)
 
     def start(self, state: DecodeState) -> None:
         self.cache = self.model.new_cache(state.rows, state.max_len + self.tree_slots)
         self.exact = torch.zeros_like(state.lengths)
+        self.fed_at = None  # host: each row's generated count at the last feed (None: nothing fed yet)
 
     def _feed_history(self, state: DecodeState):
         """Feed the history the cache lacks (at least the root): (output (R, W, ...), (R,) the
         root's column in it)."""
-        if self.conditioned and state.conditioning and bool((self.exact == 0).all()):
+        if self.conditioned and state.conditioning and self.fed_at is None:
             self._prompt_pass(state)
         self.exact = torch.minimum(self.exact, state.lengths - 1)  # always re-feed at least the root
         self.cache.truncate(self.exact)
-        width = int((state.lengths - self.exact).max())
+        width = catch_up_width(state, self.fed_at, lambda: state.lengths - self.exact)
         positions = self.exact[:, None] + torch.arange(width, device=self.exact.device)  # (R, W)
         feed = state.history(positions.clamp(max=state.tokens.shape[1] - 1))
         out = self.model(feed, positions, self.cache)
@@ -93,6 +95,7 @@ class _DraftModelRunner:
         last = state.lengths - 1 - self.exact
         self.cache.truncate(state.lengths)  # right padding of shorter rows is not history
         self.exact = state.lengths.clone()
+        self.fed_at = state.generated
         return out, last
 
     def _prompt_pass(self, state: DecodeState) -> None:
@@ -107,6 +110,7 @@ class _DraftModelRunner:
         self.forwards += 1
         self.cache.truncate(prompts)
         self.exact = prompts.clone()
+        self.fed_at = [0] * state.batch_size
 
     def root_logits(self, state: DecodeState) -> torch.Tensor:
         """(R, V) draft logits after each row's root, feeding the history the cache lacks."""
@@ -134,6 +138,18 @@ class _DraftModelRunner:
         positions = (state.lengths - 1)[:, None] + state.expand(depths)
         mask = None if tree_mask is None else state.expand(tree_mask)
         return self.model(state.expand(tokens), positions, self.cache, mask)
+
+
+def catch_up_width(state: DecodeState, fed_at: list[int] | None, missing: Callable[[], torch.Tensor]) -> int:
+    """The widest catch-up feed of a drafter's cache: ``max(missing())`` over rows, at least 1.
+
+    After a feed the cache lacks exactly what the rows generated since (``state.generated``, the
+    host counts the loop read with its stop flag, against ``fed_at``, those of the last feed), so
+    the width needs no device read; the first feed (``fed_at`` None), or a state without host
+    counts, reads ``missing()`` (R,)."""
+    if fed_at is not None and state.generated is not None:
+        return max(1, max(now - then for now, then in zip(state.generated, fed_at)))
+    return int(missing().max())
 
 
 class _ModelDrafter(DrafterBase):
@@ -307,7 +323,7 @@ class EagleTreeDrafter(DrafterBase):
         self.top_k, self.depth, self.total_tokens, self.mode = top_k, depth, total_tokens, mode
         self.max_block = _tree_block(head.vocab_size, top_k, depth, total_tokens, mode)
         self.forwards = 0
-        self.cache = self.features = self.fed = None
+        self.cache = self.features = self.fed = self.fed_at = None
 
     def start(self, state: DecodeState) -> None:
         out = state.prefill
@@ -320,6 +336,7 @@ class EagleTreeDrafter(DrafterBase):
         self.cache = self.head.new_cache(R, state.max_len + _tree_slots(self.top_k, self.depth))
         self.head.start(self.cache, state)  # the head's per-prompt preparation (a no-op for most)
         self.fed = torch.zeros_like(state.lengths)  # head entries at positions 1 .. fed are committed
+        self.fed_at = None  # host: each row's generated count at the last feed (None: nothing fed yet)
 
     def root_output(self, state: DecodeState) -> ModelOutput:
         """The head's entry at each row's root (position L - 1): its predicted feature (R, H) and
@@ -328,7 +345,7 @@ class EagleTreeDrafter(DrafterBase):
         L = state.lengths
         self.fed = torch.minimum(self.fed, L - 2)
         self.cache.truncate(self.fed)
-        width = int((L - 1 - self.fed).max())
+        width = catch_up_width(state, self.fed_at, lambda: L - 1 - self.fed)
         positions = self.fed[:, None] + 1 + torch.arange(width, device=L.device)  # (R, W)
         last = state.tokens.shape[1] - 1  # shorter rows read (and later cut) garbage past their end
         tokens = state.tokens.gather(1, positions.clamp(max=last))
@@ -339,6 +356,7 @@ class EagleTreeDrafter(DrafterBase):
         at = L - 2 - self.fed  # (R,) the root's column in the block
         self.cache.truncate(L - 1)
         self.fed = L - 1
+        self.fed_at = state.generated
         rows = torch.arange(len(at), device=at.device)
         return ModelOutput(logits=out.logits[rows, at], hidden=out.hidden[rows, at])
 

@@ -99,6 +99,9 @@ class DecodeState:
     conditioning: Mapping[str, Any] = field(default_factory=dict)
     new_tokens: int = 0  # the call's max_new_tokens (MAR's linear guidance schedule counts in it)
     meters: Mapping[str, HeadMeter] | None = None  # continuous tokens: head work of target and draft
+    # host copy of each row's generated-token count (``batch_size`` ints, ``lengths - prompt_lengths``),
+    # read with the pass's stop flag in the loop's one host read: progress bars read it, not the device
+    generated: list[int] | None = None
 
     @property
     def rows(self) -> int:
