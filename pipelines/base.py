@@ -56,6 +56,7 @@ offload (``tests/test_offload.py``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 from typing import Any, Callable
@@ -67,8 +68,13 @@ from diffusers.image_processor import VaeImageProcessor
 from .. import methods
 from ..core import LogitsPipeline, SpeculativeDecoder
 from ..core.decoder import DecodeOutput, DecodeState
-from ..core.errors import check
+from ..core.errors import check, check_choice
+from ..core.shapes import forced_static_shapes
 from . import checks
+
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+RECOMPILE_LIMIT = 64
+"""Compiled entries per forward under ``enable_compiled_steps`` (dynamo's ``recompile_limit``)."""
 
 
 class PipelineBase(DiffusionPipeline):
@@ -250,6 +256,66 @@ class SpeculativePipeline(PipelineBase):
         as the ``guidance_scale`` argument means it; diffusers' pipelines test ``> 1``)."""
         return self.guidance_scale is not None and self.guidance_scale != 1.0
 
+    # -- compiled steps ---------------------------------------------------------------------------
+    _compiled_steps_refused: str | None = None
+    """Why this pipeline's steps cannot be compiled yet (``None``: they can)."""
+
+    def enable_compiled_steps(self, mode: str = "reduce-overhead", fullgraph: bool = True,
+                              backend: str = "inductor") -> None:
+        """Compile the decoding steps: the forward of the target and of every draft model or head
+        this pipeline holds, each ``torch.compile(forward, mode=mode, fullgraph=fullgraph,
+        dynamic=False, backend=backend)``, and decode with static shapes (``mmspec.core.shapes``:
+        caches attend over their whole buffer, masked; draft models catch up a fixed number of
+        entries), so each (batch, block width) compiles once and later calls replay it. On CUDA,
+        ``mode="reduce-overhead"`` replays the steps as CUDA graphs (gpt-fast's recipe); on the CPU
+        the steps are compiled by Inductor. The first call of each shape compiles (tens of seconds
+        for the bundled models here). ``disable_compiled_steps()`` restores the eager forwards.
+
+        Args:
+            mode: ``torch.compile``'s mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``,
+                ``"max-autotune-no-cudagraphs"``); Inductor's only.
+            fullgraph: refuse graph breaks (``True``: a step that cannot be one graph raises).
+            backend: ``torch.compile``'s backend (``"inductor"``; ``"eager"`` traces without
+                generating code, which is how the tests count recompiles quickly).
+        """
+        if self._compiled_steps_refused is not None:
+            raise ValueError(f"{type(self).__name__} cannot compile its steps yet: {self._compiled_steps_refused}")
+        check_choice("mode", mode, COMPILE_MODES)
+        checks.check_flag(fullgraph, "fullgraph")
+        check(isinstance(backend, str) and bool(backend), "backend", "a torch.compile backend name", backend)
+        self.disable_compiled_steps()
+        options = dict(fullgraph=fullgraph, dynamic=False, backend=backend)
+        if backend == "inductor":
+            options["mode"] = mode
+        # every (batch, width) bucket of every module is one entry of its forward's code object, which
+        # the draft model shares with a target of its class: dynamo's default limit of 8 is too few
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
+        self._compiled_steps = [name for name, module in self._step_modules()]
+        for name, module in self._step_modules():
+            module.forward = torch.compile(type(module).forward.__get__(module), **options)
+
+    def disable_compiled_steps(self) -> None:
+        """Back to the eager forwards (and to the device's own shape policy)."""
+        for name in getattr(self, "_compiled_steps", None) or ():
+            module = getattr(self, name, None)
+            if module is not None:
+                vars(module).pop("forward", None)
+        self._compiled_steps = None
+
+    @property
+    def compiled_steps(self) -> list[str] | None:
+        """The components whose forwards are compiled (``enable_compiled_steps``), else ``None``."""
+        return getattr(self, "_compiled_steps", None)
+
+    def _step_modules(self):
+        """(attribute, module) of the target and every method component this pipeline holds."""
+        names = [self.component_attribute("target")] + [c.name for c in methods.components(self.modality)]
+        for name in names:
+            module = getattr(self, name, None)
+            if isinstance(module, torch.nn.Module):
+                yield name, module
+
     # -- decoding ---------------------------------------------------------------------------------
     def decode(self, recipe: methods.Recipe, logits: LogitsPipeline, input_ids, max_new_tokens: int, *,
                tokens_done: Callable[[DecodeState], int], callback_on_step_end=None,
@@ -299,7 +365,8 @@ class SpeculativePipeline(PipelineBase):
                         applied = self._guidance_scale
                 return self.interrupt
 
-            out = decoder.generate(input_ids, max_new_tokens, callback=step_end, **generate_kwargs)
+            with forced_static_shapes() if self.compiled_steps else contextlib.nullcontext():
+                out = decoder.generate(input_ids, max_new_tokens, callback=step_end, **generate_kwargs)
             bar.update(max(0, max_new_tokens - seen) if not self.interrupt else 0)
         return out
 

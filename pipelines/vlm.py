@@ -51,6 +51,8 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
     # the target alone: the draft VLM and the heads run between its passes and get unchained hooks
     # (SpeculativeARImagePipeline says why); the answers' decode is the processor's, no model
     model_cpu_offload_seq = "target"
+    _compiled_steps_refused = ("its transformers target decodes on a DynamicCache adapter (mmspec.adapters.hf) whose "
+                               "key width changes every pass; compiled steps need a static cache there first")
 
     def __init__(self, target, processor, **components):
         super().__init__()

@@ -84,6 +84,8 @@ class CacheStep:
             return x
         if not hasattr(rope, "tables"):  # a plain ``Rope`` callable
             return rope(x, positions)
+        if torch.compiler.is_compiling():  # the compiled graph shares the tables itself
+            return rope.apply(x, rope.tables(positions))
         seen = self.rope_tables.get(id(positions))
         if seen is None:  # keep the tensor alive with its tables, so its id is not reused
             seen = self.rope_tables[id(positions)] = (positions, rope.tables(positions))
@@ -130,6 +132,7 @@ class StaticKVCache:
         self.lengths = torch.zeros(batch_size, dtype=torch.long, device=device)
         self.max_len = max_len
         self.rope = rope
+        self.static = static_shapes(self.lengths.device)  # decided once: nothing is read inside a compiled step
         self.overflowed = torch.zeros((), dtype=torch.bool, device=device)  # static widths' deferred check
 
     @property
@@ -144,13 +147,14 @@ class StaticKVCache:
 
     def step(self, positions: torch.Tensor, tree_mask: torch.Tensor | None = None) -> CacheStep:
         """Open a block of ``positions.shape[1]`` entries past each row's length. With static shapes
-        (``mmspec.core.shapes``) the block sees every slot, masked, and nothing is read from the
-        device: an overflowing write lands in the never-visible spare slot and ``check_overflow``
-        reports it; otherwise the key range ends at the longest row and an overflow raises here."""
+        (``self.static``, from ``mmspec.core.shapes`` when built) the block sees every slot,
+        masked, and nothing is read from the device: an overflowing write lands in the
+        never-visible spare slot and ``check_overflow`` reports it; otherwise the key range ends at
+        the longest row and an overflow raises here."""
         T = positions.shape[1]
         slots = self.lengths[:, None] + torch.arange(T, device=positions.device)
         ends = self.lengths + T
-        if static_shapes(ends.device):
+        if self.static:
             S = self.max_len
             self.overflowed.logical_or_((ends > S).any())
             slots = slots.clamp(max=S)
@@ -536,7 +540,9 @@ class SlotKVCache(StaticKVCache):
         """``tree_mask`` (B, T, T) is the in-block visibility (causal when None)."""
         B, T = positions.shape
         S = self.max_len
-        if int(positions.max()) >= S:
+        if self.static:  # no read: commit drops an overflow into the spare slot, check_overflow reports it
+            self.overflowed.logical_or_((positions >= S).any())
+        elif int(positions.max()) >= S:
             raise ValueError(f"cache overflow: position {int(positions.max())} >= max_len={S}")
         if tree_mask is None:
             tree_mask = torch.ones(T, T, dtype=torch.bool, device=positions.device).tril().expand(B, T, T)
@@ -565,7 +571,7 @@ class SlotKVCache(StaticKVCache):
         if check_pending is None:
             raise RuntimeError("commit() without a pending block: call step() (a forward) first")
         positions, pk, pv = check_pending
-        slots = torch.where(keep, positions, self.max_len)  # dropped entries -> the spare slot
+        slots = torch.where(keep, positions, self.max_len).clamp(max=self.max_len)  # dropped -> the spare slot
         if self.k.shape[0]:
             B, H, T, D = pk[0].shape
             index = slots[:, None, :, None].expand(B, H, T, D)

@@ -74,6 +74,7 @@ class _DraftModelRunner:
         self.forwards = 0
         self.cache = self.exact = self.fed_at = None
         self.tree_slots = 0  # cache slots a proposal's tree nodes take past the history (tree drafters)
+        self.catch_up = 1  # history entries one decode pass can add at most (the drafter sets it)
 
     def start(self, state: DecodeState) -> None:
         self.cache = self.model.new_cache(state.rows, state.max_len + self.tree_slots)
@@ -87,7 +88,8 @@ class _DraftModelRunner:
             self._prompt_pass(state)
         self.exact = torch.minimum(self.exact, state.lengths - 1)  # always re-feed at least the root
         self.cache.truncate(self.exact)
-        width = catch_up_width(state, self.fed_at, lambda: state.lengths - self.exact)
+        width = catch_up_width(state, self.fed_at, lambda: state.lengths - self.exact,
+                               self.catch_up if getattr(self.cache, "static", False) else None)
         positions = self.exact[:, None] + torch.arange(width, device=self.exact.device)  # (R, W)
         feed = state.history(positions.clamp(max=state.tokens.shape[1] - 1))
         out = self.model(feed, positions, self.cache)
@@ -140,15 +142,20 @@ class _DraftModelRunner:
         return self.model(state.expand(tokens), positions, self.cache, mask)
 
 
-def catch_up_width(state: DecodeState, fed_at: list[int] | None, missing: Callable[[], torch.Tensor]) -> int:
+def catch_up_width(state: DecodeState, fed_at: list[int] | None, missing: Callable[[], torch.Tensor],
+                   static: int | None = None) -> int:
     """The widest catch-up feed of a drafter's cache: ``max(missing())`` over rows, at least 1.
 
     After a feed the cache lacks exactly what the rows generated since (``state.generated``, the
     host counts the loop read with its stop flag, against ``fed_at``, those of the last feed), so
     the width needs no device read; the first feed (``fed_at`` None), or a state without host
-    counts, reads ``missing()`` (R,)."""
+    counts, reads ``missing()`` (R,). ``static``: the drafter's bound on a catch-up after one of
+    its own passes, fed whatever the rows need when the cache keeps static shapes (rows needing
+    less feed history entries past their end, which the drafter then cuts from its cache), so a
+    compiled draft step sees one width."""
     if fed_at is not None and state.generated is not None:
-        return max(1, max(now - then for now, then in zip(state.generated, fed_at)))
+        width = max(1, max(now - then for now, then in zip(state.generated, fed_at)))
+        return width if static is None else max(width, static)
     return int(missing().max())
 
 
@@ -191,7 +198,7 @@ class ModelChainDrafter(_ModelDrafter):
         super().__init__(model, conditioned)
         self.gamma = gamma
         self.warmup = float(warmup)
-        self.max_block = gamma + 1
+        self.max_block = self.runner.catch_up = gamma + 1
 
     def warming_up(self, state: DecodeState) -> bool:
         """True while some row has generated fewer than ``ceil(warmup * max_new_tokens)`` tokens
@@ -258,6 +265,7 @@ class ModelTreeDrafter(_ModelDrafter):
         self.top_k, self.depth, self.total_tokens, self.mode = top_k, depth, total_tokens, mode
         self.max_block = _tree_block(model.vocab_size, top_k, depth, total_tokens, mode)
         self.runner.tree_slots = _tree_slots(top_k, depth)
+        self.runner.catch_up = _tree_catch_up(self.max_block, depth)
 
     def propose(self, state: DecodeState) -> DraftTree:
         logits = self.runner.root_logits(state)
@@ -277,6 +285,12 @@ def _tree_block(vocab_size, top_k, depth, total_tokens, mode) -> int:
     check(isinstance(total_tokens, int) and total_tokens >= 2, "total_tokens", "an int >= 2", total_tokens)
     nodes = top_k + depth * top_k * top_k
     return 1 + (min(nodes, total_tokens - 1) if mode == "topk" else nodes)
+
+
+def _tree_catch_up(max_block: int, depth: int) -> int:
+    """History entries a tree's pass adds at most: its accepted path (at most ``depth + 1``
+    levels, at most the tree's nodes) plus the target's own token."""
+    return min(max_block, depth + 2)
 
 
 def _tree_slots(top_k: int, depth: int) -> int:
@@ -345,7 +359,8 @@ class EagleTreeDrafter(DrafterBase):
         L = state.lengths
         self.fed = torch.minimum(self.fed, L - 2)
         self.cache.truncate(self.fed)
-        width = catch_up_width(state, self.fed_at, lambda: L - 1 - self.fed)
+        static = _tree_catch_up(self.max_block, self.depth) if getattr(self.cache, "static", False) else None
+        width = catch_up_width(state, self.fed_at, lambda: L - 1 - self.fed, static)
         positions = self.fed[:, None] + 1 + torch.arange(width, device=L.device)  # (R, W)
         last = state.tokens.shape[1] - 1  # shorter rows read (and later cut) garbage past their end
         tokens = state.tokens.gather(1, positions.clamp(max=last))

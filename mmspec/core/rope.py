@@ -110,7 +110,8 @@ class RotaryEmbedding:
     def tables(self, positions: torch.Tensor) -> RopeTables:
         """cos/sin tables for (B, T) positions or (A, B, T) coordinates; compute once per forward
         and pass them to every layer's ``apply``."""
-        tracked = not positions.is_inference()  # inference tensors have no version counter
+        # inference tensors have no version counter; under torch.compile the graph computes them once
+        tracked = not torch.compiler.is_compiling() and not positions.is_inference()
         if tracked:
             for seen, version, tables in self._memo:
                 if seen is positions and version == positions._version:

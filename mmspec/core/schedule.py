@@ -208,7 +208,7 @@ class NextSetPlan:
             need[0] = W  # row 1 waits for row 0 to complete
         go = torch.zeros_like(started)
         go[:, 1:] = ~started[:, 1:] & (e[:, :-1] >= need)
-        if bool(go.any()):
+        if self.cache.slot.static or bool(go.any()):  # static shapes read nothing: a no-op without go
             lane = torch.arange(state.rows, device=e.device)
             upper = (lane - 1).clamp(min=0)  # lane r-1 of each lane
             if self.mode == "reference":  # row r-2's latest, unless row r-1 is complete already
@@ -272,6 +272,9 @@ class _LaneCache:
         """After the prefill: keep each lane's prompt, drop its right padding."""
         self.keep_block(0, None, lengths - self.cached)
 
+    def check_overflow(self) -> None:
+        self.slot.check_overflow()
+
 
 class _LaneTarget:
     """Packs the fed lanes of each target row into one block over the shared slot cache."""
@@ -287,7 +290,7 @@ class _LaneTarget:
         R = RL // H
         device = tokens.device
         fed = sch.fed.view(R, H)
-        A = max(1, int(fed.sum(1).max()))
+        A = H if cache.slot.static else max(1, int(fed.sum(1).max()))  # static: every lane's place, one shape
         lanes = (~fed).to(torch.int8).sort(dim=1, stable=True).indices[:, :A]  # fed lanes first, in row order
         valid = torch.arange(A, device=device) < fed.sum(1, keepdim=True)  # (R, A)
         pick = lanes[..., None].expand(R, A, T)

@@ -14,12 +14,19 @@ fed entries lie past each row's history and are cut from the cache
 
 ``MMSPEC_STATIC_SHAPES`` (read on every call, so tests can flip it): ``auto`` (default: static
 off the CPU), ``1`` (static everywhere: how the tests count an accelerator's host syncs on the
-CPU) or ``0`` (exact widths everywhere).
+CPU) or ``0`` (exact widths everywhere). Inside ``forced_static_shapes()`` (compiled steps,
+``SpeculativePipeline.enable_compiled_steps``) shapes are static whatever the setting: a compiled
+step must see one shape per bucket.
+
+Caches decide once, when they are built (``StaticKVCache.static``), so nothing is read inside a
+compiled forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+from contextvars import ContextVar
 
 import torch
 
@@ -27,10 +34,23 @@ from .errors import check
 
 ENV = "MMSPEC_STATIC_SHAPES"
 MODES = ("auto", "1", "0")
+_FORCED: ContextVar[bool] = ContextVar("mmspec_static_shapes", default=False)
+
+
+@contextlib.contextmanager
+def forced_static_shapes():
+    """Static shapes on every device inside the block."""
+    token = _FORCED.set(True)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
 
 
 def static_shapes(device: torch.device | str | None) -> bool:
     """Whether tensors on ``device`` get static widths (no host reads for shapes); see the module."""
+    if _FORCED.get():
+        return True
     value = os.environ.get(ENV, "auto").strip().lower() or "auto"
     check(value in MODES, ENV, "one of " + ", ".join(repr(m) for m in MODES), os.environ.get(ENV))
     if value != "auto":

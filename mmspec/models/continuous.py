@@ -170,7 +170,8 @@ class ContinuousARModel(ClassPromptsMixin, ModelMixin, ConfigMixin):
             check(isinstance(cache, ClassKVCache), "cache", "a ClassKVCache (ContinuousARModel.new_cache)",
                   type(cache).__name__)
         if cache is None or cache.labels is None:  # a block that starts every row: its class is at position 0
-            if not bool(is_cls.any(1).all()):
+            # checked eagerly (a compiled step's graph cannot branch on a value it computes)
+            if not torch.compiler.is_compiling() and not bool(is_cls.any(1).all()):
                 raise ValueError("the first pass needs position 0 (the class) in every row"
                                  + ("" if cache is None else ": a cached pass came before the prompt pass"))
             row_cls = cls_ids.gather(1, is_cls.long().argmax(1, keepdim=True))[:, 0]  # (B,)

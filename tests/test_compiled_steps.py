@@ -1,0 +1,152 @@
+"""Compiled decoding steps (issue 42, item 4): ``pipe.enable_compiled_steps()`` compiles the target's
+and every draft's forward with ``torch.compile(fullgraph=True, dynamic=False)`` and decodes with
+static shapes, so each (batch, block width) bucket is one graph, compiled once.
+
+Checked on the CPU with dynamo's counters (``torch._dynamo.utils.counters``): after one warm-up
+call, further calls (at least 100 decode passes in all) compile nothing new (no ``unique_graphs``)
+and break no graph (``fullgraph=True`` would raise on one), for every registered ar-image method
+on a tiny random LlamaGen pipeline, for the bundled AR target's main methods, and for continuous
+tokens (``none``, ``sd``, ``sjd``). Outputs are bit-identical to the eager forwards with the same
+static shapes, sampled with the same generator (greedy on the bundled target), since the
+``eager`` backend runs the traced aten ops as they are; Inductor's code (``slow``) is checked for
+greedy identity with the CPU's eager widths on two methods.
+The VLM pipeline refuses (its transformers target runs on a ``DynamicCache`` adapter).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from contract_util import tiny_ar_pipeline
+from mmspec import methods
+from mmspec.core.shapes import forced_static_shapes
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+MIN_PASSES = 100
+
+
+def _ar_call(pipe, method, temperature):
+    knobs = {"zipar_window": 2} if "zipar" in method else None
+    return lambda: pipe(class_labels=[1, 2], method=method, temperature=temperature, guidance_scale=2.0,
+                        output_type="latent", method_knobs=knobs, generator=torch.Generator().manual_seed(0)).tokens
+
+
+def _no_new_graphs(pipe, call, backend="eager"):
+    """(eager output, compiled output, passes after the warm-up, dynamo's counters after it)."""
+    pipe.disable_compiled_steps()
+    with forced_static_shapes():
+        eager = call()
+    pipe.enable_compiled_steps(backend=backend)
+    try:
+        call()  # warm-up: compiles every bucket this call meets
+        counters.clear()
+        passes, out = 0, None
+        while passes < MIN_PASSES:
+            got = call()
+            out = got if out is None else out
+            assert torch.equal(got, out)  # calls agree with each other
+            passes += pipe._last_nfe
+        seen = {k: dict(v) for k, v in counters.items() if v}
+    finally:
+        pipe.disable_compiled_steps()
+    return eager, out, passes, seen
+
+
+@pytest.fixture(scope="module")
+def tiny_ar():
+    pipe = tiny_ar_pipeline(grid_size=10)
+    _count_passes(pipe)
+    return pipe
+
+
+def _count_passes(pipe):
+    """Keep the target passes of the pipeline's last decode in ``pipe._last_nfe``."""
+    decode = pipe.decode
+
+    def counting(*args, **kwargs):
+        out = decode(*args, **kwargs)
+        pipe._last_nfe = out.stats.target_forwards
+        return out
+
+    pipe.decode = counting
+
+
+@pytest.mark.parametrize("method", methods.names("ar-image"))
+def test_ar_steps_compile_once(tiny_ar, method):
+    """Sampled (temperature 1, a seeded generator): the compiled region is the models' forwards,
+    whose shapes greedy decoding shares."""
+    eager, compiled, passes, seen = _no_new_graphs(tiny_ar, _ar_call(tiny_ar, method, 1.0))
+    assert passes >= MIN_PASSES
+    assert "unique_graphs" not in seen.get("stats", {}) and not seen.get("graph_break"), seen
+    assert torch.equal(eager, compiled), method
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["none", "sd", "eagle"])
+def test_the_bundled_ar_target_compiles_once(method):
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    pipe = SpeculativeARImagePipeline.from_pretrained(ASSETS / "ar-image")
+    pipe.set_progress_bar_config(disable=True)
+    _count_passes(pipe)
+    eager, compiled, passes, seen = _no_new_graphs(pipe, _ar_call(pipe, method, 0.0))
+    assert passes >= MIN_PASSES
+    assert "unique_graphs" not in seen.get("stats", {}) and not seen.get("graph_break"), seen
+    assert torch.equal(eager, compiled), method
+
+
+@pytest.mark.parametrize("method", ["none", "sd", "sjd"])
+def test_continuous_steps_compile_once(method):
+    from mmspec.pipelines import SpeculativeContinuousARPipeline
+
+    pipe = SpeculativeContinuousARPipeline.from_pretrained(ASSETS / "continuous")
+    pipe.set_progress_bar_config(disable=True)
+    _count_passes(pipe)
+    call = lambda: pipe(class_labels=[0, 1], method=method, guidance_scale=2.0, output_type="latent",
+                        generator=torch.Generator().manual_seed(0)).images
+    eager, compiled, passes, seen = _no_new_graphs(pipe, call)
+    assert passes >= MIN_PASSES
+    assert "unique_graphs" not in seen.get("stats", {}) and not seen.get("graph_break"), seen
+    assert torch.equal(eager, compiled), method
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["none", "sd"])
+def test_inductor_steps_decode_the_eager_tokens(method):
+    pipe = tiny_ar_pipeline(grid_size=10)
+    call = _ar_call(pipe, method, 0.0)
+    reference = call()  # eager, the CPU's own widths
+    pipe.enable_compiled_steps()  # Inductor, reduce-overhead
+    try:
+        assert torch.equal(call(), reference)
+        assert pipe.compiled_steps == ["transformer", "draft_model", "eagle_head", "medusa_head"]
+    finally:
+        pipe.disable_compiled_steps()
+
+
+def test_disable_restores_the_eager_forwards(tiny_ar):
+    tiny_ar.enable_compiled_steps(backend="eager")
+    assert "forward" in vars(tiny_ar.transformer)
+    tiny_ar.disable_compiled_steps()
+    assert tiny_ar.compiled_steps is None
+    for name in ("transformer", "draft_model", "eagle_head", "medusa_head"):
+        assert "forward" not in vars(getattr(tiny_ar, name))
+
+
+def test_bad_settings_are_refused(tiny_ar):
+    with pytest.raises(ValueError, match="mode must be one of"):
+        tiny_ar.enable_compiled_steps(mode="fast")
+    with pytest.raises(ValueError, match="fullgraph must be True or False"):
+        tiny_ar.enable_compiled_steps(fullgraph="yes")
+    assert tiny_ar.compiled_steps is None
+
+
+def test_the_vlm_pipeline_refuses_with_the_reason():
+    from contract_util import tiny_vlm_pipeline
+
+    with pytest.raises(ValueError, match="DynamicCache"):
+        tiny_vlm_pipeline().enable_compiled_steps()
