@@ -150,3 +150,24 @@ def test_the_vlm_pipeline_refuses_with_the_reason():
 
     with pytest.raises(ValueError, match="DynamicCache"):
         tiny_vlm_pipeline().enable_compiled_steps()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_the_readme_snippet_compiles_and_keeps_the_eager_tokens():
+    """README's GPU snippet: the bundled AR pipeline on CUDA, CUDA graphs (reduce-overhead), a CPU
+    generator; greedy tokens equal the eager forwards' with the same static shapes."""
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    pipe = SpeculativeARImagePipeline.from_pretrained(ASSETS / "ar-image").to("cuda")
+    pipe.set_progress_bar_config(disable=True)
+    call = lambda: pipe(prompt="a red circle", method="eagle", temperature=0.0, output_type="latent",
+                        generator=torch.Generator().manual_seed(0)).tokens
+    with forced_static_shapes():
+        eager = call()
+    pipe.enable_compiled_steps()
+    try:
+        call()
+        assert torch.equal(call(), eager)
+    finally:
+        pipe.disable_compiled_steps()

@@ -48,7 +48,8 @@ def test_dry_run_fills_the_schema(dry_report):
 def _complete_report() -> dict:
     report = gc.new_report(dry_run=False, budget_s=480)
     ran = {"cuda-tests": {"selected": 3, "passed": 3, "failed": 0, "errors": 0, "skipped": 0},
-           "kernels": {"rows": [], "measured": 0, "correct": 0}}
+           "kernels": {"rows": [], "measured": 0, "correct": 0},
+           "real-size": {"verify_ms": {"1": 1.0}, "draft_ms": 0.1, "loop": {}}}
     for name in gc.STEPS:
         summary = ran.get(name, {"identity": [], "speed": {}, "offload": [], "problems": []})
         report["steps"].append({"name": name, "status": "passed", "seconds": 1.0, "summary": summary})
@@ -183,7 +184,7 @@ def test_pipeline_check_on_cpu(name):
     """The GPU step's own code on the CPU: float32 greedy identity holds (the project's CPU
     guarantee), bfloat16 runs, offload gives the same outputs, the speed rows are filled."""
     result = gc.check_pipeline(name, "cpu", dtypes=("float32", "bfloat16"), speed_dtype="bfloat16", rounds=1,
-                               quick=True)
+                               quick=True, compile_steps=False)
     assert result["problems"] == [], result["problems"]
     spec = gc.SPECS[name]
     assert {(r["dtype"], r["method"]) for r in result["identity"]} == {
@@ -194,6 +195,7 @@ def test_pipeline_check_on_cpu(name):
     assert all(r["wall_s"] > 0 for r in rows)
     if spec.decodes:
         assert all(r["nfe"] > 0 for r in rows) and rows[0]["nfe_ratio"] == 1.0
+        assert all(r["share_kept"] == pytest.approx(r["wall_ratio"] / r["nfe_ratio"]) for r in rows)
     assert {(r["dtype"], r["method"]) for r in result["offload"]} == {
         (d, m) for d in ("float32", "bfloat16") for m in spec.offload_methods}
     assert all(r["identical"] for r in result["offload"])
@@ -215,7 +217,8 @@ def test_pipeline_check_reports_a_wrong_method(monkeypatch):
     monkeypatch.setattr(spec, "methods", ("sd", "sjd"))
     monkeypatch.setattr(spec, "offload_methods", ("none",))
     monkeypatch.setattr(spec, "speed_methods", ("none",))
-    result = gc.check_pipeline("ar-image", "cpu", dtypes=("float32",), speed_dtype="float32", rounds=1, quick=True)
+    result = gc.check_pipeline("ar-image", "cpu", dtypes=("float32",), speed_dtype="float32", rounds=1, quick=True,
+                               compile_steps=False)
     sd, sjd = result["identity"]
     assert not sd["identical"] and sd["first_mismatch"] == 3 * 16 + 2 and sjd["identical"]
     assert any(p.startswith("greedy sd differs") for p in result["problems"])
@@ -239,3 +242,55 @@ def test_cpu_pipeline_tensors_compare():
     assert gc._compare([[1, 2], [3]], [[1, 2], [3]]) == (True, 1.0, None)
     same, frac, first = gc._compare([[1, 2], [3]], [[1, 2], [3, 4]])
     assert not same and first == 3 and frac == 0.75
+
+
+def test_the_compiled_speed_rows_on_cpu(monkeypatch):
+    """The compiled part of a pipeline step (``enable_compiled_steps``; here dynamo's ``eager``
+    backend, so the CPU does not spend minutes in Inductor): rows for every speed method, the same
+    ratios as the eager run, and the eager forwards restored after."""
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    enable = SpeculativeARImagePipeline.enable_compiled_steps
+    monkeypatch.setattr(SpeculativeARImagePipeline, "enable_compiled_steps",
+                        lambda self, **kw: enable(self, backend="eager"))
+    monkeypatch.setattr(gc.SPECS["ar-image"], "speed_methods", ("none", "sd", "sjd"))
+    result = gc.check_pipeline("ar-image", "cpu", dtypes=(), speed_dtype="float32", rounds=1, quick=True,
+                               offload=False)
+    assert result["problems"] == [], result["problems"]
+    rows = result["compiled"]["rows"]
+    assert [r["method"] for r in rows] == ["none", "sd", "sjd"] and rows[0]["wall_ratio"] == 1.0
+    assert all(r["share_kept"] == pytest.approx(r["wall_ratio"] / r["nfe_ratio"]) and r["wall_x_eager_none"] > 0
+               for r in rows)
+    eager = {r["method"]: r["nfe"] for r in result["speed"]["rows"]}
+    assert {r["method"]: r["nfe"] for r in rows} == eager  # the same decodes, greedy
+    assert "syncs_per_pass" not in rows[0]  # counted by CUDA only
+    lines = gc._step_lines({"name": "pipeline:ar-image", "summary": result})
+    assert any(line.startswith("compiled float32 sd: wall x") and "share_kept" in line for line in lines)
+
+
+def test_the_real_size_row_on_cpu():
+    """The real-size step's row at a tiny size: every timing filled, the loop's own cost is the
+    pass minus the forward."""
+    from mmspec.bench import real_size
+
+    row = real_size.row("cpu", torch.float32, real_size.TINY, prefix=16, tokens=6, repeats=1, compiled=False)
+    assert set(row["verify_ms"]) == {"1", "16", "64"} and all(v > 0 for v in row["verify_ms"].values())
+    loop = row["loop"]["eager"]
+    assert row["draft_ms"] > 0 and loop["passes"] == 5 and row["errors"] == []
+    assert loop["loop_ms"] == pytest.approx(loop["pass_ms"] - loop["forward_ms"])
+    lines = gc._step_lines({"name": "real-size", "summary": row})
+    assert lines[0].startswith("float32, Llama-2-7B shapes") and lines[1].startswith("loop eager:")
+
+
+def test_real_size_step_reads_its_child(monkeypatch, tmp_path):
+    found = {"verify_ms": {"1": 2.0}, "draft_ms": 0.5, "loop": {"eager": {}}, "errors": []}
+
+    def write(args):
+        Path(args[args.index("--json") + 1]).write_text(json.dumps(found))
+
+    _fake_child(monkeypatch, 0, write)
+    assert gc.step_real_size(tmp_path, 60, dry_run=False, device="cuda")["status"] == "passed"
+    found["errors"] = ["loop compiled: RuntimeError: boom"]
+    step = gc.step_real_size(tmp_path, 60, dry_run=False, device="cuda")
+    assert step["status"] == "failed" and "boom" in step["reason"]
+    assert gc.step_real_size(tmp_path, 60, dry_run=True, device="cuda")["status"] == "skipped"

@@ -10,9 +10,12 @@ the interpreter or hangs in compilation costs its step, not the report):
 3. ``pipeline:ar-image``, ``pipeline:vlm``, ``pipeline:continuous``, ``pipeline:video``: the
    bundled checkpoint on the device in float32 and the low precisions (``check_pipeline``);
    ``pipeline:wan-tiny``: diffusers' Wan classes through ``from_wan``, tiny and random:
-   greedy identity of every lossless method with the target alone, NFE and wall ratios over a
-   short interleaved run after a warm-up, and ``enable_model_cpu_offload()`` giving the outputs
-   the pipeline gives without it.
+   greedy identity of every lossless method with the target alone, NFE and wall ratios (and the
+   share of the saving kept) over a short interleaved run after a warm-up, the host syncs per pass
+   on CUDA, the same run with compiled steps where the pipeline compiles them, and
+   ``enable_model_cpu_offload()`` giving the outputs the pipeline gives without it.
+4. ``real-size``: ``mmspec.bench.real_size`` at Llama-2-7B's shapes (verify passes, an EAGLE head
+   step, the loop's own cost per pass, eager and compiled).
 
 The report: ``report.json`` (``validate_report`` says what it holds) and ``summary.txt`` in the
 report folder (``--out``, else ``$OUT`` when set, else ``gpu-check-out``); both are rewritten after
@@ -52,16 +55,18 @@ ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "assets"
 SCHEMA = 1
 PIPELINES = ("ar-image", "vlm", "continuous", "video", "wan-tiny")
-STEPS = ("cuda-tests", "kernels") + tuple(f"pipeline:{p}" for p in PIPELINES)
+STEPS = ("cuda-tests", "kernels") + tuple(f"pipeline:{p}" for p in PIPELINES) + ("real-size",)
 STATUSES = ("passed", "failed", "error", "timeout", "skipped")
-STEP_SECONDS = {"cuda-tests": 100, "kernels": 110, "pipeline:ar-image": 90, "pipeline:vlm": 90,
-                "pipeline:continuous": 40, "pipeline:video": 40, "pipeline:wan-tiny": 60}
-"""Each step's time limit in seconds; together 530 s, inside the 540 s budget. A pipeline step that
-runs out keeps the parts it finished (float32 identity, offload, speed, then low precision). Sized
-from the first run on a GPU (H200, 2026-11-28, budget 480 s): the CUDA tests one process at a
-time ran past 115 s with Triton's cache cold (123 passed in 33 s on 8 workers, cache warm); the
-kernel bench spent its 70 s before its guided-acceptance rows; ar-image and vlm ran past 70 s,
-continuous took 31 s, video 29 s, wan-tiny past 30 s."""
+STEP_SECONDS = {"cuda-tests": 80, "kernels": 90, "pipeline:ar-image": 100, "pipeline:vlm": 75,
+                "pipeline:continuous": 40, "pipeline:video": 30, "pipeline:wan-tiny": 45, "real-size": 75}
+"""Each step's time limit in seconds; together 535 s, inside the 540 s budget. A pipeline step that
+runs out keeps the parts it finished (float32 identity, offload, speed eager, syncs, speed with
+compiled steps, then low precision). Sized from the first run on a GPU (H200, 2026-11-28, budget
+480 s): the CUDA tests one process at a time ran past 115 s with Triton's cache cold (123 passed
+in 33 s on 8 workers, cache warm); the kernel bench spent its 70 s before its guided-acceptance
+rows; ar-image and vlm ran past 70 s, continuous took 31 s, video 29 s, wan-tiny past 30 s. The
+compiled speed rows (ar-image, continuous) and the real-size step (issue 42) were added since and
+have not run on a GPU: their limits are guesses, and each records what finished."""
 BUDGET_SECONDS = 540.0
 CUDA_TEST_WORKERS = 8
 """pytest-xdist workers for the CUDA tests, where xdist is installed (at most one per CPU)."""
@@ -147,7 +152,9 @@ def validate_report(report: dict) -> list[str]:
             problems.append("cuda-tests: summary.selected missing")
         if status in ("passed", "failed"):
             need = {"cuda-tests": ("passed", "failed", "errors", "skipped"),
-                    "kernels": ("rows", "measured", "correct")}.get(name, ("identity", "speed", "offload", "problems"))
+                    "kernels": ("rows", "measured", "correct"),
+                    "real-size": ("verify_ms", "draft_ms", "loop")}.get(name, ("identity", "speed", "offload",
+                                                                                "problems"))
             problems += [f"{name}: summary.{k} missing" for k in need if k not in summary]
     return problems
 
@@ -206,13 +213,25 @@ def _step_lines(step: dict) -> list[str]:
         for r in sm.get("rows", []):
             out.append(f"{r['kernel']} {r['shape']} {r['dtype']}: correct={r.get('correct')}, {_timing(r)}")
         return out
+    if step["name"] == "real-size":
+        if "verify_ms" not in sm:
+            return []
+        verify = ", ".join(f"{w} tokens {ms:.2f} ms" for w, ms in sm["verify_ms"].items())
+        out = [f"{sm['dtype']}, Llama-2-7B shapes, {sm['prefix']} cached tokens: verify {verify}; "
+               f"EAGLE head step {sm['draft_ms']:.2f} ms"]
+        for mode, loop in sm.get("loop", {}).items():
+            out.append(f"loop {mode}: {loop['pass_ms']:.2f} ms a pass, forward {loop['forward_ms']:.2f} ms, "
+                       f"outside it {loop['loop_ms']:.2f} ms ({100 * loop['loop_share']:.1f}% of the forward)")
+        return out + [f"PROBLEM {p}" for p in sm.get("errors", [])]
     out = [f"{k}: {v}" for k, v in sm.items() if k in ("note",)]
     for row in sm.get("identity", []):
         out.append(f"greedy {row['dtype']} {row['method']}: "
                    + ("identical" if row["identical"] else f"{row['match_fraction']:.3f} of tokens equal"))
-    for row in (sm.get("speed") or {}).get("rows", []):
-        extra = "".join(f", {k} {row[k]:.2f}" for k in ("nfe_ratio", "tau") if isinstance(row.get(k), (int, float)))
-        out.append(f"speed {sm['speed']['dtype']} {row['method']}: wall x {row['wall_ratio']:.2f}{extra}")
+    for part in ("speed", "compiled"):
+        for row in (sm.get(part) or {}).get("rows", []):
+            extra = "".join(f", {k} {row[k]:.2f}" for k in ("nfe_ratio", "share_kept", "tau", "syncs_per_pass")
+                            if isinstance(row.get(k), (int, float)))
+            out.append(f"{part} {sm[part]['dtype']} {row['method']}: wall x {row['wall_ratio']:.2f}{extra}")
     for row in sm.get("offload", []):
         out.append(f"offload {row['dtype']} {row['method']}: {'identical' if row['identical'] else 'DIFFERS'}"
                    + (f" (max abs diff {row['max_abs_diff']:.3g})" if row.get("max_abs_diff") else ""))
@@ -336,6 +355,24 @@ def step_pipeline(name: str, out: Path, timeout: float, dry_run: bool, device: s
             "summary": summary}
 
 
+def step_real_size(out: Path, timeout: float, dry_run: bool, device: str) -> dict:
+    """``mmspec.bench.real_size.row`` in bf16 in a child process (its JSON written as it goes)."""
+    if dry_run:
+        return {"status": "skipped", "reason": "dry run: no CUDA device", "summary": {}}
+    path = out / "real-size.json"
+    rc, text = _child(["-m", "mmspec.bench.gpu_check", "--real-size", "--device", device, "--json", str(path)],
+                      timeout)
+    (out / "real-size.log").write_text(text)
+    summary = json.loads(path.read_text()) if path.is_file() else {}
+    if rc is None:
+        return {"status": "timeout", "reason": f"ran past {timeout:.0f} s: {_tail(text, 4)}", "summary": summary}
+    if rc != 0 or "loop" not in summary:
+        return {"status": "error", "reason": f"exit {rc}: {_tail(text, 8)}", "summary": summary}
+    errors = summary.get("errors", [])
+    return {"status": "failed" if errors else "passed", "reason": "; ".join(errors)[:600] or None,
+            "summary": summary}
+
+
 def run(out: Path, *, dry_run: bool = False, budget_s: float = BUDGET_SECONDS, device: str = "cuda",
         steps: tuple[str, ...] = STEPS, say: Callable[[str], None] = print) -> dict:
     """Every step in order inside ``budget_s``; returns the report (also written to ``out``).
@@ -364,6 +401,8 @@ def run(out: Path, *, dry_run: bool = False, budget_s: float = BUDGET_SECONDS, d
                         result["reason"] = "torch sees no CUDA device: the CUDA tests were collected, not run"
                 elif name == "kernels":
                     result = step_kernels(out, timeout, dry_run)
+                elif name == "real-size":
+                    result = step_real_size(out, timeout, dry_run, device)
                 else:
                     result = step_pipeline(name.split(":", 1)[1], out, timeout, dry_run, device)
             except Exception as e:  # the report must survive any one step
@@ -423,6 +462,7 @@ class _Spec:
     offload_methods: tuple[str, ...]
     greedy = True                  # False: sampled only (identity not defined; offload compares samples)
     decodes = True                 # a speculative decode (stats carry NFE and tau); False: a video stream
+    compiles = False               # a second speed run with pipe.enable_compiled_steps()
 
     def __init__(self, model_dir: Path, quick: bool):
         self.model_dir, self.quick = model_dir, quick
@@ -444,6 +484,7 @@ class _Spec:
 
 class _ARImage(_Spec):
     name = "ar-image"
+    compiles = True
     methods = ("sd", "eagle", "medusa", "sjd", "mcsjd")
     speed_methods = ("none", "sd", "eagle", "medusa", "sjd")
     offload_methods = ("none", "sd", "eagle", "medusa")
@@ -489,6 +530,7 @@ class _VLM(_Spec):
 class _Continuous(_Spec):
     name = "continuous"
     greedy = False
+    compiles = True
     methods = ()
     speed_methods = ("none", "sd")
     offload_methods = ("none", "sd")
@@ -558,6 +600,24 @@ class _WanTiny(_Video):
 SPECS = {"ar-image": _ARImage, "vlm": _VLM, "continuous": _Continuous, "video": _Video, "wan-tiny": _WanTiny}
 
 
+def count_syncs(call: Callable[[], Any]) -> tuple[int, int]:
+    """(host-device synchronisations CUDA reports during ``call()``, the call's target passes less
+    the prefill): ``torch.cuda.set_sync_debug_mode("warn")`` warns at every synchronising call."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            out = call()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    count = sum("synchroniz" in str(w.message).lower() for w in caught)
+    return count, max(0, dict(out.stats).get("nfe", 1) - 1)
+
+
 def _interleaved(call: Callable[[str], Any], methods: tuple[str, ...], rounds: int, device) -> dict:
     """Every method once as a warm-up, then ``rounds`` rounds of every method in turn: the median
     wall seconds per method and the last run's stats."""
@@ -578,12 +638,15 @@ def _interleaved(call: Callable[[str], Any], methods: tuple[str, ...], rounds: i
 
 def check_pipeline(name: str, device: str = "cuda", *, dtypes: tuple[str, ...] = ("float32",) + LOW_PRECISIONS,
                    speed_dtype: str = "bfloat16", rounds: int = 2, quick: bool = False,
-                   model_dir: str | Path | None = None, offload: bool = True,
+                   model_dir: str | Path | None = None, offload: bool = True, compile_steps: bool = True,
                    progress: Callable[[str], None] | None = None, record: Callable[[dict], None] | None = None) -> dict:
     """One bundled pipeline on ``device``: greedy identity of its lossless methods with
     ``method="none"`` in every dtype of ``dtypes``, NFE and wall ratios over ``rounds`` interleaved
-    rounds in ``speed_dtype`` after a warm-up, and (``offload``) ``enable_model_cpu_offload`` on
-    ``device`` giving the outputs it gives without (float32 and ``speed_dtype``). Every part is
+    rounds in ``speed_dtype`` after a warm-up (with each method's share of the saving kept, wall x
+    over NFE x), on CUDA the host syncs per pass (``count_syncs``), for pipelines whose steps
+    compile (``compile_steps``) the same run with ``enable_compiled_steps()``, and (``offload``)
+    ``enable_model_cpu_offload`` on ``device`` giving the outputs it gives without (float32 and
+    ``speed_dtype``). Every part is
     tried even when another failed; ``problems`` lists what is wrong. ``record(partial)`` is called
     after each part (the step's child writes it, so a timeout keeps what finished)."""
     import torch
@@ -628,21 +691,45 @@ def check_pipeline(name: str, device: str = "cuda", *, dtypes: tuple[str, ...] =
                 result["problems"].append(f"greedy {m} differs from the target alone in float32 "
                                           f"({frac:.3f} of tokens equal, first at {first})")
 
-    def speed() -> None:
-        pipe = load(speed_dtype)
-        timed = _interleaved(lambda m: spec.call(pipe, m, device), spec.speed_methods, rounds, device)
-        base_wall, base_stats = timed[spec.speed_methods[0]]
+    def speed_rows(timed: dict, base_wall: float | None = None) -> list[dict]:
+        first_wall, base_stats = timed[spec.speed_methods[0]]
         rows = []
         for m, (wall, st) in timed.items():
-            row = {"method": m, "wall_s": wall, "wall_ratio": base_wall / wall}
-            if spec.decodes:
-                row.update(nfe=st["nfe"], nfe_ratio=base_stats["nfe"] / st["nfe"], tau=st.get("tau"),
-                           draft_nfe=st.get("draft_nfe"))
+            row = {"method": m, "wall_s": wall, "wall_ratio": (base_wall or first_wall) / wall}
+            if spec.decodes:  # share kept: how much of the saving in passes survives as wall time
+                nfe_ratio = base_stats["nfe"] / st["nfe"]
+                row.update(nfe=st["nfe"], nfe_ratio=nfe_ratio, share_kept=row["wall_ratio"] / nfe_ratio,
+                           tau=st.get("tau"), draft_nfe=st.get("draft_nfe"))
             else:
                 row.update(ms_per_chunk=1000 * statistics.median(st["latency_s"]), frames=st.get("frames"),
                            cache_bytes=st.get("cache_bytes"))
             rows.append(row)
-        result["speed"] = {"dtype": speed_dtype, "rounds": rounds, "rows": rows}
+        return rows
+
+    def speed() -> None:
+        pipe = load(speed_dtype)
+        timed = _interleaved(lambda m: spec.call(pipe, m, device), spec.speed_methods, rounds, device)
+        result["speed"] = {"dtype": speed_dtype, "rounds": rounds, "rows": speed_rows(timed)}
+
+    def syncs() -> None:  # CUDA's own count: every synchronising call warns once
+        pipe = load(speed_dtype)
+        for row in result["speed"].get("rows", []):
+            count, nfe = count_syncs(lambda: spec.call(pipe, row["method"], device))
+            row["syncs_per_pass"] = count / nfe if nfe else None
+
+    def compiled() -> None:
+        pipe = load(speed_dtype)
+        pipe.enable_compiled_steps()  # reduce-overhead: CUDA graphs; each method's first call compiles
+        try:
+            timed = _interleaved(lambda m: spec.call(pipe, m, device), spec.speed_methods, rounds, device)
+        finally:
+            pipe.disable_compiled_steps()
+        eager = {r["method"]: r for r in result["speed"].get("rows", [])}
+        rows = speed_rows(timed)
+        for row in rows:  # the same ratios, and each method against the eager target alone
+            base = eager.get(spec.speed_methods[0])
+            row["wall_x_eager_none"] = base["wall_s"] / row["wall_s"] if base else None
+        result["compiled"] = {"dtype": speed_dtype, "rounds": rounds, "mode": "reduce-overhead", "rows": rows}
 
     def offloaded(dtype: str) -> None:
         pipe = load(dtype)
@@ -672,6 +759,12 @@ def check_pipeline(name: str, device: str = "cuda", *, dtypes: tuple[str, ...] =
             attempt(f"offload {dtype}", lambda d=dtype: offloaded(d))
     say(f"{name}: interleaved speed in {speed_dtype}")
     attempt("speed", speed)
+    if spec.decodes and str(device).startswith("cuda"):
+        say(f"{name}: host syncs per pass")
+        attempt("syncs", syncs)
+    if spec.compiles and compile_steps:
+        say(f"{name}: interleaved speed with compiled steps in {speed_dtype}")
+        attempt("compiled", compiled)
     for dtype in (d for d in dtypes if d not in exact and spec.greedy):
         say(f"{name}: greedy identity in {dtype}")
         attempt(f"identity {dtype}", lambda d=dtype: identity(d))
@@ -689,6 +782,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="run only these steps")
     p.add_argument("--device", default="cuda", help="the pipelines' device (default cuda)")
     p.add_argument("--pipeline", choices=PIPELINES, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--real-size", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
 
@@ -699,6 +793,14 @@ def cmd(args: argparse.Namespace) -> int:
     from ..core.errors import check
 
     check(args.budget > 0, "--budget", "> 0 seconds", args.budget)
+    if args.real_size:
+        import torch
+
+        from .real_size import row
+
+        check(args.json is not None, "--json", "a path with --real-size", None)
+        _write(Path(args.json), json.dumps(row(args.device, torch.bfloat16), indent=2, default=str) + "\n")
+        return 0
     if args.pipeline is not None:
         check(args.json is not None, "--json", "a path with --pipeline", None)
         path = Path(args.json)

@@ -300,12 +300,12 @@ class _LaneTarget:
             tm = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(R, A, T, T)
         else:
             tm = tree_mask.view(R, H, T, T).gather(1, lanes[..., None, None].expand(R, A, T, T))
-        lane_of = torch.arange(A, device=device).repeat_interleave(T)  # (A*T,)
+        lane_of = torch.arange(A * T, device=device) // T  # (A*T,) each lane's index T times
         t_of = torch.arange(T, device=device).repeat(A)
         same = lane_of[:, None] == lane_of[None, :]
         own = tm[:, lane_of[:, None], t_of[:, None], t_of[None, :]] & same  # (R, AT, AT)
         flat_pos = pos.flatten(1)
-        key_ok = valid.repeat_interleave(T, 1) & (t_of == 0)  # other lanes' roots only
+        key_ok = valid[..., None].expand(R, A, T).flatten(1) & (t_of == 0)  # other lanes' roots only
         cross = ~same & key_ok[:, None, :] & (flat_pos[:, None, :] < flat_pos[:, :, None])
         out = self.target(tok.flatten(1), flat_pos, cache.slot, own | cross, **conditioning)
         cache.packing = (lanes, valid, T)
