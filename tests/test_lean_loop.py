@@ -96,3 +96,54 @@ def test_the_overhead_bench_runs():
     spec.loader.exec_module(bench)
     frac, forward_ms = bench.overhead_fraction(vocab=512, hidden=32, runs=1, tokens=4)
     assert math.isfinite(frac) and forward_ms > 0
+
+
+def test_the_target_probabilities_are_built_only_when_read(monkeypatch):
+    """Issue 42, item 5: where the fused acceptance kernel decides from raw logits (simulated here:
+    the rule on the pipeline's output, computed inside the fake, uncounted), the decoder applies
+    the logits pipeline to the target's verify logits only for a drafter whose ``update`` reads
+    the probabilities: never for ``sd``, once a pass for ``sjd``; on the torch path once a pass."""
+    from contract_util import tiny_ar_pipeline
+    from mmspec.core import decoder as decoder_module
+    from mmspec.core.logits import LogitsPipeline as Pipeline
+
+    pipe = tiny_ar_pipeline(grid_size=4)
+    target = pipe.transformer
+    verify_logits, counts, inside = {}, Counter(), [False]  # id -> the tensor, kept so no id is reused
+    forward = type(target).forward
+
+    def recording(*args, **kwargs):
+        out = forward(target, *args, **kwargs)
+        verify_logits[id(out.logits)] = out.logits
+        return out
+
+    monkeypatch.setattr(target, "forward", recording)
+    call = Pipeline.__call__
+
+    def counting(self, logits, *args, **kwargs):
+        if id(logits) in verify_logits and not inside[0]:
+            counts["built"] += 1
+        return call(self, logits, *args, **kwargs)
+
+    monkeypatch.setattr(Pipeline, "__call__", counting)
+
+    def fused(rule, pipeline, draft, logits, generator, rows=None):
+        inside[0] = True
+        try:
+            return rule(draft, pipeline(logits), generator)
+        finally:
+            inside[0] = False
+
+    def passes(method):
+        counts.clear()
+        out = pipe(class_labels=[1], method=method, temperature=1.0, output_type="latent",
+                   generator=torch.Generator().manual_seed(0))
+        return counts["built"], out.stats["nfe"] - 1
+
+    torch_path = {m: passes(m) for m in ("sd", "sjd")}
+    assert all(built == n for built, n in torch_path.values()), torch_path
+    monkeypatch.setattr(decoder_module, "fused_acceptance", fused)
+    built, n = passes("sd")
+    assert built == 0 and n > 0
+    built, n = passes("sjd")
+    assert built == n > 0

@@ -247,25 +247,26 @@ class SpeculativeDecoder:
             # 3. verify every drafted token in one target pass
             with stats.timed("verify", device):
                 out = target(state.expand(tokens), positions, cache, mask)
-                if continuous:  # (B, T) distributions
-                    probs = state.distribution(out, positions, meters["target"])
-                else:
-                    probs = state.logits(out.logits)  # (B, T, V)
+                # (B, T) distributions; token ids' (B, T, V) probabilities are built when read
+                probs = state.distribution(out, positions, meters["target"]) if continuous else None
                 stats.target_forwards += 1
             # 4. accept
             with stats.timed("accept", device):
                 sel = plan.emitting_rows(emitting)
                 if sel is None:
-                    acc = self._accept(state.logits, draft, probs, out.logits, generator)
+                    acc, probs = self._accept(state, draft, probs, out.logits, generator)
                 else:  # only lanes that emit draw randomness
-                    acc = _scatter(self._accept(state.logits, _select(draft, sel), probs[sel], out.logits,
-                                                select_rows(generator, sel), sel), sel, B, tree.max_depth)
+                    acc, probs = self._accept(state, _select(draft, sel), probs, out.logits,
+                                              select_rows(generator, sel), sel)
+                    acc = _scatter(acc, sel, B, tree.max_depth)
             # 5. commit caches and emit the accepted tokens plus the next token
             with stats.timed("commit", device):
                 # the root and the accepted drafts enter the cache; finished rows stop growing
                 keep = torch.where(fed, torch.where(emitting, acc.num_accepted + 1, 1), 0)
                 idx = None if tree.is_chain else state.expand(acc.path.clamp(min=0))
                 cache.keep_block(T, idx, state.expand(keep))
+                if probs is None and getattr(self.drafter, "reads_target_probs", True):
+                    probs = state.logits(out.logits)  # (B, T, V)
                 self.drafter.update(state, draft, acc, probs, out)
                 if acc.tokens is not None:  # the rule emits other tokens than the drafts on the path
                     path_tokens = acc.tokens.to(tokens.dtype)  # (B, D, *token_shape)
@@ -299,14 +300,21 @@ class SpeculativeDecoder:
         stats.wall_seconds = time.perf_counter() - t0
         return DecodeOutput(sequences, out_lens, stats)
 
-    def _accept(self, pipeline, draft: DraftTree, probs, logits: torch.Tensor | None, generator: Generators,
-                rows: torch.Tensor | None = None) -> Acceptance:
-        """The rule's decision on the verified block: the fused acceptance kernel where the kernels'
-        dispatch picks it (``mmspec.core.fused``), the rule object otherwise. ``pipeline`` is the
-        pass's logits pipeline (``state.logits``), ``logits`` all rows' raw logits; ``rows`` the
-        lanes decided (None: all), which the other arguments hold."""
-        fused = fused_acceptance(self.rule, pipeline, draft, logits, generator, rows)
-        return fused if fused is not None else self.rule(draft, probs, generator)
+    def _accept(self, state: DecodeState, draft: DraftTree, probs, logits: torch.Tensor | None,
+                generator: Generators, rows: torch.Tensor | None = None):
+        """(the rule's decision on the verified block, the pass's target probabilities or None).
+
+        The fused acceptance kernel decides from the raw ``logits`` (all rows) where the kernels'
+        dispatch picks it (``mmspec.core.fused``), and then the (B, T, V) probabilities are not
+        built here; otherwise the rule object decides on ``probs`` (given for continuous tokens,
+        else built now from ``logits``). ``rows``: the lanes decided (None: all); ``draft`` and
+        ``generator`` are already theirs, ``probs`` is all rows'."""
+        fused = fused_acceptance(self.rule, state.logits, draft, logits, generator, rows)
+        if fused is not None:
+            return fused, probs
+        if probs is None:
+            probs = state.logits(logits)  # (B, T, V)
+        return self.rule(draft, probs if rows is None else probs[rows], generator), probs
 
     @staticmethod
     def _emit(state: DecodeState, new: torch.Tensor, count: torch.Tensor) -> None:

@@ -37,6 +37,8 @@ __all__ = ["DrafterBase", "NullDrafter", "ModelChainDrafter", "ModelTreeDrafter"
 class NullDrafter(DrafterBase):
     """Proposes nothing: the loop then decodes one target token per pass (the baseline)."""
 
+    reads_target_probs = False  # update reads features, or nothing
+
     lane_safe = True  # works under any schedule
 
     def propose(self, state: DecodeState) -> DraftTree:
@@ -162,6 +164,8 @@ def catch_up_width(state: DecodeState, fed_at: list[int] | None, missing: Callab
 class _ModelDrafter(DrafterBase):
     """What drafters built on a small draft model share: its runner and pass count (not lane-safe:
     the draft model reads each row's raster history)."""
+
+    reads_target_probs = False  # update reads features, or nothing
 
     def __init__(self, model, conditioned: bool = True):
         self.runner = _DraftModelRunner(model, conditioned)
@@ -330,6 +334,8 @@ class EagleTreeDrafter(DrafterBase):
     The target must return features (``ModelOutput.hidden``) from its prefill and verify passes.
     """
 
+    reads_target_probs = False  # update reads features, or nothing
+
     def __init__(self, head: FeatureHead, top_k: int = 4, depth: int = 4, total_tokens: int = 16,
                  mode: str = "topk"):
         self.head = head
@@ -428,6 +434,8 @@ class ParallelHeadsDrafter(DrafterBase):
         total_tokens: nodes verified, root included.
         depth: levels used (default K, at most K).
     """
+
+    reads_target_probs = False  # update reads features, or nothing
 
     def __init__(self, heads: ParallelHeads, top_k: int = 4, total_tokens: int = 16, depth: int | None = None):
         K = heads.num_heads

@@ -49,6 +49,8 @@ class PromptLookupDrafter(DrafterBase):
     as long as its longest), so with a list of generators a row of a batch follows the same
     distribution as that row decoded alone but not the same random stream (greedy: identical)."""
 
+    reads_target_probs = False  # update reads features, or nothing
+
     vocab_size = None
     lane_safe = True
 

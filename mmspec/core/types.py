@@ -212,6 +212,10 @@ class DrafterBase:
     max_block: int = 1
     forwards: int = 0
     lane_safe: bool = False
+    reads_target_probs: bool = True
+    """Whether ``update`` reads ``target_probs``. The decoder builds the (B, T, V) probabilities only
+    when a rule or ``update`` reads them (the fused acceptance kernel reads raw logits); a drafter
+    that sets False may get ``target_probs=None``."""
 
     def start(self, state: DecodeState) -> None:
         pass
