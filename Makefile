@@ -17,8 +17,9 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/mmspec showcase
 
+# the whole suite on two pytest-xdist workers (each test runs torch on one thread: tests/conftest.py)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2
 
 # everything but the slow, statistical, browser and GPU tests (markers in pyproject.toml), on two workers
 test-fast: $(STAMP)

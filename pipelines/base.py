@@ -269,7 +269,9 @@ class SpeculativePipeline(PipelineBase):
         entries), so each (batch, block width) compiles once and later calls replay it. On CUDA,
         ``mode="reduce-overhead"`` replays the steps as CUDA graphs (gpt-fast's recipe); on the CPU
         the steps are compiled by Inductor. The first call of each shape compiles (tens of seconds
-        for the bundled models here). ``disable_compiled_steps()`` restores the eager forwards.
+        for the bundled models here). While compiled, each model's ``new_cache`` hands out one cache
+        per (batch, length), emptied each call, its buffers marked static (``_pooled_caches``).
+        ``disable_compiled_steps()`` restores the eager forwards and fresh caches.
 
         Args:
             mode: ``torch.compile``'s mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``,
@@ -294,6 +296,8 @@ class SpeculativePipeline(PipelineBase):
         self._compiled_steps = [name for name, module in self._step_modules()]
         for name, module in self._step_modules():
             module.forward = torch.compile(type(module).forward.__get__(module), **options)
+            if callable(getattr(module, "new_cache", None)):
+                module.new_cache = _pooled_caches(type(module).new_cache.__get__(module))
 
     def disable_compiled_steps(self) -> None:
         """Back to the eager forwards (and to the device's own shape policy)."""
@@ -301,6 +305,7 @@ class SpeculativePipeline(PipelineBase):
             module = getattr(self, name, None)
             if module is not None:
                 vars(module).pop("forward", None)
+                vars(module).pop("new_cache", None)
         self._compiled_steps = None
 
     @property
@@ -390,6 +395,31 @@ class SpeculativePipeline(PipelineBase):
         """(N, 3, H, W) pixels in [-1, 1] -> PIL images, an (N, H, W, 3) array or an (N, 3, H, W)
         tensor in [0, 1] (``VaeImageProcessor.postprocess``)."""
         return self.image_processor.postprocess(pixels.float(), output_type=output_type)
+
+
+def _pooled_caches(new_cache):
+    """``new_cache(batch_size, max_len)`` that hands out one cache per size, emptied
+    (``reset``) on each call, its key/value buffers marked static for dynamo: compiled steps then
+    see the same tensors every call, and a CUDA graph can replay on the buffers it recorded
+    (cudagraphs skip a graph that mutates a non-static input). Caches without ``reset``, or asked
+    for with other arguments, are built anew."""
+    pool: dict = {}
+
+    def pooled(batch_size: int, max_len: int, *args, **kwargs):
+        if args or kwargs:
+            return new_cache(batch_size, max_len, *args, **kwargs)
+        cache = pool.get((batch_size, max_len))
+        if cache is not None:
+            cache.reset()
+            return cache
+        cache = new_cache(batch_size, max_len)
+        if callable(getattr(cache, "reset", None)):
+            for buffer in (cache.k, cache.v, cache.overflowed):
+                torch._dynamo.mark_static_address(buffer)
+            pool[(batch_size, max_len)] = cache
+        return cache
+
+    return pooled
 
 
 def onload(*modules) -> None:

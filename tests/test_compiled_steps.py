@@ -3,7 +3,7 @@ and every draft's forward with ``torch.compile(fullgraph=True, dynamic=False)`` 
 static shapes, so each (batch, block width) bucket is one graph, compiled once.
 
 Checked on the CPU with dynamo's counters (``torch._dynamo.utils.counters``): after one warm-up
-call, further calls (at least 100 decode passes in all) compile nothing new (no ``unique_graphs``)
+call, further calls (at least 100 decode passes in all, on the pooled caches) compile nothing new (no ``unique_graphs``)
 and break no graph (``fullgraph=True`` would raise on one), for every registered ar-image method
 on a tiny random LlamaGen pipeline, for the bundled AR target's main methods, and for continuous
 tokens (``none``, ``sd``, ``sjd``). Outputs are bit-identical to the eager forwards with the same
@@ -134,7 +134,25 @@ def test_disable_restores_the_eager_forwards(tiny_ar):
     tiny_ar.disable_compiled_steps()
     assert tiny_ar.compiled_steps is None
     for name in ("transformer", "draft_model", "eagle_head", "medusa_head"):
-        assert "forward" not in vars(getattr(tiny_ar, name))
+        assert "forward" not in vars(getattr(tiny_ar, name)) and "new_cache" not in vars(getattr(tiny_ar, name))
+
+
+def test_compiled_steps_reuse_their_caches(tiny_ar):
+    """One cache per (batch, length) while compiled: the same buffers every call (a CUDA graph
+    replays on the addresses it recorded), emptied each time; a rolling cache is never pooled."""
+    from mmspec.core.cache import SinkWindowCache
+
+    tiny_ar.enable_compiled_steps(backend="eager")
+    try:
+        a = tiny_ar.transformer.new_cache(2, 30)
+        a.lengths += 5
+        b = tiny_ar.transformer.new_cache(2, 30)
+        assert b is a and b.k is a.k and int(b.lengths.sum()) == 0
+        assert tiny_ar.transformer.new_cache(2, 31) is not a
+    finally:
+        tiny_ar.disable_compiled_steps()
+    assert tiny_ar.transformer.new_cache(2, 30) is not a
+    assert SinkWindowCache.reset is None
 
 
 def test_bad_settings_are_refused(tiny_ar):

@@ -195,6 +195,13 @@ class StaticKVCache:
         q, keys, values = self._update(step, layer, q, k, v)
         return tree_attention_triton(q, keys, values, step.slots[:, -1] + 1 - width, step.tree_mask)
 
+    def reset(self) -> None:
+        """Empty the cache for a new call, keeping its buffers where they are (compiled steps pool
+        caches: a CUDA graph replays on the addresses it recorded)."""
+        self.lengths = torch.zeros_like(self.lengths)
+        self.overflowed.zero_()
+        self.static = static_shapes(self.lengths.device)
+
     def check_overflow(self) -> None:
         """Raise if a block was written past ``max_len`` under static shapes (one host read)."""
         if bool(self.overflowed):
@@ -276,6 +283,8 @@ class SinkWindowCache(StaticKVCache):
             None keeps no latents.
         latent_dtype: dtype of the kept latents.
     """
+
+    reset = None  # rolling state (positions, latents, an open chunk): built anew per stream, never pooled
 
     def __init__(self, num_layers: int, batch_size: int, num_heads: int, head_dim: int, sink: int,
                  window: int, max_block: int | None = None, rope: Rope | None = None, dtype=torch.float32,
@@ -552,6 +561,11 @@ class SlotKVCache(StaticKVCache):
         L = self.k.shape[0]
         self._pending = (positions, [None] * L, [None] * L)
         return CacheStep(self, positions, positions, mask, None)
+
+    def reset(self) -> None:
+        super().reset()
+        self.written.zero_()
+        self._pending = None
 
     def _kernel_attention(self, step, layer, q, k, v):
         return None  # written-slot masks are not a prefix + tree: SDPA with step.mask

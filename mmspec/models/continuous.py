@@ -47,7 +47,13 @@ class ClassKVCache(StaticKVCache):
     the prompt pass (the cache's first, which holds every row's position 0) sets it; the passes
     after it read it."""
 
-    labels: torch.Tensor | None = None
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.labels: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.labels = None
 
 
 class ContinuousARModel(ClassPromptsMixin, ModelMixin, ConfigMixin):
