@@ -253,12 +253,12 @@ def test_the_compiled_speed_rows_on_cpu(monkeypatch):
     enable = SpeculativeARImagePipeline.enable_compiled_steps
     monkeypatch.setattr(SpeculativeARImagePipeline, "enable_compiled_steps",
                         lambda self, **kw: enable(self, backend="eager"))
-    monkeypatch.setattr(gc.SPECS["ar-image"], "speed_methods", ("none", "sd", "sjd"))
+    monkeypatch.setattr(gc.SPECS["ar-image"], "speed_methods", ("none", "sd"))
     result = gc.check_pipeline("ar-image", "cpu", dtypes=(), speed_dtype="float32", rounds=1, quick=True,
                                offload=False)
     assert result["problems"] == [], result["problems"]
     rows = result["compiled"]["rows"]
-    assert [r["method"] for r in rows] == ["none", "sd", "sjd"] and rows[0]["wall_ratio"] == 1.0
+    assert [r["method"] for r in rows] == ["none", "sd"] and rows[0]["wall_ratio"] == 1.0
     assert all(r["share_kept"] == pytest.approx(r["wall_ratio"] / r["nfe_ratio"]) and r["wall_x_eager_none"] > 0
                for r in rows)
     eager = {r["method"]: r["nfe"] for r in result["speed"]["rows"]}
