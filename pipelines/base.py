@@ -267,10 +267,11 @@ class SpeculativePipeline(PipelineBase):
         dynamic=False, backend=backend)``, and decode with static shapes (``mmspec.core.shapes``:
         caches attend over their whole buffer, masked; draft models catch up a fixed number of
         entries), so each (batch, block width) compiles once and later calls replay it. On CUDA,
-        ``mode="reduce-overhead"`` replays the steps as CUDA graphs (gpt-fast's recipe); on the CPU
-        the steps are compiled by Inductor. The first call of each shape compiles (tens of seconds
-        for the bundled models here). While compiled, each model's ``new_cache`` hands out one cache
-        per (batch, length), emptied each call, its buffers marked static (``_pooled_caches``).
+        ``mode="reduce-overhead"`` is meant to replay the steps as CUDA graphs (gpt-fast's recipe;
+        not yet run on a GPU); on the CPU the steps are compiled by Inductor. The first call of
+        each shape compiles (tens of seconds for the bundled models here). While compiled, each
+        model's ``new_cache`` hands out one cache per (batch, length), emptied each call, its
+        buffers marked static (``_pooled_caches``).
         ``disable_compiled_steps()`` restores the eager forwards and fresh caches.
 
         Args:
@@ -400,8 +401,9 @@ class SpeculativePipeline(PipelineBase):
 def _pooled_caches(new_cache):
     """``new_cache(batch_size, max_len)`` that hands out one cache per size, emptied
     (``reset``) on each call, its key/value buffers marked static for dynamo: compiled steps then
-    see the same tensors every call, and a CUDA graph can replay on the buffers it recorded
-    (cudagraphs skip a graph that mutates a non-static input). Caches without ``reset``, or asked
+    see the same tensors every call (tested), which a CUDA graph needs to replay on the buffers it
+    recorded (Inductor skips cudagraphs for a graph that mutates a non-static input; not yet run
+    on a GPU). Caches without ``reset``, or asked
     for with other arguments, are built anew."""
     pool: dict = {}
 

@@ -10,8 +10,8 @@ cached tokens, one row:
 - ``draft_ms``: one head step (1 token), as an EAGLE draft calls it depth-many times a pass;
 - ``loop_ms``: target-only decoding's wall time per pass minus the 1-token forward: what the loop
   costs outside the forward (``loop_share`` = that over the forward), eager and with the target's
-  forward compiled (``torch.compile(mode="reduce-overhead", fullgraph=True)``, CUDA graphs on CUDA),
-  both with static shapes.
+  forward compiled (``torch.compile(mode="reduce-overhead", fullgraph=True)``), both with static
+  shapes.
 
 ``row(...)`` runs anywhere; the tests run it on the CPU at a tiny size.
 """

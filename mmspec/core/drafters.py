@@ -90,8 +90,7 @@ class _DraftModelRunner:
             self._prompt_pass(state)
         self.exact = torch.minimum(self.exact, state.lengths - 1)  # always re-feed at least the root
         self.cache.truncate(self.exact)
-        width = catch_up_width(state, self.fed_at, lambda: state.lengths - self.exact,
-                               self.catch_up if getattr(self.cache, "static", False) else None)
+        width = catch_up_width(state, self.fed_at, lambda: state.lengths - self.exact, self.cache, self.catch_up)
         positions = self.exact[:, None] + torch.arange(width, device=self.exact.device)  # (R, W)
         feed = state.history(positions.clamp(max=state.tokens.shape[1] - 1))
         out = self.model(feed, positions, self.cache)
@@ -145,19 +144,19 @@ class _DraftModelRunner:
 
 
 def catch_up_width(state: DecodeState, fed_at: list[int] | None, missing: Callable[[], torch.Tensor],
-                   static: int | None = None) -> int:
+                   cache, bound: int) -> int:
     """The widest catch-up feed of a drafter's cache: ``max(missing())`` over rows, at least 1.
 
     After a feed the cache lacks exactly what the rows generated since (``state.generated``, the
     host counts the loop read with its stop flag, against ``fed_at``, those of the last feed), so
     the width needs no device read; the first feed (``fed_at`` None), or a state without host
-    counts, reads ``missing()`` (R,). ``static``: the drafter's bound on a catch-up after one of
-    its own passes, fed whatever the rows need when the cache keeps static shapes (rows needing
-    less feed history entries past their end, which the drafter then cuts from its cache), so a
-    compiled draft step sees one width."""
+    counts, reads ``missing()`` (R,). ``bound``: the drafter's most entries a pass adds, fed
+    whatever the rows need when ``cache`` keeps static shapes (rows needing less feed history
+    entries past their end, which the drafter then cuts from its cache), so a compiled draft step
+    sees one width."""
     if fed_at is not None and state.generated is not None:
         width = max(1, max(now - then for now, then in zip(state.generated, fed_at)))
-        return width if static is None else max(width, static)
+        return max(width, bound) if getattr(cache, "static", False) else width
     return int(missing().max())
 
 
@@ -342,6 +341,7 @@ class EagleTreeDrafter(DrafterBase):
         self.vocab_size = head.vocab_size
         self.top_k, self.depth, self.total_tokens, self.mode = top_k, depth, total_tokens, mode
         self.max_block = _tree_block(head.vocab_size, top_k, depth, total_tokens, mode)
+        self.catch_up = _tree_catch_up(self.max_block, depth)
         self.forwards = 0
         self.cache = self.features = self.fed = self.fed_at = None
 
@@ -365,8 +365,7 @@ class EagleTreeDrafter(DrafterBase):
         L = state.lengths
         self.fed = torch.minimum(self.fed, L - 2)
         self.cache.truncate(self.fed)
-        static = _tree_catch_up(self.max_block, self.depth) if getattr(self.cache, "static", False) else None
-        width = catch_up_width(state, self.fed_at, lambda: L - 1 - self.fed, static)
+        width = catch_up_width(state, self.fed_at, lambda: L - 1 - self.fed, self.cache, self.catch_up)
         positions = self.fed[:, None] + 1 + torch.arange(width, device=L.device)  # (R, W)
         last = state.tokens.shape[1] - 1  # shorter rows read (and later cut) garbage past their end
         tokens = state.tokens.gather(1, positions.clamp(max=last))
