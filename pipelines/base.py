@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import inspect
 from typing import Any, Callable
 
@@ -257,9 +258,6 @@ class SpeculativePipeline(PipelineBase):
         return self.guidance_scale is not None and self.guidance_scale != 1.0
 
     # -- compiled steps ---------------------------------------------------------------------------
-    _compiled_steps_refused: str | None = None
-    """Why this pipeline's steps cannot be compiled yet (``None``: they can)."""
-
     def enable_compiled_steps(self, mode: str = "reduce-overhead", fullgraph: bool = True,
                               backend: str = "inductor") -> None:
         """Compile the decoding steps: the forward of the target and of every draft model or head
@@ -269,10 +267,13 @@ class SpeculativePipeline(PipelineBase):
         entries), so each (batch, block width) compiles once and later calls replay it. On CUDA,
         ``mode="reduce-overhead"`` is meant to replay the steps as CUDA graphs (gpt-fast's recipe;
         not yet run on a GPU); on the CPU the steps are compiled by Inductor. The first call of
-        each shape compiles (tens of seconds for the bundled models here). While compiled, each
-        model's ``new_cache`` hands out one cache per (batch, length), emptied each call, its
-        buffers marked static (``_pooled_caches``).
-        ``disable_compiled_steps()`` restores the eager forwards and fresh caches.
+        each shape compiles (tens of seconds for the bundled models here). A module may keep some
+        calls eager (``eager_for``: a VLM head's first feed, stale stacked Medusa weights); the
+        VLM pipeline compiles its transformers language models and runs their prompt passes
+        eagerly (``_step_modules``). While compiled, each cache owner's ``new_cache`` hands out one
+        cache per (batch, length), emptied each call, its buffers marked static
+        (``_pooled_caches``). ``disable_compiled_steps()`` restores the eager forwards and fresh
+        caches.
 
         Args:
             mode: ``torch.compile``'s mode (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``,
@@ -281,8 +282,6 @@ class SpeculativePipeline(PipelineBase):
             backend: ``torch.compile``'s backend (``"inductor"``; ``"eager"`` traces without
                 generating code, which is how the tests count recompiles quickly).
         """
-        if self._compiled_steps_refused is not None:
-            raise ValueError(f"{type(self).__name__} cannot compile its steps yet: {self._compiled_steps_refused}")
         check_choice("mode", mode, COMPILE_MODES)
         checks.check_flag(fullgraph, "fullgraph")
         check(isinstance(backend, str) and bool(backend), "backend", "a torch.compile backend name", backend)
@@ -294,20 +293,22 @@ class SpeculativePipeline(PipelineBase):
         # the draft model shares with a target of its class: dynamo's default limit of 8 is too few
         dynamo = torch._dynamo.config
         dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
-        self._compiled_steps = [name for name, module in self._step_modules()]
-        for name, module in self._step_modules():
-            module.forward = torch.compile(type(module).forward.__get__(module), **options)
-            if callable(getattr(module, "new_cache", None)):
-                module.new_cache = _pooled_caches(type(module).new_cache.__get__(module))
+        steps = list(self._step_modules())
+        self._compiled_steps = [name for name, _ in steps]
+        self._compiled_objects = []
+        for name, module in steps:
+            module.forward = _compiled_forward(module, options, self._eager_for(name, module))
+            self._compiled_objects.append(module)
+        for owner in self._cache_owners():
+            owner.new_cache = _pooled_caches(type(owner).new_cache.__get__(owner))
+            self._compiled_objects.append(owner)
 
     def disable_compiled_steps(self) -> None:
         """Back to the eager forwards (and to the device's own shape policy)."""
-        for name in getattr(self, "_compiled_steps", None) or ():
-            module = getattr(self, name, None)
-            if module is not None:
-                vars(module).pop("forward", None)
-                vars(module).pop("new_cache", None)
-        self._compiled_steps = None
+        for obj in getattr(self, "_compiled_objects", None) or ():
+            vars(obj).pop("forward", None)
+            vars(obj).pop("new_cache", None)
+        self._compiled_steps = self._compiled_objects = None
 
     @property
     def compiled_steps(self) -> list[str] | None:
@@ -315,12 +316,23 @@ class SpeculativePipeline(PipelineBase):
         return getattr(self, "_compiled_steps", None)
 
     def _step_modules(self):
-        """(attribute, module) of the target and every method component this pipeline holds."""
+        """(name, module) of each module whose forward is a decoding step: the target and every
+        method component this pipeline holds."""
         names = [self.component_attribute("target")] + [c.name for c in methods.components(self.modality)]
         for name in names:
             module = getattr(self, name, None)
             if isinstance(module, torch.nn.Module):
                 yield name, module
+
+    def _eager_for(self, name: str, module):
+        """``eager_for(*args, **kwargs) -> bool``: which calls of a step module compiled steps run
+        eagerly (``None``: none); by default the module's own ``eager_for`` method."""
+        return getattr(module, "eager_for", None)
+
+    def _cache_owners(self):
+        """What hands out the decode's caches (``new_cache``), pooled while compiled: the step
+        modules that have one."""
+        return [module for _, module in self._step_modules() if callable(getattr(module, "new_cache", None))]
 
     # -- decoding ---------------------------------------------------------------------------------
     def decode(self, recipe: methods.Recipe, logits: LogitsPipeline, input_ids, max_new_tokens: int, *,
@@ -396,6 +408,22 @@ class SpeculativePipeline(PipelineBase):
         """(N, 3, H, W) pixels in [-1, 1] -> PIL images, an (N, H, W, 3) array or an (N, 3, H, W)
         tensor in [0, 1] (``VaeImageProcessor.postprocess``)."""
         return self.image_processor.postprocess(pixels.float(), output_type=output_type)
+
+
+def _compiled_forward(module, options: dict, eager_for=None):
+    """``torch.compile`` of the module's forward; calls for which ``eager_for(*args, **kwargs)``
+    (a host-side test, e.g. a first feed whose shape is the call's) is true run the uncompiled
+    forward."""
+    eager = type(module).forward.__get__(module)
+    compiled = torch.compile(eager, **options)
+    if eager_for is None:
+        return compiled
+
+    @functools.wraps(eager)
+    def forward(*args, **kwargs):
+        return eager(*args, **kwargs) if eager_for(*args, **kwargs) else compiled(*args, **kwargs)
+
+    return forward
 
 
 def _pooled_caches(new_cache):

@@ -51,8 +51,6 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
     # the target alone: the draft VLM and the heads run between its passes and get unchained hooks
     # (SpeculativeARImagePipeline says why); the answers' decode is the processor's, no model
     model_cpu_offload_seq = "target"
-    _compiled_steps_refused = ("its transformers target decodes on a DynamicCache adapter (mmspec.adapters.hf) whose "
-                               "key width changes every pass; compiled steps need a static cache there first")
 
     def __init__(self, target, processor, **components):
         super().__init__()
@@ -67,8 +65,36 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
             self._views = (VLMTarget(self.target), draft)
         return self._views
 
+    def _step_modules(self):
+        """The language models of the target and the draft VLM (their prompt passes run eagerly,
+        ``_eager_for``: a prompt's shape is the call's) and the heads."""
+        for name, module in super()._step_modules():
+            if name in ("target", "draft_model"):
+                yield f"{name}.language_model", module.model.language_model
+            else:
+                yield name, module
+
+    def _eager_for(self, name: str, module):
+        if name.endswith(".language_model"):  # the prompt pass (``HFCacheAdapter.step`` marks it)
+            return lambda *args, cache=None, **kwargs: bool(getattr(cache, "prompt_pass", False))
+        return super()._eager_for(name, module)
+
+    def _cache_owners(self):
+        """The core's views of the transformers models (``views``) and the heads."""
+        target, draft = self.views()
+        heads = [m for name, m in self._step_modules() if "." not in name and callable(getattr(m, "new_cache", None))]
+        return [view for view in (target, draft) if view is not None] + heads
+
     def base_components(self, requires: tuple[str, ...]) -> dict:
         return {"target": self.views()[0]}
+
+    def method_components(self, requires: tuple[str, ...]) -> dict:
+        """The base components and the method's, the draft VLM as its view of ``views`` (one per
+        pipeline, so compiled steps pool its caches)."""
+        out = super().method_components(requires)
+        if out.get("draft") is not None:
+            out["draft"] = self.views()[1]
+        return out
 
     def prepare_inputs(self, images, prompts) -> VLMInputs:
         """``(input_ids, vision)``: per prompt its token ids (the processor's chat template around

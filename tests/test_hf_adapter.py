@@ -1,14 +1,16 @@
-"""HFCausalLMTarget: transformers causal LMs in the speculation core, batched, with cache holes."""
+"""HFCausalLMTarget: transformers causal LMs in the speculation core, batched, on a static cache."""
 
+import contextlib
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mmspec.adapters.hf import HFCausalLMTarget
 from mmspec.core import (JacobiDrafter, LogitsPipeline, ModelChainDrafter, ModelTreeDrafter,
                          SpeculativeDecoder, Tree)
 from mmspec.core.decoder import pad_prompts
+from mmspec.core.shapes import forced_static_shapes
 from mmspec.models import TinyCausalLM, TinyLMConfig
 from tiny import noisy_copy
 
@@ -59,7 +61,6 @@ def step_and_check(model, target, cache, contexts, tokens):
         context.append(tokens[b])
         torch.testing.assert_close(out.logits[b, -1], reference_logits(model, context), atol=1e-5, rtol=0)
     assert cache.next_positions().tolist() == [len(c) for c in contexts]
-    assert cache.cache.get_seq_length() == cache.seq_length
 
 
 DRAFTERS = {
@@ -86,7 +87,7 @@ def test_greedy_matches_transformers_generate(attn, drafter):
 
     assert out.sequences.tolist() == expected
     assert out.lengths.tolist() == [NEW_TOKENS] * len(prompts)
-    if drafter.endswith("-hf"):  # the close draft must make live rows keep different counts (holes)
+    if drafter.endswith("-hf"):  # the close draft must make live rows keep different counts
         emitted = out.stats.accept_lengths
         live = emitted[(emitted > 0).all(1)]
         assert (live.max(1).values != live.min(1).values).any()
@@ -94,12 +95,17 @@ def test_greedy_matches_transformers_generate(attn, drafter):
 
 
 @pytest.mark.parametrize("attn", ATTN)
-def test_keep_block_tree_path_truncate_and_compact(attn):
+@pytest.mark.parametrize("static", [False, True], ids=["exact-widths", "static-shapes"])
+def test_keep_block_tree_path_and_truncate(attn, static):
+    """Rows keep different parts of a block at their own lengths; with static shapes every block
+    attends over the whole buffer, masked, and scores the same."""
     model = tiny_llama(attn)
     target = HFCausalLMTarget(model)
     prompts = [[5, 9, 14, 2, 33], [7, 21, 40]]
     ids, lens = pad_prompts(prompts)
-    cache = target.new_cache(2, 64)
+    with forced_static_shapes() if static else contextlib.nullcontext():
+        cache = target.new_cache(2, 64)
+    assert cache.core.static == static
     target(ids, torch.arange(ids.shape[1]).expand_as(ids), cache)
     cache.truncate(lens)
     assert cache.next_positions().tolist() == [5, 3]
@@ -112,9 +118,9 @@ def test_keep_block_tree_path_truncate_and_compact(attn):
                                atol=1e-5, rtol=0)
     torch.testing.assert_close(model.lm_head(out.hidden), out.logits)  # hidden is the LM head's input
 
-    # row 0 keeps the path 0 -> 2 -> 5, row 1 only its root: slots 4 and 6..7 become its holes
+    # row 0 keeps the path 0 -> 2 -> 5, row 1 only its root
     cache.keep_block(6, torch.tensor([[0, 2, 5], [0, -1, -1]]), torch.tensor([3, 1]))
-    assert cache.cache.get_seq_length() == 5 + 3  # cropped to the block start + max(n)
+    assert cache.next_positions().tolist() == [8, 4]
     contexts = [prompts[0] + [11, 13, 16], prompts[1] + [21]]
     step_and_check(model, target, cache, contexts, [30, 31])
 
@@ -129,11 +135,7 @@ def test_keep_block_tree_path_truncate_and_compact(attn):
     contexts[0] += [41, 42]
     contexts[1] += [51, 52, 53]
     step_and_check(model, target, cache, contexts, [34, 35])
-
-    cache.compact()
-    assert cache.seq_length == max(len(c) for c in contexts)
-    assert cache.valid.tolist() == [[j < len(c) for j in range(cache.seq_length)] for c in contexts]
-    step_and_check(model, target, cache, contexts, [36, 37])
+    cache.check_overflow()
 
 
 @pytest.mark.parametrize("attn", ATTN)
@@ -166,42 +168,26 @@ def test_tree_growth_sees_earlier_uncommitted_nodes(attn):
 
     # the next round drops the uncommitted tree: only prompts and roots stay
     cache.truncate(lens + 1)
-    assert cache.seq_length == 5
+    assert cache.next_positions().tolist() == [5, 3]
     step_and_check(model, target, cache, [prompts[0] + [10], prompts[1] + [20]], [15, 25])
 
 
-def test_holes_stay_bounded():
-    """Rows take turns keeping a whole block: holes pile up until compaction reclaims them."""
+def test_a_write_past_max_len_is_refused():
+    """Exact widths refuse the block at once; static shapes write into the never-visible spare
+    slot and ``check_overflow`` (the decoder's, after the loop) refuses the decode."""
     model = tiny_llama()
     target = HFCausalLMTarget(model)
-    contexts = [[1, 2], [3, 4], [5, 6]]
-    cache = target.new_cache(3, 64)
-    target(torch.tensor(contexts), torch.arange(2).expand(3, 2), cache)
-    for r in range(6):
-        block = torch.arange(6).expand(3, 6) + 10 * r + 8
-        target(block, cache.next_positions()[:, None] + torch.arange(6), cache)
-        n = torch.tensor([6 if b == r % 3 else 1 for b in range(3)])
-        cache.keep_block(6, None, n)
-        for b, context in enumerate(contexts):
-            context += block[b, : n[b]].tolist()
-        assert cache.seq_length <= 2 * max(len(c) for c in contexts)  # 38 slots without compaction
-    step_and_check(model, target, cache, contexts, [60, 61, 62])
-
-
-def test_crop_is_only_called_with_negative_lengths(monkeypatch):
-    calls = []
-    crop = DynamicCache.crop
-
-    def spy(self, tokens_to_remove):
-        calls.append(tokens_to_remove)
-        return crop(self, tokens_to_remove)
-
-    monkeypatch.setattr(DynamicCache, "crop", spy)
-    model = tiny_llama()
-    drafter = ModelChainDrafter(HFCausalLMTarget(noisy_copy(model, 0.2, 1)), gamma=4)
-    decoder = SpeculativeDecoder(HFCausalLMTarget(model), drafter, logits=LogitsPipeline(temperature=0))
-    decoder.generate(prompts_of_lengths(), 12)
-    assert calls and all(n < 0 for n in calls)
+    ids = torch.tensor(prompts_of_lengths((5, 5)))
+    cache = target.new_cache(2, 6)
+    target(ids, torch.arange(5).expand(2, 5), cache)
+    with pytest.raises(ValueError, match="max_len=6"):
+        target(ids[:, :2], 5 + torch.arange(2).expand(2, 2), cache)
+    with forced_static_shapes():
+        cache = target.new_cache(2, 6)
+    target(ids, torch.arange(5).expand(2, 5), cache)
+    target(ids[:, :2], 5 + torch.arange(2).expand(2, 2), cache)
+    with pytest.raises(ValueError, match="max_len=6"):
+        cache.check_overflow()
 
 
 def test_rejects_sliding_window_attention():
@@ -212,20 +198,17 @@ def test_rejects_sliding_window_attention():
         HFCausalLMTarget(Qwen2ForCausalLM(config))
 
 
-def test_scores_equal_the_causal_lms_and_masks_only_where_holes_are():
-    """The adapter's logits and hidden states (base model + LM head) equal the causal LM's own
-    forward with ``output_hidden_states`` bit for bit; a chain block on a cache without holes gets
-    no mask, and once a row keeps fewer slots than another (a hole) blocks get the 4-D mask."""
+def test_scores_equal_the_causal_lms():
+    """The adapter's logits and hidden states (base model + LM head, the 4-D mask over the static
+    buffer) equal the causal LM's own forward with ``output_hidden_states``."""
     model = tiny_llama()
     target = HFCausalLMTarget(model)
     ids = torch.tensor(prompts_of_lengths((5, 5)))
-    cache = target.new_cache(2, 16)
-    assert cache.step(5) is None and not cache.holes  # hole-free: the model's causal mask
-    cache.truncate(torch.tensor([0, 0]))
-    with torch.no_grad():
-        ours = target(ids, torch.arange(5).expand(2, 5), cache)
-        ref = model(input_ids=ids, output_hidden_states=True)
-    assert torch.equal(ours.logits, ref.logits.float()) and torch.equal(ours.hidden, ref.hidden_states[-1])
-    assert cache.step(3) is None  # still no holes
-    cache.keep_block(3, None, torch.tensor([3, 1]))  # row 1 keeps one of three: holes
-    assert cache.holes and cache.step(1) is not None
+    for static in (False, True):
+        with forced_static_shapes() if static else contextlib.nullcontext():
+            cache = target.new_cache(2, 16)
+        with torch.no_grad():
+            ours = target(ids, torch.arange(5).expand(2, 5), cache)
+            ref = model(input_ids=ids, output_hidden_states=True)
+        torch.testing.assert_close(ours.logits, ref.logits.float(), atol=1e-6, rtol=0)
+        torch.testing.assert_close(ours.hidden, ref.hidden_states[-1], atol=1e-6, rtol=0)

@@ -13,9 +13,10 @@ method is held to it without a line of test code):
 - ar-image: 1 per pass for every raster method (target alone, chain, Jacobi, parallel heads and
   EAGLE trees alike); ZipAR's next-set lanes 2 (which lanes emit is a ``nonzero``, so that only
   they draw randomness and a row decodes alike alone or in a batch);
-- vlm: 2 for methods whose drafts need no second transformers model (the ``DynamicCache`` crop in
-  ``keep_block`` reads the kept widths), ``sd`` 6 (the draft VLM's cache too), ``lookup`` 9 (the
-  n-gram search runs on host lists by design);
+- vlm: 1 per pass for every method whose drafts run on the device (the transformers models decode
+  on the core's static cache, ``mmspec.adapters.hf``; before it, their ``DynamicCache`` crops
+  read the kept widths: 2 per pass, ``sd`` 6), ``lookup`` 8 (the n-gram search runs on host lists
+  by design);
 - continuous: the measured maxima at this seed (the density rule's residual rounds and the
   diffusion head's scheduler read the device); stated, not yet small.
 
@@ -34,11 +35,11 @@ from mmspec.core import stats as stats_module
 from mmspec.core.cache import StaticKVCache
 from sync_util import SyncCounter
 
-DEFAULT = {"ar-image": 1, "vlm": 2, "continuous": 0}
+DEFAULT = {"ar-image": 1, "vlm": 1, "continuous": 0}
 BUDGET = {
     ("ar-image", "zipar"): 2, ("ar-image", "zipar+sjd"): 2, ("ar-image", "zipar+mcsjd"): 2,
     ("ar-image", "zipar+gsd"): 2, ("ar-image", "zipar+sjd+lantern"): 2,
-    ("vlm", "sd"): 6, ("vlm", "lookup"): 9,
+    ("vlm", "lookup"): 8,
     # continuous: measured at this seed (CFG 2, temperature 1, 3 images of 2x2 tokens)
     ("continuous", "none"): 3, ("continuous", "none-diffusion"): 15, ("continuous", "sd"): 18,
     ("continuous", "sd-warmup"): 19, ("continuous", "path"): 72, ("continuous", "cspd"): 81,
@@ -128,6 +129,20 @@ def test_static_shapes_give_the_same_tokens(method, monkeypatch):
         outs[static] = pipe(class_labels=[1, 2, 3], method=method, temperature=0.0, guidance_scale=2.0,
                             output_type="latent", method_knobs=knobs, generator=torch.Generator().manual_seed(0)).tokens
     assert torch.equal(outs["0"], outs["1"]), method
+
+
+@pytest.mark.parametrize("method", ["none", "sd", "eagle", "specvlm"])
+def test_static_shapes_give_the_same_vlm_answers(method, monkeypatch):
+    """The transformers target (and draft VLM) on the static cache: whole-buffer keys, masked, and
+    exact widths decode the same greedy answers."""
+    pipe = _PIPES.get("vlm") or tiny_vlm_pipeline()
+    image = torch.rand(3, 16, 16, generator=torch.Generator().manual_seed(1))
+    outs = {}
+    for static in ("0", "1"):
+        monkeypatch.setenv("MMSPEC_STATIC_SHAPES", static)
+        outs[static] = pipe(images=[image] * 2, prompts=[VLM_QUESTION, "what is a ?"], method=method,
+                            temperature=0.0, max_new_tokens=16).tokens
+    assert outs["0"] == outs["1"], method
 
 
 def test_a_static_overflow_is_reported_after_the_fact(monkeypatch):

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-from transformers import (ChameleonForConditionalGeneration, DynamicCache, Emu3ForConditionalGeneration,
+from transformers import (ChameleonForConditionalGeneration, Emu3ForConditionalGeneration,
                           JanusForConditionalGeneration)
 
 from ..core.errors import check
@@ -88,6 +88,7 @@ class _GridCache(HFCacheAdapter):
     """An ``HFCacheAdapter`` that remembers each row's image-wrapper position (Emu3's EOL schedule)."""
 
     wrapper_pos: torch.Tensor | None = None  # (B,)
+    per_call = ("wrapper_pos",)
 
 
 class Emu3ImageTarget(_LMHeadImageTarget):
@@ -117,10 +118,8 @@ class Emu3ImageTarget(_LMHeadImageTarget):
             self.wrapper_id = _special(mapping.vocab_map, _EMU3_WRAPPER)
         super().__init__(model, model.model, ids)
         self.width = width
+        self.cache_class = _GridCache
         self.codebook_size = model.config.vq_config.codebook_size
-
-    def new_cache(self, batch_size: int, max_len: int) -> _GridCache:
-        return _GridCache(DynamicCache(config=self.model.config), batch_size, self.device)
 
     @torch.no_grad()
     def __call__(self, tokens, positions, cache, tree_mask=None) -> ModelOutput:

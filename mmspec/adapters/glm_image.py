@@ -21,7 +21,7 @@ Text-to-image only: prompts with source images (``pixel_values``) are refused.
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache, GlmImageForConditionalGeneration
+from transformers import GlmImageForConditionalGeneration
 
 from ..core import LogitsPipeline
 from ..core.errors import check
@@ -35,10 +35,13 @@ class _RopeCache(HFCacheAdapter):
     """An ``HFCacheAdapter`` with each row's 3-D rotary table, set on the prefill."""
 
     rope: torch.Tensor | None = None  # (B, 3, P)
+    per_call = ("rope",)
 
 
 class GlmImagePriorTarget(HFCausalLMTarget):
     """The image-token prior of ``GlmImageForConditionalGeneration`` ("eager" or "sdpa" attention)."""
+
+    cache_class = _RopeCache
 
     def __init__(self, model):
         check(isinstance(model, GlmImageForConditionalGeneration), "model", "a GlmImageForConditionalGeneration",
@@ -52,9 +55,6 @@ class GlmImagePriorTarget(HFCausalLMTarget):
         """The image tokens' input embeddings (GSD's latent proximity)."""
         return torch.nn.Embedding.from_pretrained(self.backbone.embed_tokens.weight[: self.vocab_size].detach())
 
-    def new_cache(self, batch_size: int, max_len: int) -> _RopeCache:
-        return _RopeCache(DynamicCache(config=self.model.config), batch_size, self.device)
-
     @torch.no_grad()
     def __call__(self, tokens, positions, cache: _RopeCache, tree_mask=None, *, image_grid_thw=None,
                  images_per_sample=None, pixel_values=None) -> ModelOutput:
@@ -64,7 +64,7 @@ class GlmImagePriorTarget(HFCausalLMTarget):
             cache.rope = self._rope_tables(tokens, image_grid_thw, images_per_sample)
         index = positions.clamp(max=cache.rope.shape[-1] - 1)  # (B, T)
         rope = cache.rope.gather(2, index[:, None, :].expand(-1, 3, -1)).transpose(0, 1)  # (3, B, T)
-        mask = cache.step(tokens.shape[1], tree_mask, self.model.dtype)
+        mask = cache.step(positions, tree_mask, self.model.dtype)
         hidden = self.backbone(input_ids=tokens, attention_mask=mask, position_ids=rope, cache=cache.cache,
                                use_cache=True).last_hidden_state
         return self._score(hidden)

@@ -1,128 +1,146 @@
-"""Transformers causal LMs as the core's ``Target``, over a ``DynamicCache`` with per-row holes.
+"""Transformers causal LMs as the core's ``Target``, on a static cache with one length per row.
 
-An HF cache has one sequence length for all rows, so rows that keep different numbers of tokens
-(unequal prompts, unequal acceptances) leave *holes*: slots a row no longer uses. The adapter keeps
-a validity mask over the slots and gives every forward a 4-D additive attention mask that hides
-them. Keys are cached after RoPE, so a hole needs no position bookkeeping: a row's next position is
-simply its number of valid slots.
+The keys and values live in the core's ``StaticKVCache`` (preallocated ``max_len`` slots per row,
+each row writing its next block at its own length, gpt-fast's ``input_pos`` write); a transformers
+``Cache`` whose layers write into and read from those buffers is what the model is handed. Rows
+that keep different numbers of tokens (unequal prompts, unequal acceptances) need neither padding
+nor compaction, and a pass reads nothing from the device: the core's calls (``keep_block``,
+``truncate``) move per-row lengths on the device, and every forward gets a 4-D additive attention
+mask that shows each query the slots below its row's block and the block by the tree mask
+(``mmspec.core.cache.visibility_mask``). With static shapes (``mmspec.core.shapes``: off the
+CPU, or compiled steps) the mask spans the whole buffer, so every pass has one shape per block
+width; on the CPU the key range ends at the longest row (one host read per forward).
 
-transformers 5.x returns a user-supplied 4-D mask unchanged (``masking_utils.
-_preprocess_mask_arguments``) and both "eager" and "sdpa" attention add it to the scores, so those
-two implementations are supported; FlashAttention kernels take no such mask.
+Keys are cached after RoPE (the model rotates them before ``Cache.update``), so the core cache
+holds them as given, with no rotation of its own. transformers 5.x returns a user-supplied 4-D
+mask unchanged (``masking_utils._preprocess_mask_arguments``) and both "eager" and "sdpa"
+attention add it to the scores, so those two implementations are supported; FlashAttention kernels
+take no such mask.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
-from ..core.cache import visibility_mask
+from ..core.cache import StaticKVCache
 from ..core.errors import check
 from ..core.types import ModelOutput
 
 __all__ = ["HFCacheAdapter", "HFCausalLMTarget"]
 
 
-class HFCacheAdapter:
-    """A transformers ``DynamicCache`` behind the decoder-facing calls of ``mmspec.core.cache``.
+class _CoreLayer(CacheLayerMixin):
+    """One transformers cache layer whose keys and values are a layer of the adapter's core cache."""
 
-    ``valid`` (B, S) marks the slots each row still uses. Blocks are appended at the physical end;
-    ``keep_block`` and ``truncate`` drop entries by marking them invalid and cropping the slots no
-    row uses (always with a negative ``crop``: transformers 5.x rejects positive lengths). Holes
-    cost memory and attention work, so both calls ``compact`` the cache whenever its physical
-    length exceeds twice the longest row's logical length.
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, adapter: "HFCacheAdapter", index: int):
+        super().__init__()
+        self.adapter, self.index = adapter, index
+        self.keys, self.values = adapter.core.k[index], adapter.core.v[index]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # preallocated by the core cache
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.adapter._update(self.index, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.adapter.core.max_len, 0
+
+    def get_seq_length(self) -> int:
+        """The longest row's length (a host read: the adapter always passes positions itself)."""
+        return int(self.adapter.core.lengths.max())
+
+    def get_max_length(self) -> int:
+        return self.adapter.core.max_len
+
+
+class HFCacheAdapter:
+    """A ``StaticKVCache`` behind the decoder-facing calls of ``mmspec.core.cache``, handed to a
+    transformers model as ``cache`` (a ``Cache`` of ``_CoreLayer``s).
+
+    Args:
+        config: the model's config (its text config gives layers, key/value heads and head size).
+        batch_size: rows.
+        max_len: slots per row (prompt, answer and the widest block); a write past it raises
+            (at the write, or with static shapes at the decode's end: ``check_overflow``).
+        dtype: of the keys and values (the model's).
+        device: where they live (the model's).
     """
 
-    def __init__(self, cache: DynamicCache, batch_size: int, device=None):
-        self.cache = cache
-        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)
-        # whether some row has an invalid slot: kept on the host by the calls that already read
-        # the device (truncate, keep_block, compact), so ``step`` needs no sync
-        self.holes = False
+    def __init__(self, config, batch_size: int, max_len: int, dtype=torch.float32, device=None):
+        text = config.get_text_config()
+        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        self.core = StaticKVCache(text.num_hidden_layers, batch_size, heads, head_dim, max_len, rope=None,
+                                  dtype=dtype, device=device)
+        self.cache = Cache(layers=[_CoreLayer(self, i) for i in range(text.num_hidden_layers)])
+        self.passes = 0  # forwards so far (host): the first is the prompt pass
+        self._step = None
 
     @property
-    def seq_length(self) -> int:
-        """Physical slots, holes included (the ``DynamicCache``'s length)."""
-        return self.valid.shape[1]
+    def fresh(self) -> bool:
+        """No forward has run on this cache yet (the next is the prompt pass)."""
+        return self.passes == 0
 
     def next_positions(self) -> torch.Tensor:
-        return self.valid.sum(1)
+        return self.core.next_positions()
 
-    def step(self, T: int, tree_mask: torch.Tensor | None = None, dtype=torch.float32) -> torch.Tensor:
-        """Open a block of T slots: returns its (B, 1, T, S + T) additive mask and counts the slots
-        as valid until ``keep_block`` or ``truncate`` decides. A causal block (no ``tree_mask``)
-        on a cache with no holes gets ``None``: the model's own causal mask is the same
-        visibility, and no mask is built.
+    def step(self, positions: torch.Tensor, tree_mask: torch.Tensor | None = None,
+             dtype=torch.float32) -> torch.Tensor:
+        """Open a block at ``positions`` (B, T) past each row's length: returns its (B, 1, T, S)
+        additive mask (0 where visible, the dtype's min elsewhere, so no softmax row is all
+        -inf); the model's layers then store the block through ``cache``."""
+        self._step = self.core.step(positions, tree_mask)
+        self.cache.prompt_pass = self.passes == 0  # what compiled steps keep eager (``pipelines.vlm``)
+        self.passes += 1
+        seen = self._step.mask
+        return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)
 
-        Visibility is ``visibility_mask``'s: the slots before the last ``R + T`` are visible where
-        valid, the last ``R + T`` follow ``tree_mask`` (B, T, R + T) (causal when None). Hidden
-        entries get the dtype's min rather than -inf, so no softmax row is ever all -inf.
-        """
-        B, S = self.valid.shape
-        width = T if tree_mask is None else tree_mask.shape[-1]
-        check(width <= S + T, "tree_mask", f"at most {S + T} wide (cached slots + block)", width)
-        ends = torch.full((B,), S + T, device=self.valid.device)
-        self.valid = torch.cat([self.valid, self.valid.new_ones(B, T)], 1)
-        if tree_mask is None and not self.holes:
-            return None  # a causal block on a cache with no holes: the model's own causal mask
-        seen = visibility_mask(ends, T, S + T, tree_mask) & self.valid[:, None, None, :]  # (B, 1, T, S + T)
-        mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device)
-        return mask.masked_fill(~seen, torch.finfo(dtype).min)
-
-    def truncate(self, lengths: torch.Tensor) -> None:
-        """Keep each row's first ``lengths[b]`` valid slots (its positions below ``lengths[b]``)."""
-        self.valid &= self.valid.cumsum(1) <= lengths.to(self.valid.device)[:, None]
-        S = self.seq_length
-        if S == 0:
-            return
-        slot = torch.arange(1, S + 1, device=self.valid.device)
-        used, longest = torch.stack([(self.valid.any(0) * slot).max(), self.next_positions().max()]).tolist()
-        self._crop(S - used)
-        self.holes = bool((~self.valid).any())  # once per decode (the prompts' padding)
-        self._maybe_compact(longest)
+    def _update(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        core = self.core
+        check(self._step is not None, "the cache", "opened with step() before the model's forward", "not opened")
+        check(keys.shape[1] == core.k.shape[2] and keys.shape[3] == core.k.shape[4], "the model's keys",
+              f"{core.k.shape[2]} heads of {core.k.shape[4]} (from the model's config)",
+              f"{keys.shape[1]} heads of {keys.shape[3]}")
+        _, k, v = core._update(self._step, layer, None, keys, values)
+        return k, v
 
     def keep_block(self, block_size: int, idx: torch.Tensor | None, n: torch.Tensor) -> None:
-        """Of the last ``block_size`` slots keep entries ``idx[b, :n[b]]`` (the first ``n[b]`` when
-        ``idx`` is None) at the block's front; the block is cropped to ``max(n)`` slots and a row
-        that kept fewer leaves holes."""
-        B, S = self.valid.shape
-        start = S - block_size
-        kept = self.valid[:, :start].sum(1) + n
-        m, longest, fewest = torch.stack([n.max(), kept.max(), n.min()]).tolist()
-        if idx is not None:
-            src = start + idx[:, :m].clamp(min=0)  # (B, m)
-            for layer in self.cache.layers:
-                for buf in (layer.keys, layer.values):  # (B, H, S, D)
-                    index = src[:, None, :, None].expand(B, buf.shape[1], m, buf.shape[3])
-                    buf[:, :, start:start + m] = buf.gather(2, index)
-        self._crop(block_size - m)
-        self.valid[:, start:] = torch.arange(m, device=n.device) < n[:, None]
-        self.holes = self.holes or fewest < m
-        self._maybe_compact(longest)
+        self.core.keep_block(block_size, idx, n)
 
-    def compact(self) -> None:
-        """Move every row's valid slots to the front, in order, and crop the slots no row uses."""
-        B, S = self.valid.shape
-        order = (~self.valid).to(torch.int8).sort(dim=1, stable=True).indices  # (B, S) valid slots first
-        for layer in self.cache.layers:
-            index = order[:, None, :, None].expand(B, layer.keys.shape[1], S, layer.keys.shape[3])
-            layer.keys = layer.keys.gather(2, index)
-            layer.values = layer.values.gather(2, index)
-        self.valid = self.valid.gather(1, order)
-        ends = self.next_positions()
-        longest, shortest = torch.stack([ends.max(), ends.min()]).tolist()
-        self._crop(S - longest)
-        self.holes = shortest < longest  # every row's valid slots are a prefix now
+    def truncate(self, lengths: torch.Tensor) -> None:
+        self.core.truncate(lengths)
 
-    def _maybe_compact(self, longest: int) -> None:
-        # a compaction copies the cache once, as every DynamicCache append already does
-        if self.seq_length > 2 * longest:
-            self.compact()
+    def check_overflow(self) -> None:
+        self.core.check_overflow()
 
-    def _crop(self, n_remove: int) -> None:
-        if n_remove > 0:
-            self.cache.crop(-n_remove)
-            self.valid = self.valid[:, : self.seq_length - n_remove]
+    def reset(self) -> None:
+        """Empty the cache for a new call, keeping its buffers (pooled by compiled steps)."""
+        self.core.reset()
+        self.passes = 0
+        self._step = None
+        for name in self.per_call:  # what a subclass read from the prompt pass
+            setattr(self, name, None)
+
+    per_call: tuple[str, ...] = ()
+    """Attributes a subclass sets on the prompt pass; ``reset`` clears them."""
+
+    @property
+    def k(self) -> torch.Tensor:  # the buffers compiled steps mark static (``pipelines.base``)
+        return self.core.k
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.core.v
+
+    @property
+    def overflowed(self) -> torch.Tensor:
+        return self.core.overflowed
 
 
 class HFCausalLMTarget:
@@ -133,6 +151,8 @@ class HFCausalLMTarget:
     ``attn_implementation`` "eager" or "sdpa" and full attention in every layer: a sliding window
     would also have to be in the mask.
     """
+
+    cache_class = HFCacheAdapter
 
     def __init__(self, model):
         config = model.config.get_text_config()
@@ -155,13 +175,13 @@ class HFCausalLMTarget:
         return self.model.device
 
     def new_cache(self, batch_size: int, max_len: int) -> HFCacheAdapter:
-        """An empty cache; ``max_len`` is not needed, a ``DynamicCache`` grows as it goes."""
-        return HFCacheAdapter(DynamicCache(config=self.model.config), batch_size, self.device)
+        """An empty static cache of ``max_len`` slots per row, in the model's dtype."""
+        return self.cache_class(self.model.config, batch_size, max_len, self.model.dtype, self.device)
 
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HFCacheAdapter,
                  tree_mask: torch.Tensor | None = None) -> ModelOutput:
-        mask = cache.step(tokens.shape[1], tree_mask, self.model.dtype)  # (B, 1, T, S + T)
+        mask = cache.step(positions, tree_mask, self.model.dtype)  # (B, 1, T, S)
         return self.forward(tokens, attention_mask=mask, position_ids=positions, cache=cache.cache, use_cache=True)
 
     def forward(self, tokens: torch.Tensor, **model_kwargs) -> ModelOutput:

@@ -13,8 +13,8 @@ core's positions are the model's. Qwen2-VL and Qwen2.5-VL use 3-D M-RoPE: the mo
 position before it, and the text after an image continues from ``max(image ids) + 1``, so a
 prompt's largest position is smaller than its length. The prefill computes the prompt's ids with
 ``get_rope_index`` and keeps, per cache row, ``rope_deltas = max(prompt ids) + 1 - prompt length``
-(transformers' own quantity); every later token at core position ``p`` (its number of valid slots,
-holes excluded) gets the same id ``p + rope_deltas`` on all three axes. Right padding is harmless:
+(transformers' own quantity); every later token at core position ``p`` (its length in the cache,
+padding excluded) gets the same id ``p + rope_deltas`` on all three axes. Right padding is harmless:
 pads are text, so they leave the valid tokens' ids and the row's delta unchanged, and the core
 truncates them from the cache.
 
@@ -30,7 +30,7 @@ the images have features.
 from __future__ import annotations
 
 import torch
-from transformers import (DynamicCache, LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration,
+from transformers import (LlavaForConditionalGeneration, Qwen2_5_VLForConditionalGeneration,
                           Qwen2VLForConditionalGeneration)
 
 from ..core.errors import check
@@ -47,6 +47,7 @@ class _VLMCache(HFCacheAdapter):
     """An ``HFCacheAdapter`` that remembers each row's M-RoPE offset (Qwen2-VL, Qwen2.5-VL)."""
 
     rope_deltas: torch.Tensor | None = None  # (B, 1), set by the first pass
+    per_call = ("rope_deltas",)
 
 
 class VLMTarget(HFCausalLMTarget):
@@ -69,6 +70,9 @@ class VLMTarget(HFCausalLMTarget):
         super().__init__(model)
         self.image_token_id = model.config.image_token_id
         self.mrope = isinstance(model, _MROPE)
+        self.language_model = model.model.language_model
+
+    cache_class = _VLMCache
 
     def vision_inputs(self, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None = None,
                       **vision_kwargs) -> dict:
@@ -98,23 +102,21 @@ class VLMTarget(HFCausalLMTarget):
             check(image_grid_thw is None, "image_grid_thw", "None for LLaVA", "a tensor")
         return dict(vision_kwargs, pixel_values=pixel_values.to(self.device, self.model.dtype))
 
-    def new_cache(self, batch_size: int, max_len: int) -> _VLMCache:
-        return _VLMCache(DynamicCache(config=self.model.config), batch_size, self.device)
-
     @torch.no_grad()
     def __call__(self, tokens, positions, cache, tree_mask=None, **conditioning) -> ModelOutput:
-        fresh = cache.seq_length == 0
+        fresh = cache.fresh
         check(fresh or not conditioning, "conditioning", "given with the prompt pass only (a fresh cache)",
               sorted(conditioning))
+        mask = cache.step(positions, tree_mask, self.model.dtype)  # (B, 1, T, S)
         if self.mrope:
             if cache.rope_deltas is None:  # the prompt pass: ids from the model's own rule
                 positions, cache.rope_deltas = self._prompt_rope(tokens, conditioning.get("image_grid_thw"))
             else:  # text only: the same id on the three axes, shifted per row
                 positions = (positions + cache.rope_deltas).expand(3, *positions.shape)
-        mask = cache.step(tokens.shape[1], tree_mask, self.model.dtype)  # (B, 1, T, S + T)
         embeds = self.input_embeds(tokens, **conditioning)
-        out = self.model.base_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
-                                    cache=cache.cache, use_cache=True)
+        # the language model alone, as the VLM's forward calls it once the images are merged
+        out = self.language_model(inputs_embeds=embeds, attention_mask=mask, position_ids=positions,
+                                  cache=cache.cache, use_cache=True)
         return self._score(out.last_hidden_state, prompt_embeds=embeds if fresh else None)
 
     def input_embeds(self, tokens: torch.Tensor, **conditioning) -> torch.Tensor:

@@ -156,7 +156,7 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
         for label, method, knobs in live:
             a = acc[label]
             vision = _Counter(pipe.draft_model.model.vision_tower) if method == "hf-assisted" else None
-            with _Counter(pipe.target.base_model) as target_calls:  # both our adapter and generate call it
+            with _Counter(pipe.target.model.language_model) as target_calls:  # our adapter and generate call it
                 if vision is not None:
                     vision.__enter__()
                 start = time.perf_counter()

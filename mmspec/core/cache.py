@@ -12,7 +12,8 @@ attention layer, ``step.attend(layer, q, k, v)`` (store the block, attend: the t
 rolling attention kernel of ``mmspec.kernels`` where its dispatch picks Triton,
 ``scaled_dot_product_attention`` with ``step.mask`` otherwise) or ``step.update(layer, q, k, v)``
 and their own attention (see ``CacheStep``). The HF adapter
-(``mmspec.adapters.hf``) implements the decoder-facing calls over transformers' ``DynamicCache``.
+(``mmspec.adapters.hf``) hands transformers models a ``Cache`` whose layers write into a
+``StaticKVCache``, so they decode on the same buffers and calls.
 
 Attention visibility of a block of T new tokens with an optional tree mask (B, T, R + T): every
 committed entry before the last ``R + T`` slots is visible; the last ``R + T`` (R earlier tree

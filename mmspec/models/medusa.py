@@ -140,10 +140,22 @@ class MedusaHeads(_ParallelHeads):
         head = self.target.model.lm_head
         return F.linear(hidden.to(head.weight.dtype), head.weight).float()
 
+    def _stack_key(self) -> tuple:
+        return tuple((p.data_ptr(), p._version) for p in self.parameters())
+
+    def eager_for(self, *args, **kwargs) -> bool:
+        """Whether compiled steps (``SpeculativePipeline.enable_compiled_steps``) run this call
+        eagerly: when the stacked weights are missing or stale (a weight moved or changed), so
+        the compiled forward reads them as they are."""
+        cached = getattr(self, "_stack", None)
+        return torch.is_grad_enabled() or cached is None or cached[0] != self._stack_key()
+
     def _stacked(self) -> dict:
         """The heads' weights stacked per kind: each block layer's (K, H, H) and (K, H), the root's
         and the image's inputs as one (H, K * H) product each."""
-        key = tuple((p.data_ptr(), p._version) for p in self.parameters())
+        if torch.compiler.is_compiling():  # ``eager_for`` rebuilt them before any compiled call
+            return self._stack[1]
+        key = self._stack_key()
         cached = getattr(self, "_stack", None)
         if cached is None or cached[0] != key:
             K, H = self.num_heads, self.config.hidden_size

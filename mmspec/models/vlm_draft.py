@@ -347,6 +347,12 @@ class VLMDraftHead(EagleHead):
         cache.offset = torch.zeros(batch_size, dtype=torch.long, device=self.fc.weight.device)
         return cache
 
+    def eager_for(self, features, tokens, positions, cache=None, tree_mask=None) -> bool:
+        """Whether compiled steps (``SpeculativePipeline.enable_compiled_steps``) run this call
+        eagerly: the first feed into a planned cache (the prompt's images, a shape of the call's)
+        and the cache-free reference path."""
+        return cache is None or cache.plan is not None
+
     @torch.no_grad()
     def start(self, cache: _DraftCache, state) -> None:
         """After the target's prefill: plan the prompt's images from the target's features
