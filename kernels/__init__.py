@@ -5,6 +5,8 @@ Each dispatcher (``residual_distribution``, ``tree_attention``, ``rolling_attent
 importable and the kernel takes the inputs, and the torch reference otherwise;
 ``MMSPEC_KERNELS=triton|torch|auto`` forces either (``mmspec.kernels.dispatch``;
 ``MMSPEC_DISABLE_KERNELS=1`` is ``torch``). ``*_reference`` and ``*_triton`` call one side directly.
+The attention kernels share their online-softmax tile and flash-decoding's key splits
+(``mmspec.kernels.splitk``).
 """
 
 from .dispatch import KernelUnavailableError

@@ -20,7 +20,9 @@ visible to the block: at most ``sink + window`` in a wrapped ring; the compact l
 0) may hold more, past the window, at position = slot (a chain of drafts appended before the
 cache rolls). Keys are rotated by their position, queries by theirs: exactly
 ``SinkWindowCache``'s read path (``rope(k, key_positions)``, ``rope(q, positions)``,
-``scaled_dot_product_attention`` with its mask), which the reference below reproduces.
+``scaled_dot_product_attention`` with its mask), which the reference below reproduces. Short
+grids split the C key slots as flash-decoding does and merge the splits by their log-sum-exp
+(``mmspec.kernels.splitk``); a row whose entries end early leaves its late splits empty.
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ import weakref
 import torch
 from torch.nn import functional as F
 
+from . import splitk
 from .dispatch import TRITON_AVAILABLE, check, dtype_problem, interpreted, use_triton
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
+
+    from .splitk import attend_tile, split_range, store_tile
 
 
 def slot_table(lengths: torch.Tensor, ring_start: torch.Tensor, block_start: torch.Tensor,
@@ -161,20 +166,22 @@ if TRITON_AVAILABLE:
         angle = coord.to(tl.float32) * freq[None, :]
         return x * tl.cos(angle) + sign[None, :] * xp * tl.sin(angle)
 
-    # Memory traffic per (row, head): Q once, each held key/value once per query tile, plus a
-    # second (cached) read of the keys for the rotation partner. The reference first writes the
-    # rotated copy of every key (read C x D, write C x D per layer and step), then attends over it
-    # with a (B, 1, T, C) mask; the fused kernel skips the copy and the mask.
+    # Memory traffic per (row, head): Q once per key split, each held key/value once per query
+    # tile, plus a second (cached) read of the keys for the rotation partner, and D + 1 fp32 per
+    # query and split to the workspace and back when split. The reference first writes the rotated
+    # copy of every key (read C x D, write C x D per layer and step), then attends over it with a
+    # (B, 1, T, C) mask; the fused kernel skips the copy and the mask.
     @triton.jit
     def _rolling_attention_kernel(
-        Q, K, V, O, LENS, RING, BSTART, POS, TMASK, FREQ, AXIS, SIGN, PARTNER,
-        sm_scale, T, SINK, WIN, H, GROUP, D, HW, FW, FH,
+        Q, K, V, O, PART, LSE, LENS, RING, BSTART, POS, TMASK, FREQ, AXIS, SIGN, PARTNER,
+        sm_scale, T, SINK, WIN, H, GROUP, D, HW, FW, FH, split_keys,
         sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh, sot, spb, smb, smt,
-        HAS_TREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     ):
-        """One program per (query tile, row x head): rotate the queries, then online softmax over
-        the held entries and the block, each key tile rotated by its slots' positions on load."""
+        """One program per (query tile, row x head, key split): rotate the queries, then online
+        softmax over the split's share of the held entries and the block (``splitk``), each key
+        tile rotated by its slots' positions on load."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         b = bh // H
@@ -203,15 +210,15 @@ if TRITON_AVAILABLE:
         ring = tl.load(RING + b).to(tl.int32)
         bstart = tl.load(BSTART + b).to(tl.int32)
         held_end = tl.where(ring == 0, n_held, SINK + WIN)
-        end = tl.maximum(held_end, bstart + T)
+        lo, hi = split_range(tl.maximum(held_end, bstart + T), split_keys, SPLIT)
         qk_scale = sm_scale * 1.4426950408889634
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for start in range(0, end, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < end
+            n_ok = offs_n < hi
             rel = offs_n - bstart
             in_block = (rel >= 0) & (rel < T)
             in_ring = (offs_n >= SINK) & (offs_n < SINK + WIN)
@@ -229,11 +236,6 @@ if TRITON_AVAILABLE:
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
-
             if HAS_TREE:
                 tm = tl.load(TMASK + b * smb + offs_m[:, None] * smt + rel[None, :],
                              mask=row_ok[:, None] & (in_block & n_ok)[None, :], other=0)
@@ -241,29 +243,24 @@ if TRITON_AVAILABLE:
             else:
                 blk_vis = in_block[None, :] & (rel[None, :] <= offs_m[:, None])
             visible = (held[None, :] | blk_vis) & n_ok[None, :]
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=q_ok)
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, visible, qk_scale, IEEE)
+        store_tile(acc, m_i, l_i, O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], PART, LSE, bh,
+                   offs_m, offs_d, T, D, q_ok, row_ok, SPLIT)
 
 
 def rolling_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                              block_start: torch.Tensor, positions: torch.Tensor, rope, *, sink: int,
                              window: int, ring_start: torch.Tensor | None = None,
-                             tree_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                             tree_mask: torch.Tensor | None = None, scale: float | None = None,
+                             num_splits: int | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel (CUDA, or the CPU under ``TRITON_INTERPRET=1``); same contract as the
-    reference for the ropes ``rope_problem`` accepts, with the index tensors' values unchecked."""
+    reference for the ropes ``rope_problem`` accepts, with the index tensors' values unchecked.
+
+    ``num_splits``: splits of the buffer's C key slots (flash-decoding split-K,
+    ``mmspec.kernels.splitk``); None picks them from the shapes and the GPU's multiprocessors
+    (``splitk.choose_num_splits``). ``workspace``: fp32 scratch of at least
+    ``splitk.workspace_numel(num_splits, B, Hq, T, D)`` elements for more than one split (None:
+    allocated per call)."""
     ring_start = torch.zeros_like(lengths) if ring_start is None else ring_start
     _check_inputs(q, k, v, lengths, block_start, positions, sink, window, ring_start, tree_mask, values=False)
     check(q.dtype == k.dtype == v.dtype, "q, k, v", "one dtype", (q.dtype, k.dtype, v.dtype))
@@ -283,19 +280,23 @@ def rolling_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     BLOCK_D = max(16, triton.next_power_of_2(D))  # tl.dot's K >= 16 for fp16/bf16 on a GPU
     BLOCK_M = min(64, max(16, triton.next_power_of_2(T)))
     BLOCK_N = 64 if BLOCK_D <= 64 else 32
+    split = splitk.plan(q, k.shape[2], BLOCK_M, BLOCK_N, num_splits, workspace)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    grid = (triton.cdiv(T, BLOCK_M), B * Hq)
+    grid = (triton.cdiv(T, BLOCK_M), B * Hq, split.count)
     device = torch.cuda.device(dev) if q.is_cuda else contextlib.nullcontext()
     with device:
         _rolling_attention_kernel[grid](
-            q, k, v, out, lens, ring, bstart, pos, pos if tm is None else tm, freq, axis, sign, partner,
-            scale, T, sink, window, Hq, Hq // k.shape[1], D, HW, FW, FH,
+            q, k, v, out, out if split.partial is None else split.partial, out if split.lse is None else split.lse,
+            lens, ring, bstart, pos, pos if tm is None else tm, freq, axis, sign, partner,
+            scale, T, sink, window, Hq, Hq // k.shape[1], D, HW, FW, FH, split.keys,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2), pos.stride(0),
             0 if tm is None else tm.stride(0), 0 if tm is None else tm.stride(1),
-            HAS_TREE=tm is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            HAS_TREE=tm is not None, SPLIT=split.count > 1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
             UPCAST=q.dtype == torch.bfloat16 and interpreted(), IEEE=q.dtype == torch.float32,
             num_warps=4, num_stages=2)
+        if split.count > 1:
+            splitk.merge_splits(split.partial, split.lse, out, BLOCK_M, BLOCK_D)
     return out
 
 
@@ -311,6 +312,8 @@ FUSED_MAX_QUERIES = 128
 # lost with 4,096 keys (a 60-node tree, Llama-7B heads, fp16: 3.0 against 0.41 ms): one program per
 # query tile walks every key alone, so long windows leave most of the GPU idle. Auto mode keeps
 # the kernel to windows of at most this many keys (between 256 and 4,096 nothing was measured).
+# The key splits (issue 43, ``splitk``) answer that idle GPU; they came after these timings and
+# are not measured: the limit stays until a GPU check re-times both sides.
 FUSED_MAX_KEYS = 256
 
 

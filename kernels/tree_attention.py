@@ -9,7 +9,8 @@ slot j where it is True; None: causal, W = T); later slots are hidden. This is
 ``mmspec.core.cache.visibility_mask(prefix_lens + W, T, S, tree_mask)``, which the models hand to
 ``F.scaled_dot_product_attention``; the kernel builds the mask from ``prefix_lens`` and the
 (B, T, W) tree mask tile by tile instead of reading a (B, 1, T, S) one, and stops each row's key
-loop at its own end.
+loop at its own end. Short grids (few rows and heads over many keys) split the keys as
+flash-decoding does and merge the splits by their log-sum-exp (``mmspec.kernels.splitk``).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import math
 import torch
 from torch.nn import functional as F
 
+from . import splitk
 from .dispatch import TRITON_AVAILABLE, check, dtype_problem, interpreted, use_triton
 
 if TRITON_AVAILABLE:
     import triton
     import triton.language as tl
+
+    from .splitk import attend_tile, split_range, store_tile
 
 
 def visibility(prefix_lens: torch.Tensor, T: int, S: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
@@ -64,18 +68,20 @@ def tree_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 if TRITON_AVAILABLE:
 
-    # Memory traffic per (row, head): Q and O once, each key/value tile of the row's visible range
-    # once per query tile (one query tile when T <= BLOCK_M, the usual tree), the tree mask tiles
-    # that overlap the block. The reference reads a (B, 1, T, S) mask and, on the math path, writes
-    # and re-reads (B, H, T, S) scores and probabilities; here scores live in registers.
+    # Memory traffic per (row, head): Q and O once (Q once per key split, plus D + 1 fp32 per query
+    # and split to the workspace and back when split), each key/value tile of the row's visible
+    # range once per query tile (one query tile when T <= BLOCK_M, the usual tree), the tree mask
+    # tiles that overlap the block. The reference reads a (B, 1, T, S) mask and, on the math path,
+    # writes and re-reads (B, H, T, S) scores and probabilities; here scores live in registers.
     @triton.jit
     def _tree_attention_kernel(
-        Q, K, V, O, PREFIX, TMASK, sm_scale, T, S, W, H, GROUP, D,
+        Q, K, V, O, PART, LSE, PREFIX, TMASK, sm_scale, T, S, W, H, GROUP, D, split_keys,
         sqb, sqh, sqt, skb, skh, sks, svb, svh, svs, sob, soh, sot, smb, smt,
-        HAS_TREE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-        UPCAST: tl.constexpr, IEEE: tl.constexpr,
+        HAS_TREE: tl.constexpr, SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
     ):
-        """One program per (query tile, row x head): online softmax over the row's visible keys."""
+        """One program per (query tile, row x head, key split): online softmax over the split's
+        share of the row's visible keys (``splitk``)."""
         pid_m = tl.program_id(0)
         bh = tl.program_id(1).to(tl.int64)
         b = bh // H
@@ -91,14 +97,15 @@ if TRITON_AVAILABLE:
             q = q.to(tl.float32)
         prefix = tl.load(PREFIX + b).to(tl.int32)
         end = tl.minimum(prefix + W, S)  # this row's last visible slot + 1
+        lo, hi = split_range(end, split_keys, SPLIT)
         qk_scale = sm_scale * 1.4426950408889634  # exp2 below: fold log2(e) into the scale
 
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        for start in range(0, end, BLOCK_N):
+        for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < end
+            n_ok = offs_n < hi
             k = tl.load(K + b * skb + hk * skh + offs_n[:, None] * sks + offs_d[None, :],
                         mask=n_ok[:, None] & d_ok[None, :], other=0.0)
             v = tl.load(V + b * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :],
@@ -106,10 +113,6 @@ if TRITON_AVAILABLE:
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
-            if IEEE:
-                s = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                s = tl.dot(q, tl.trans(k))
             rel = offs_n - prefix  # (BLOCK_N,) slot relative to the block
             visible = (rel < 0)[None, :]
             if HAS_TREE:
@@ -119,28 +122,21 @@ if TRITON_AVAILABLE:
                 visible = visible | (tm != 0)
             else:  # causal inside the block
                 visible = visible | ((rel >= 0)[None, :] & (rel[None, :] <= offs_m[:, None]))
-            visible = visible & n_ok[None, :]
-            s = tl.where(visible, s * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: keep exp2 finite
-            alpha = tl.exp2(m_i - m_safe)
-            p = tl.exp2(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            if IEEE:
-                pv = tl.dot(p, v, input_precision="ieee")
-            else:
-                pv = tl.dot(p.to(v.dtype), v)  # fp16/bf16 operands, fp32 accumulation
-            acc = acc * alpha[:, None] + pv
-            m_i = m_new
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], out.to(O.dtype.element_ty),
-                 mask=row_ok[:, None] & d_ok[None, :])
+            acc, m_i, l_i = attend_tile(acc, m_i, l_i, q, k, v, visible & n_ok[None, :], qk_scale, IEEE)
+        store_tile(acc, m_i, l_i, O + b * sob + h * soh + offs_m[:, None] * sot + offs_d[None, :], PART, LSE, bh,
+                   offs_m, offs_d, T, D, row_ok[:, None] & d_ok[None, :], row_ok, SPLIT)
 
 
 def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lens: torch.Tensor,
-                          tree_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                          tree_mask: torch.Tensor | None = None, scale: float | None = None, *,
+                          num_splits: int | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton kernel (CUDA, or the CPU under ``TRITON_INTERPRET=1``); same contract as the
-    reference, output in q's dtype."""
+    reference, output in q's dtype.
+
+    ``num_splits``: key splits (flash-decoding split-K, ``mmspec.kernels.splitk``); None picks
+    them from the shapes and the GPU's multiprocessors (``splitk.choose_num_splits``). ``workspace``:
+    fp32 scratch of at least ``splitk.workspace_numel(num_splits, B, Hq, T, D)`` elements for more
+    than one split (None: allocated per call)."""
     W = _check_inputs(q, k, v, prefix_lens, tree_mask)
     check(q.dtype == k.dtype == v.dtype, "q, k, v", "one dtype", (q.dtype, k.dtype, v.dtype))
     B, Hq, T, D = q.shape
@@ -156,18 +152,22 @@ def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre
     BLOCK_D = max(16, triton.next_power_of_2(D))
     BLOCK_M = min(64, max(16, triton.next_power_of_2(T)))
     BLOCK_N = 64 if BLOCK_D <= 64 else 32
+    split = splitk.plan(q, S, BLOCK_M, BLOCK_N, num_splits, workspace)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    grid = (triton.cdiv(T, BLOCK_M), B * Hq)
+    grid = (triton.cdiv(T, BLOCK_M), B * Hq, split.count)
     device = torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext()
     with device:
         _tree_attention_kernel[grid](
-            q, k, v, out, prefix, prefix if tm is None else tm, scale, T, S, W, Hq, Hq // k.shape[1], D,
+            q, k, v, out, out if split.partial is None else split.partial, out if split.lse is None else split.lse,
+            prefix, prefix if tm is None else tm, scale, T, S, W, Hq, Hq // k.shape[1], D, split.keys,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
             0 if tm is None else tm.stride(0), 0 if tm is None else tm.stride(1),
-            HAS_TREE=tm is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
+            HAS_TREE=tm is not None, SPLIT=split.count > 1, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D,
             UPCAST=q.dtype == torch.bfloat16 and interpreted(), IEEE=q.dtype == torch.float32,
             num_warps=4, num_stages=2)
+        if split.count > 1:
+            splitk.merge_splits(split.partial, split.lse, out, BLOCK_M, BLOCK_D)
     return out
 
 
@@ -175,7 +175,8 @@ def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre
 # with the dense mask beat the kernel in fp16 and bf16 at every shape timed, 2.5 to 3.7 times (a
 # 60-node tree over 4,096 keys with Llama-7B heads: 0.105 against 0.389 ms), and in fp32 over 512
 # keys (0.08 against 0.87 ms); the kernel won only in fp32 at 60 keys. Auto mode therefore takes
-# the reference (SDPA); MMSPEC_KERNELS=triton still runs the kernel.
+# the reference (SDPA); MMSPEC_KERNELS=triton still runs the kernel. Those timings predate the
+# key splits (issue 43), which were made for that 60-node tree's 32-program grid: not re-measured.
 KERNEL_PREFERRED = False
 
 

@@ -1,7 +1,8 @@
 """Tree-verify and sink-window rolling attention: the Triton kernels against their torch references
 in Triton's interpreter on the CPU (odd shapes, GQA, ragged rows, one-node trees, window
 wrap-around, sink 0), the references against what the core's caches and models compute today, and
-the dispatchers' choice. Compiled-kernel tests run only with CUDA.
+the dispatchers' choice. Compiled-kernel tests run only with CUDA. The kernels pick their key splits
+here (several where a case spans several key tiles); tests/test_kernels_splitk.py forces them.
 
 Tolerances: fp32 within 2e-6 of the fp32 reference; fp16 and bf16 within twice torch's own error at
 that precision against the fp32 reference (flash-attn's criterion) plus a floor of a quarter ulp

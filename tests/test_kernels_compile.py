@@ -5,8 +5,9 @@ compile: a name whose shape changes inside a loop, a branch that yields differen
 shapes below 16. The compiler itself (to PTX and, with the ptxas Triton bundles, to a cubin) needs
 no GPU: here every launch is bound as the JIT binds it (the same specialisation) and compiled for
 sm_90 instead of run. Launches cover every constexpr branch: the bench's cases in the dtypes it
-times, the causal tree block, acceptance without guidance or drafted q, the probabilities kernel
-and the residual."""
+times, the causal tree block, both attention kernels with one key split (direct store) and with
+several (workspace and the combine kernel), acceptance without guidance or drafted q, the
+probabilities kernel and the residual."""
 
 from __future__ import annotations
 
@@ -68,6 +69,10 @@ def _launches():
             calls.append((getattr(kernels, case["fn"] + "_triton"), bench._cast(case["inputs"], dtype)))
     tree = cases[0]["inputs"]
     calls.append((kernels.tree_attention_triton, dict(bench._cast(tree, torch.float16), tree_mask=None)))
+    rolling = next(case["inputs"] for case in cases if case["kernel"] == "rolling_attention")
+    for splits in (1, 3):  # whatever the automatic count picks for the bench's shapes
+        calls.append((kernels.tree_attention_triton, dict(bench._cast(tree, torch.bfloat16), num_splits=splits)))
+        calls.append((kernels.rolling_attention_triton, dict(bench._cast(rolling, torch.float16), num_splits=splits)))
     plain = bench._accept_inputs(g, 2, 3, 300, guidance=None)
     calls.append((kernels.guided_accept_triton, plain))
     calls.append((kernels.guided_accept_triton, dict(plain, q=None)))
@@ -84,8 +89,8 @@ def test_every_kernel_branch_compiles_for_sm90(compiled):
     for launcher, kwargs in _launches():
         launcher(**kwargs)
     names = {name for name, *_ in compiled}
-    assert names == {"_tree_attention_kernel", "_rolling_attention_kernel", "_position_kernel", "_chain_kernel",
-                     "_residual_kernel"}, names
+    assert names == {"_tree_attention_kernel", "_rolling_attention_kernel", "_merge_splits_kernel",
+                     "_position_kernel", "_chain_kernel", "_residual_kernel"}, names
     failures = {key[0] + " " + key[1]: error for key, error in compiled.items() if error is not None}
     assert not failures, "\n\n".join(f"{k}\n{v}" for k, v in failures.items())
 
