@@ -206,15 +206,15 @@ if TRITON_AVAILABLE:
 
     # Memory traffic per position: the logits (cond and uncond) are streamed twice (max, sum), plus
     # 32 counting passes with top-k and 2 half_width - 1 passes for GSD's rank neighbours, and two
-    # loads of q. Nothing V-sized is written unless WRITE_P. The reference writes the merged logits,
+    # loads of q. Nothing V-sized is written. The reference writes the merged logits,
     # the tempered logits, the probabilities and, on the rule's side, argsort/cumsum temporaries.
     @triton.jit
     def _position_kernel(
-        LOGITS, TOKENS, Q, EMB, M_OUT, Z_OUT, KTH_OUT, A_OUT, BEST_OUT, P_OUT,
-        B, G, V, E, slb, sln, stb, sqb, sqn, seb, spb, spn,
+        LOGITS, TOKENS, Q, EMB, M_OUT, Z_OUT, KTH_OUT, A_OUT, BEST_OUT,
+        B, G, V, E, slb, sln, stb, sqb, sqn, seb,
         scale, temperature, top_k, p_thr, d_thr, half_width,
         GUIDED: tl.constexpr, GREEDY: tl.constexpr, TOP_K: tl.constexpr, HAS_Q: tl.constexpr,
-        GROUPED: tl.constexpr, WRITE_P: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+        GROUPED: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
     ):
         """One program per (row b, position g): the softmax statistics, the argmax (greedy), and
         draft g's accept probability (g < G)."""
@@ -242,10 +242,6 @@ if TRITON_AVAILABLE:
             tl.store(BEST_OUT + pid, best_i)
             if has_draft:
                 tl.store(A_OUT + b * G + g, tl.where(best_i == x, 1.0, 0.0))
-            if WRITE_P:
-                for start in range(0, V, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    tl.store(P_OUT + b * spb + g * spn + cols, tl.where(cols == best_i, 1.0, 0.0), mask=cols < V)
         else:
             # top-k: the k-th largest logit by bisection on the floats' order (32 counting passes)
             kth = float("-inf")
@@ -277,11 +273,6 @@ if TRITON_AVAILABLE:
             tl.store(M_OUT + pid, m)
             tl.store(Z_OUT + pid, z)
             tl.store(KTH_OUT + pid, kth)
-            if WRITE_P:
-                for start in range(0, V, BLOCK):
-                    cols = start + tl.arange(0, BLOCK)
-                    p = _probs(COND, UNCOND, cols, cols < V, scale, temperature, kth, m, z, GUIDED)
-                    tl.store(P_OUT + b * spb + g * spn + cols, p, mask=cols < V)
             if has_draft:
                 px = _probs(COND, UNCOND, x, True, scale, temperature, kth, m, z, GUIDED)
                 qx = 1.0
@@ -427,7 +418,7 @@ if TRITON_AVAILABLE:
             tl.store(NEXT_OUT + b, tl.minimum(count, last).to(tl.int64))
 
 
-def _launch_positions(logits, tokens, q, guidance_scale, temperature, top_k, group, write_p):
+def _launch_positions(logits, tokens, q, guidance_scale, temperature, top_k, group):
     B, G = tokens.shape
     V = logits.shape[-1]
     N1 = G + 1
@@ -439,23 +430,21 @@ def _launch_positions(logits, tokens, q, guidance_scale, temperature, top_k, gro
     m, z, kth = (torch.empty(B * N1, **f32) for _ in range(3))
     a = torch.empty(B, G, **f32)
     best = torch.empty(B * N1, dtype=torch.int64, device=dev)
-    p = torch.empty(B, N1, V, **f32) if write_p else m
     emb = None if group is None else group.embeddings.to(device=dev, dtype=torch.float32).contiguous()
     E = 1 if emb is None else emb.shape[1]
     greedy = temperature == 0
     BLOCK = min(triton.next_power_of_2(V), 4096)
     _position_kernel[(B * N1,)](
-        logits, tokens, logits if q is None else q, m if emb is None else emb, m, z, kth, a, best, p,
+        logits, tokens, logits if q is None else q, m if emb is None else emb, m, z, kth, a, best,
         B, G, V, E, logits.stride(0), logits.stride(1), tokens.stride(0),
         0 if q is None else q.stride(0), 0 if q is None else q.stride(1), 0 if emb is None else emb.stride(0),
-        p.stride(0) if write_p else 0, p.stride(1) if write_p else 0,
         float(guidance_scale or 0.0), float(temperature or 1.0), int(top_k or 0),
         float(group.p_threshold) if group else 0.0, float(group.d_threshold) if group else 0.0,
         int(group.half_width) if group else 0,
         GUIDED=guidance_scale is not None, GREEDY=greedy, TOP_K=not greedy and top_k is not None and top_k < V,
-        HAS_Q=q is not None, GROUPED=group is not None, WRITE_P=write_p, BLOCK=BLOCK,
+        HAS_Q=q is not None, GROUPED=group is not None, BLOCK=BLOCK,
         BLOCK_E=triton.next_power_of_2(E), num_warps=8 if BLOCK >= 2048 else 4)
-    return logits, tokens, q, m, z, kth, a, best, (p if write_p else None)
+    return logits, tokens, q, m, z, kth, a, best
 
 
 def guided_accept_triton(logits: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | None = None, *,
@@ -473,8 +462,8 @@ def guided_accept_triton(logits: torch.Tensor, tokens: torch.Tensor, q: torch.Te
     greedy = temperature == 0
     device = torch.cuda.device(dev) if logits.is_cuda else contextlib.nullcontext()
     with device:
-        logits, tokens, q, m, z, kth, a, best, _ = _launch_positions(
-            logits, tokens, q, guidance_scale, temperature, top_k, group, write_p=False)
+        logits, tokens, q, m, z, kth, a, best = _launch_positions(
+            logits, tokens, q, guidance_scale, temperature, top_k, group)
         ua = a if greedy else u_accept.to(device=dev, dtype=torch.float32).contiguous()
         us = a if greedy else u_sample.to(device=dev, dtype=torch.float32).contiguous()
         V = logits.shape[-1]
@@ -487,20 +476,6 @@ def guided_accept_triton(logits: torch.Tensor, tokens: torch.Tensor, q: torch.Te
             GUIDED=guidance_scale is not None, GREEDY=greedy, HAS_Q=q is not None, BLOCK=BLOCK,
             BLOCK_G=max(2, triton.next_power_of_2(max(G, 1))), num_warps=8 if BLOCK >= 2048 else 4)
     return ChainAcceptance(n, nxt, a)
-
-
-def guided_probs_triton(logits: torch.Tensor, guidance_scale: float | None = None, temperature: float = 1.0,
-                        top_k: int | None = None) -> torch.Tensor:
-    """(B or 2B, N, V) -> (B, N, V) float32: ``process_logits`` in one kernel (for tree walks, which
-    need the full distributions)."""
-    check(logits.dim() == 3, "logits", "a (B, N, V) tensor", tuple(logits.shape))
-    rows, N, V = logits.shape
-    B = rows // 2 if guidance_scale is not None else rows
-    dummy = torch.zeros(B, N - 1, dtype=torch.long, device=logits.device)
-    device = torch.cuda.device(logits.device) if logits.is_cuda else contextlib.nullcontext()
-    with device:
-        *_, p = _launch_positions(logits, dummy, None, guidance_scale, temperature, top_k, None, write_p=True)
-    return p
 
 
 def accept_problem(logits: torch.Tensor, q: torch.Tensor | None, top_p: float | None) -> str | None:
@@ -521,13 +496,3 @@ def guided_accept(logits: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | 
     if use_triton("guided acceptance", logits.device, accept_problem(logits, q, top_p)):
         return guided_accept_triton(logits, tokens, q, **kwargs)
     return guided_accept_reference(logits, tokens, q, top_p=top_p, **kwargs)
-
-
-def guided_probs(logits: torch.Tensor, guidance_scale: float | None = None, temperature: float = 1.0,
-                 top_k: int | None = None) -> torch.Tensor:
-    """``process_logits`` (the logits pipeline without top-p): one kernel on CUDA, the reference
-    elsewhere (``MMSPEC_KERNELS`` forces either)."""
-    if use_triton("guided probabilities", logits.device, dtype_problem(logits)):
-        return guided_probs_triton(logits, guidance_scale, temperature, top_k)
-    return process_logits(logits, guidance_scale, temperature, top_k)
-

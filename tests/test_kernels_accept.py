@@ -1,10 +1,10 @@
 """Fused guided acceptance: the Triton kernels in Triton's interpreter on the CPU, decision for
 decision against the core's own rule objects (``SpeculativeSampling``, ``GroupedAcceptance``,
 ``GreedyMatch``) behind the core's ``LogitsPipeline``, on the uniforms the core draws from the same
-seeded generator; the torch reference likewise; the fused probabilities against the pipeline.
+seeded generator; the torch reference likewise.
 
 Tolerances: accepted lengths and tokens equal; accept probabilities within 1e-6 (fp32 softmax in a
-different summation order); probabilities within 1e-6, greedy one-hots exact.
+different summation order).
 
 Then the decoder's seam (``mmspec.core.fused``): which accept steps reach the kernel, and with the
 uniforms the rule objects would draw."""
@@ -24,7 +24,7 @@ from mmspec.core import (GreedyMatch, GroupedAcceptance, GroupedAcceptanceConfig
 from mmspec.core.fused import fused_acceptance, fused_knobs
 from mmspec.core.tree import DraftTree, Tree
 from mmspec.kernels import dispatch
-from mmspec.kernels.guided_accept import Grouping, guided_accept, guided_accept_reference, guided_probs, process_logits
+from mmspec.kernels.guided_accept import Grouping, guided_accept, guided_accept_reference
 from mmspec.kernels.interpret import run_interpreted
 from tiny import noisy_copy, tiny_lm
 
@@ -100,22 +100,12 @@ def _kwargs(case) -> dict:
                 group=group, **case["knobs"])
 
 
-PROBS = {
-    "cfg-topk": (_case(4, 2, 37, seed=9)["logits"].repeat(2, 1, 1), dict(guidance_scale=2.5, temperature=0.7,
-                                                                          top_k=5)),
-    "plain": (2 * torch.randn(3, 2, 300, generator=torch.Generator().manual_seed(10)), {}),
-    "greedy-cfg": (_case(4, 2, 37, ties=True, seed=11)["logits"].repeat(2, 1, 1),
-                   dict(guidance_scale=1.5, temperature=0)),
-}
-
-
 @pytest.fixture(scope="module")
 def kernel_outputs() -> dict:
     """Every case through the kernels, once, in Triton's interpreter in a child process."""
     if not dispatch.TRITON_AVAILABLE:
         pytest.skip("triton is not installed (torch's CPU-only wheels, e.g. on aarch64, come without it)")
     calls = {f"accept/{n}": ("guided_accept_triton", (), _kwargs(c)) for n, c in CASES.items()}
-    calls.update({f"probs/{n}": ("guided_probs_triton", (logits,), knobs) for n, (logits, knobs) in PROBS.items()})
     return run_interpreted(calls)
 
 
@@ -169,22 +159,6 @@ def test_gsd_groups_are_not_trivial():
             assert bool((grouped >= exact).all()), name
 
 
-@needs_triton
-@pytest.mark.parametrize("name", list(PROBS))
-def test_fused_probabilities_match_the_pipeline(kernel_outputs, name):
-    logits, knobs = PROBS[name]
-    got = kernel_outputs[f"probs/{name}"]
-    assert not isinstance(got, Exception), got
-    pipe = LogitsPipeline(temperature=knobs.get("temperature", 1.0), top_k=knobs.get("top_k"),
-                          guidance_scale=knobs.get("guidance_scale"))
-    expected = pipe(logits)
-    assert torch.equal(process_logits(logits, **knobs), expected)
-    if pipe.greedy:
-        assert torch.equal(got, expected)
-    else:
-        torch.testing.assert_close(got, expected, atol=1e-6, rtol=0)
-
-
 def test_reference_with_top_p_is_the_pipeline():
     """Top-p is not fused; the reference (which the dispatcher takes for it) applies the pipeline's."""
     case = CASES["exact-drafted-cfg"]
@@ -203,12 +177,9 @@ def test_dispatch_takes_the_reference_on_cpu(monkeypatch):
 
     monkeypatch.delenv(dispatch.ENV, raising=False)
     monkeypatch.setattr(accept_mod, "guided_accept_triton", no_kernel)
-    monkeypatch.setattr(accept_mod, "guided_probs_triton", no_kernel)
     kw = _kwargs(CASES["gsd-drafted-cfg"])
     got, ref = guided_accept(**kw), guided_accept_reference(**kw)
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
-    logits, knobs = PROBS["cfg-topk"]
-    assert torch.equal(guided_probs(logits, **knobs), process_logits(logits, **knobs))
 
 
 def test_forced_triton_fails_clearly(monkeypatch):
@@ -370,22 +341,3 @@ def test_kernel_on_cuda_at_the_interpreter_cases(monkeypatch, name, dtype):
     monkeypatch.setenv(dispatch.ENV, "triton")
     kw = dict(_kwargs(CASES[name]), logits=CASES[name]["logits"].to(dtype))
     _decides_as_the_reference(guided_accept(**_on_cuda(kw)), guided_accept_reference(**kw))
-
-
-@pytest.mark.cuda
-@needs_triton
-@needs_cuda
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("name", list(PROBS))
-def test_fused_probabilities_on_cuda(monkeypatch, name, dtype):
-    """The probabilities kernel compiled, logits in each dtype: greedy one-hots exact, otherwise
-    within 1e-5 of the logits pipeline on the same logits."""
-    monkeypatch.setenv(dispatch.ENV, "triton")
-    logits, knobs = PROBS[name]
-    logits = logits.to(dtype)
-    got = guided_probs(logits.cuda(), **knobs).cpu()
-    expected = process_logits(logits, **knobs)
-    if knobs.get("temperature") == 0:
-        assert torch.equal(got, expected)
-    else:
-        torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)

@@ -6,8 +6,8 @@ shapes below 16. The compiler itself (to PTX and, with the ptxas Triton bundles,
 no GPU: here every launch is bound as the JIT binds it (the same specialisation) and compiled for
 sm_90 instead of run. Launches cover every constexpr branch: the bench's cases in the dtypes it
 times, the causal tree block, both attention kernels with one key split (direct store) and with
-several (workspace and the combine kernel), acceptance without guidance or drafted q, the
-probabilities kernel and the residual."""
+several (workspace and the combine kernel), acceptance without guidance or drafted q, with
+top-k and greedy on bf16 logits, and the residual."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def _launches():
     calls.append((kernels.guided_accept_triton, dict(plain, q=None)))
     logits = plain["logits"].to(torch.bfloat16)
     for knobs in (dict(guidance_scale=None, temperature=0.7, top_k=5), dict(guidance_scale=None, temperature=0)):
-        calls.append((kernels.guided_probs_triton, dict(logits=logits, **knobs)))
+        calls.append((kernels.guided_accept_triton, dict(plain, logits=logits, **knobs)))
     for dtype, V in ((torch.float32, 1), (torch.float16, 1000), (torch.bfloat16, 4099)):
         p, q = torch.rand(2, 2, V, generator=g).to(dtype), torch.rand(2, 2, V, generator=g).to(dtype)
         calls.append((kernels.residual_distribution_triton, dict(p=p, q=q)))
