@@ -89,6 +89,46 @@ def use_triton(op: str, device: torch.device, unsupported: str | None = None,
     return True
 
 
+# -- where auto mode expects a kernel to win: every measured threshold, in one table ---------------
+# Measured on an H200 (the GPU check of 2026-11-28, docs/guides/kernels.md), before the key splits
+# of issue 43 (``splitk``), which were made for exactly the shapes that lost; `make gpu-check`
+# re-times kernel, reference and SDPA over 256 to 16,384 keys (``mmspec bench kernels``), and these
+# rules change only with such a measurement.
+#
+# - tree attention: the models' SDPA path with the dense mask beat the kernel in fp16 and bf16 at
+#   every shape timed, 2.5 to 3.7 times (a 60-node tree over 4,096 keys with Llama-7B heads: 0.105
+#   against 0.389 ms), and in fp32 over 512 keys (0.08 against 0.87 ms): never preferred.
+# - rolling attention: the kernel beat the models' SDPA path with sink + window = 255 keys (4
+#   queries: 0.19 against 0.21 ms in bf16, 0.21 against 0.51 in fp32) and with 64 keys (16
+#   queries, 3-D rope: 0.22 against 0.45 ms in bf16), and lost with 4,096 keys (a 60-node tree,
+#   Llama-7B heads, fp16: 3.0 against 0.41 ms); between 256 and 4,096 nothing was measured. Each
+#   query tile rotates every key it reads, so blocks of more than 128 queries (video chunks; the
+#   bench's projection: about 2x the attention's own tensor-core time for a Wan-sized chunk) take
+#   the reference (rotate once, then attend).
+# - guided acceptance: 4.5 to 5.4 times faster than its torch path at every shape timed.
+# - residual: not timed on a GPU yet; preferred wherever it runs (it moves 5V elements per row
+#   against the reference's 11V, ``residual.py``).
+PREFERRED = {
+    "tree attention": dict(max_queries=0, max_keys=0),
+    "rolling attention": dict(max_queries=128, max_keys=256),
+    "guided acceptance": dict(max_queries=None, max_keys=None),
+    "residual": dict(max_queries=None, max_keys=None),
+}
+"""op -> the largest block (queries) and key range auto mode sends to the kernel (None: no limit;
+0: never). Read by ``preferred``; the dispatchers alone consult it."""
+
+
+def preferred(op: str, queries: int | None = None, keys: int | None = None) -> bool:
+    """Whether auto mode expects ``op``'s kernel to beat its torch path for a block of ``queries``
+    queries over ``keys`` keys (``PREFERRED``)."""
+    check(op in PREFERRED, "op", "one of " + ", ".join(repr(k) for k in PREFERRED), op)
+    limits = PREFERRED[op]
+    for size, limit in ((queries, limits["max_queries"]), (keys, limits["max_keys"])):
+        if limit is not None and (size is None or size > limit):
+            return False
+    return True
+
+
 def considered(device: torch.device) -> bool:
     """A cheap first test for hot paths: False when ``use_triton`` would certainly say False for
     ``device`` (``torch`` mode, or auto mode off CUDA), so callers skip building its arguments."""

@@ -34,8 +34,10 @@ from typing import NamedTuple
 
 import torch
 
-from .dispatch import TRITON_AVAILABLE, check, dtype_problem, use_triton
+from .dispatch import TRITON_AVAILABLE, check, dtype_problem, preferred, use_triton
 from .residual import residual_distribution_reference
+from .torch_ops import inverse_cdf as torch_inverse_cdf
+from .torch_ops import logits_to_probs
 
 if TRITON_AVAILABLE:
     import triton
@@ -98,18 +100,15 @@ def _check_inputs(logits, tokens, q, u_accept, u_sample, guidance_scale, tempera
 # -- the torch reference ------------------------------------------------------------------------
 def process_logits(logits: torch.Tensor, guidance_scale: float | None = None, temperature: float = 1.0,
                    top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """(B or 2B, ..., V) -> (B, ..., V) float32 probabilities: the core's ``LogitsPipeline``."""
-    from ..core.logits import LogitsPipeline  # the core imports the kernels: import at call time
-
-    return LogitsPipeline(temperature, top_k, top_p, guidance_scale)(logits)
+    """(B or 2B, ..., V) -> (B, ..., V) float32 probabilities: the core's ``LogitsPipeline``
+    (``torch_ops.logits_to_probs``)."""
+    return logits_to_probs(logits, guidance_scale, temperature, top_k, top_p)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """(B, V) rows of positive mass, (B,) uniforms -> (B,) tokens: the core's ``inverse_cdf``
     (``mmspec.core.sampling.sample``'s draw with its uniforms given)."""
-    from ..core.sampling import inverse_cdf as core_inverse_cdf
-
-    return core_inverse_cdf(probs, u[:, None].to(probs.dtype))
+    return torch_inverse_cdf(probs, u[:, None].to(probs.dtype))
 
 
 def group_members(p: torch.Tensor, x: torch.Tensor, group: Grouping) -> torch.Tensor:
@@ -493,6 +492,7 @@ def guided_accept(logits: torch.Tensor, tokens: torch.Tensor, q: torch.Tensor | 
     elsewhere or with top-p (``MMSPEC_KERNELS`` forces either)."""
     kwargs = dict(u_accept=u_accept, u_sample=u_sample, guidance_scale=guidance_scale, temperature=temperature,
                   top_k=top_k, group=group)
-    if use_triton("guided acceptance", logits.device, accept_problem(logits, q, top_p)):
+    if use_triton("guided acceptance", logits.device, accept_problem(logits, q, top_p),
+                  preferred=preferred("guided acceptance")):
         return guided_accept_triton(logits, tokens, q, **kwargs)
     return guided_accept_reference(logits, tokens, q, top_p=top_p, **kwargs)

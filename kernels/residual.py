@@ -7,7 +7,7 @@ import contextlib
 
 import torch
 
-from .dispatch import TRITON_AVAILABLE, dtype_problem, use_triton
+from .dispatch import TRITON_AVAILABLE, dtype_problem, preferred, use_triton
 
 _TRITON_AVAILABLE = TRITON_AVAILABLE
 if _TRITON_AVAILABLE:
@@ -84,7 +84,7 @@ def residual_distribution_triton(p: torch.Tensor, q: torch.Tensor, eps: float = 
 def _kernel_enabled(device: torch.device, unsupported: str | None = None) -> bool:
     """Whether the dispatcher runs the Triton kernel for tensors on ``device`` (``mmspec.kernels.dispatch``:
     CUDA in auto mode, unless ``MMSPEC_KERNELS=torch`` or ``MMSPEC_DISABLE_KERNELS=1``)."""
-    return use_triton("residual", device, unsupported, available=_TRITON_AVAILABLE)
+    return use_triton("residual", device, unsupported, available=_TRITON_AVAILABLE, preferred=preferred("residual"))
 
 
 def residual_distribution(p: torch.Tensor, q: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:

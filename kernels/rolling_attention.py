@@ -30,12 +30,13 @@ from __future__ import annotations
 import contextlib
 import math
 import weakref
+from typing import Callable
 
 import torch
 from torch.nn import functional as F
 
 from . import splitk
-from .dispatch import TRITON_AVAILABLE, check, dtype_problem, interpreted, use_triton
+from .dispatch import TRITON_AVAILABLE, check, dtype_problem, interpreted, preferred, use_triton
 
 if TRITON_AVAILABLE:
     import triton
@@ -277,9 +278,7 @@ def rolling_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     pos = positions.to(device=dev, dtype=torch.int32).contiguous()
     tm = None if tree_mask is None else tree_mask.to(device=dev, dtype=torch.int8).contiguous()
     freq, axis, sign, partner, HW, FW, FH = rope_tables(rope, dev)
-    BLOCK_D = max(16, triton.next_power_of_2(D))  # tl.dot's K >= 16 for fp16/bf16 on a GPU
-    BLOCK_M = min(64, max(16, triton.next_power_of_2(T)))
-    BLOCK_N = 64 if BLOCK_D <= 64 else 32
+    BLOCK_M, BLOCK_N, BLOCK_D = splitk.tile_sizes(T, D)
     split = splitk.plan(q, k.shape[2], BLOCK_M, BLOCK_N, num_splits, workspace)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     grid = (triton.cdiv(T, BLOCK_M), B * Hq, split.count)
@@ -300,42 +299,24 @@ def rolling_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     return out
 
 
-# Each query tile's program rotates every key it reads, so the rotation's sin/cos work grows with
-# the number of query tiles: for a draft tree or a token block (one or two tiles) it is small next
-# to the key traffic it saves, for a video chunk of thousands of queries it would dominate (the
-# bench's projection: about 2x the attention's own tensor-core time for a Wan-sized chunk). Auto
-# mode sends such blocks to the reference (rotate once, then attend).
-FUSED_MAX_QUERIES = 128
-# Measured on an H200 (the GPU check, 2026-11-28, docs/guides/kernels.md): the kernel beat the
-# models' SDPA path with sink + window = 255 keys (4 queries: 0.19 against 0.21 ms in bf16, 0.21
-# against 0.51 in fp32) and with 64 keys (16 queries, 3-D rope: 0.22 against 0.45 ms in bf16), and
-# lost with 4,096 keys (a 60-node tree, Llama-7B heads, fp16: 3.0 against 0.41 ms): one program per
-# query tile walks every key alone, so long windows leave most of the GPU idle. Auto mode keeps
-# the kernel to windows of at most this many keys (between 256 and 4,096 nothing was measured).
-# The key splits (issue 43, ``splitk``) answer that idle GPU; they came after these timings and
-# are not measured: the limit stays until a GPU check re-times both sides.
-FUSED_MAX_KEYS = 256
-
-
-def kernel_preferred(queries: int, sink: int, window: int) -> bool:
-    """Whether auto mode picks the rolling kernel for a block of ``queries`` queries over a sink
-    of ``sink`` and a window of ``window`` keys (tokens): at most ``FUSED_MAX_QUERIES`` queries
-    and ``FUSED_MAX_KEYS`` keys, where the H200 measured it ahead of SDPA."""
-    return queries <= FUSED_MAX_QUERIES and sink + window <= FUSED_MAX_KEYS
-
-
 def rolling_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor,
                       block_start: torch.Tensor, positions: torch.Tensor, rope, *, sink: int, window: int,
                       ring_start: torch.Tensor | None = None, tree_mask: torch.Tensor | None = None,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None, reference: Callable[[], torch.Tensor] | None = None,
+                      **kernel_options) -> torch.Tensor:
     """Sink-window attention with fused RoPE (module docstring): the Triton kernel on CUDA where
-    ``kernel_preferred`` (blocks of at most ``FUSED_MAX_QUERIES`` queries over at most
-    ``FUSED_MAX_KEYS`` keys), the reference elsewhere, for longer blocks and windows or for ropes
-    the kernel cannot fuse (``MMSPEC_KERNELS`` forces either)."""
+    auto mode expects it to win (``dispatch.PREFERRED``: blocks of at most 128 queries over at
+    most 256 keys, as measured on an H200), the torch path elsewhere, for longer blocks and windows
+    or for ropes the kernel cannot fuse (``MMSPEC_KERNELS`` forces either).
+
+    ``reference``: the caller's own torch path for these inputs, called with no arguments (a
+    cache's, which reuses its per-step rotary tables); None: ``rolling_attention_reference``.
+    ``kernel_options``: ``num_splits``, ``workspace`` (``rolling_attention_triton``)."""
     problem = (dtype_problem(q, k, v) or (None if q.dtype == k.dtype == v.dtype else "q, k, v differ in dtype")
                or rope_problem(rope))
     args = (q, k, v, lengths, block_start, positions, rope)
     kwargs = dict(sink=sink, window=window, ring_start=ring_start, tree_mask=tree_mask, scale=scale)
-    if use_triton("rolling attention", q.device, problem, preferred=kernel_preferred(q.shape[2], sink, window)):
-        return rolling_attention_triton(*args, **kwargs)
-    return rolling_attention_reference(*args, **kwargs)
+    if use_triton("rolling attention", q.device, problem,
+                  preferred=preferred("rolling attention", q.shape[2], sink + window)):
+        return rolling_attention_triton(*args, **kwargs, **kernel_options)
+    return reference() if reference is not None else rolling_attention_reference(*args, **kwargs)

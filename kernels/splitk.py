@@ -69,6 +69,22 @@ def sm_count(device: torch.device) -> int:
     return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
+def tile_sizes(T: int, D: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D) of both attention kernels for T queries of head size D: query
+    tiles of 16 to 64, key tiles of 64 (32 for head sizes over 64), the head padded to a power of
+    two of at least 16 (``tl.dot``'s K for fp16/bf16 on a GPU)."""
+    block_d = max(16, 1 << (D - 1).bit_length())
+    return min(64, max(16, 1 << (T - 1).bit_length())), 64 if block_d <= 64 else 32, block_d
+
+
+def auto_splits(q_shape: tuple[int, int, int, int], keys: int, device: torch.device) -> int:
+    """The split count the launchers choose on ``device`` for queries of ``q_shape`` (B, Hq, T, D)
+    over ``keys`` key slots (``choose_num_splits`` on ``tile_sizes``)."""
+    B, H, T, D = q_shape
+    block_m, block_n, _ = tile_sizes(T, D)
+    return choose_num_splits(B * H * -(-T // block_m), keys, block_n, sm_count(device))
+
+
 def workspace_numel(num_splits: int, B: int, H: int, T: int, D: int) -> int:
     """fp32 elements the workspace needs for ``num_splits`` splits of a (B, H, T, D) output."""
     return num_splits * B * H * T * (D + 1)

@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Callable
 
 import torch
 from torch.nn import functional as F
 
 from . import splitk
-from .dispatch import TRITON_AVAILABLE, check, dtype_problem, interpreted, use_triton
+from .torch_ops import visibility_mask
+from .dispatch import TRITON_AVAILABLE, check, dtype_problem, interpreted, preferred, use_triton
 
 if TRITON_AVAILABLE:
     import triton
@@ -34,8 +36,6 @@ if TRITON_AVAILABLE:
 def visibility(prefix_lens: torch.Tensor, T: int, S: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
     """(B, 1, T, S) bool: the mask the kernel applies, materialised (the reference's input): the
     core's ``visibility_mask`` for a block that ends ``W`` slots past ``prefix_lens``."""
-    from ..core.cache import visibility_mask  # the core imports the kernels: import at call time
-
     W = T if tree_mask is None else tree_mask.shape[-1]
     return visibility_mask(prefix_lens + W, T, S, None if tree_mask is None else tree_mask.bool())
 
@@ -149,9 +149,7 @@ def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre
     tm = None if tree_mask is None else tree_mask.to(device=q.device, dtype=torch.int8).contiguous()
     # tl.dot needs K >= 16 for fp16/bf16 on a GPU (the interpreter accepts less): both the head-dim
     # tile (q k^T) and the key tile (p v) stay >= 16
-    BLOCK_D = max(16, triton.next_power_of_2(D))
-    BLOCK_M = min(64, max(16, triton.next_power_of_2(T)))
-    BLOCK_N = 64 if BLOCK_D <= 64 else 32
+    BLOCK_M, BLOCK_N, BLOCK_D = splitk.tile_sizes(T, D)
     split = splitk.plan(q, S, BLOCK_M, BLOCK_N, num_splits, workspace)
     scale = 1.0 / math.sqrt(D) if scale is None else scale
     grid = (triton.cdiv(T, BLOCK_M), B * Hq, split.count)
@@ -171,21 +169,17 @@ def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pre
     return out
 
 
-# Measured on an H200 (the GPU check, 2026-11-28, docs/guides/kernels.md): the models' SDPA path
-# with the dense mask beat the kernel in fp16 and bf16 at every shape timed, 2.5 to 3.7 times (a
-# 60-node tree over 4,096 keys with Llama-7B heads: 0.105 against 0.389 ms), and in fp32 over 512
-# keys (0.08 against 0.87 ms); the kernel won only in fp32 at 60 keys. Auto mode therefore takes
-# the reference (SDPA); MMSPEC_KERNELS=triton still runs the kernel. Those timings predate the
-# key splits (issue 43), which were made for that 60-node tree's 32-program grid: not re-measured.
-KERNEL_PREFERRED = False
-
-
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lens: torch.Tensor,
-                   tree_mask: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-    """Tree-verify attention (module docstring): the reference (SDPA with the dense mask), which
-    measured faster than the kernel on an H200 (``KERNEL_PREFERRED``); ``MMSPEC_KERNELS=triton``
-    runs the Triton kernel (see ``mmspec.kernels.dispatch``)."""
+                   tree_mask: torch.Tensor | None = None, scale: float | None = None, *,
+                   reference: Callable[[], torch.Tensor] | None = None, **kernel_options) -> torch.Tensor:
+    """Tree-verify attention (module docstring): the Triton kernel where auto mode expects it to
+    win (``dispatch.PREFERRED``: nowhere, as measured on an H200) or ``MMSPEC_KERNELS=triton``
+    forces it, the torch path otherwise (``mmspec.kernels.dispatch``).
+
+    ``reference``: the caller's own torch path for these inputs, called with no arguments (a
+    cache's, on the mask it already built); None: ``tree_attention_reference``.
+    ``kernel_options``: ``num_splits``, ``workspace`` (``tree_attention_triton``)."""
     problem = dtype_problem(q, k, v) or (None if q.dtype == k.dtype == v.dtype else "q, k, v differ in dtype")
-    if use_triton("tree attention", q.device, problem, preferred=KERNEL_PREFERRED):
-        return tree_attention_triton(q, k, v, prefix_lens, tree_mask, scale)
-    return tree_attention_reference(q, k, v, prefix_lens, tree_mask, scale)
+    if use_triton("tree attention", q.device, problem, preferred=preferred("tree attention", q.shape[2], k.shape[2])):
+        return tree_attention_triton(q, k, v, prefix_lens, tree_mask, scale, **kernel_options)
+    return reference() if reference is not None else tree_attention_reference(q, k, v, prefix_lens, tree_mask, scale)

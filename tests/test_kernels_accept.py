@@ -269,7 +269,8 @@ def test_decoder_accepts_through_the_fused_kernel_where_dispatch_picks_it(monkey
         assert calls == [], name  # auto mode on the CPU: the rule objects
         with monkeypatch.context() as m:
             m.setattr(fused_mod, "kernel_dispatch", SimpleNamespace(
-                considered=lambda device: True, use_triton=lambda op, device, unsupported=None: unsupported is None))
+                considered=lambda device: True, preferred=dispatch.preferred,
+                use_triton=lambda op, device, unsupported=None, preferred=True: unsupported is None and preferred))
             got = generate(kw, gen)
         assert torch.equal(got.sequences, rules.sequences), name
         assert len(calls) == (got.stats.target_forwards - 1 if fused else 0), (name, len(calls))

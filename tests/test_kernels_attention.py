@@ -373,7 +373,7 @@ def test_use_triton(monkeypatch, env, device, interpret, available, unsupported,
 
 
 def test_long_rolling_blocks_take_the_reference_unless_forced(monkeypatch):
-    """Auto mode keeps the fused rotation to blocks of at most FUSED_MAX_QUERIES queries (longer
+    """Auto mode keeps the fused rotation to blocks of at most 128 queries (``dispatch.PREFERRED``; longer
     ones re-rotate every key per query tile); forcing Triton runs the kernel anyway."""
     monkeypatch.delenv(dispatch.ENV, raising=False)
     cuda = torch.device("cuda")
@@ -385,7 +385,7 @@ def test_long_rolling_blocks_take_the_reference_unless_forced(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(rolling_mod, "rolling_attention_triton", lambda *a, **k: calls.append(a[0].shape[2]))
     g = torch.Generator().manual_seed(6)
-    T = rolling_mod.FUSED_MAX_QUERIES + 1
+    T = dispatch.PREFERRED["rolling attention"]["max_queries"] + 1
     q, k, v = _qkv(1, 2, 2, T, T + 8, 16, g)
     lengths = torch.tensor([8])
     rolling_attention(q, k, v, lengths, lengths, 8 + torch.arange(T)[None], Rope1D(16), sink=0, window=8)
@@ -394,15 +394,20 @@ def test_long_rolling_blocks_take_the_reference_unless_forced(monkeypatch):
 
 def test_auto_mode_follows_the_h200_measurements(monkeypatch):
     """The GPU check (H200, 2026-11-28): SDPA beat the tree kernel at every fp16/bf16 shape, and
-    the rolling kernel beat SDPA only over short windows. Auto mode asks for the tree kernel with
-    preferred=False (so it takes the reference) and for the rolling kernel only for blocks of at
-    most FUSED_MAX_QUERIES queries over at most FUSED_MAX_KEYS keys; cache and functional paths
-    ask alike."""
-    assert tree_mod.KERNEL_PREFERRED is False
-    Q, K = rolling_mod.FUSED_MAX_QUERIES, rolling_mod.FUSED_MAX_KEYS
-    assert rolling_mod.kernel_preferred(4, 4, 251) and rolling_mod.kernel_preferred(Q, 0, K)
-    assert not rolling_mod.kernel_preferred(Q + 1, 0, 8)
-    assert not rolling_mod.kernel_preferred(60, 4, 4092) and not rolling_mod.kernel_preferred(4, 1, K)
+    the rolling kernel beat SDPA only over short windows. The one table (``dispatch.PREFERRED``)
+    says so: auto mode asks for the tree kernel with preferred=False (so it takes the reference)
+    and for the rolling kernel only for blocks of at most 128 queries over at most 256 keys;
+    cache and functional paths ask alike, through the dispatchers."""
+    preferred = dispatch.preferred
+    assert not preferred("tree attention", 60, 4096) and not preferred("tree attention", 1, 1)
+    Q, K = dispatch.PREFERRED["rolling attention"]["max_queries"], dispatch.PREFERRED["rolling attention"]["max_keys"]
+    assert (Q, K) == (128, 256)
+    assert preferred("rolling attention", 4, 4 + 251) and preferred("rolling attention", Q, K)
+    assert not preferred("rolling attention", Q + 1, 8)
+    assert not preferred("rolling attention", 60, 4 + 4092) and not preferred("rolling attention", 4, 1 + K)
+    assert preferred("guided acceptance") and preferred("residual")
+    with pytest.raises(ValueError, match="op must be one of"):
+        preferred("attention")
     asked = []
     record = lambda op, device, unsupported=None, available=True, preferred=True: asked.append((op, preferred))  # noqa: E731
     monkeypatch.setattr(tree_mod, "use_triton", record)

@@ -34,32 +34,14 @@ import torch
 from torch.nn import functional as F
 
 from ..kernels import dispatch as kernel_dispatch
-from ..kernels.rolling_attention import kernel_preferred as rolling_kernel_preferred
-from ..kernels.rolling_attention import rolling_attention_triton, rope_problem
-from ..kernels.tree_attention import KERNEL_PREFERRED as TREE_KERNEL_PREFERRED
-from ..kernels.tree_attention import tree_attention_triton
+from ..kernels.rolling_attention import rolling_attention
+from ..kernels.torch_ops import visibility_mask
+from ..kernels.tree_attention import tree_attention
 from .errors import check
 from .shapes import static_shapes
 
 Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 """``rope(x (B, H, T, D), positions (B, T)) -> x`` rotated by position."""
-
-
-def visibility_mask(ends: torch.Tensor, T: int, S: int, tree_mask: torch.Tensor | None) -> torch.Tensor:
-    """(B, 1, T, S) bool attention mask for a block ending at slot ``ends[b]`` (exclusive).
-
-    Slots below ``ends - width`` (width = T, or the tree mask's width) are fully visible; the
-    last ``width`` slots follow the tree mask (causal when it is None); later slots are hidden.
-    """
-    B = ends.shape[0]
-    device = ends.device
-    if tree_mask is None:
-        tree_mask = torch.ones(T, T, dtype=torch.bool, device=device).tril().expand(B, T, T)
-    width = tree_mask.shape[-1]
-    rel = torch.arange(S, device=device) - (ends - width)[:, None]  # (B, S)
-    in_tree = (rel >= 0) & (rel < width)
-    picked = tree_mask.gather(-1, rel.clamp(0, width - 1)[:, None, :].expand(B, T, S))
-    return ((rel < 0)[:, None, :] | (in_tree[:, None, :] & picked)).unsqueeze(1)
 
 
 class CacheStep:
@@ -98,8 +80,9 @@ class CacheStep:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this block's k, v (B, H, T, D) for ``layer`` and return the block's attention output
-        (B, H, T, D): ``scaled_dot_product_attention(*update(...), attn_mask=mask)``, or the same
-        through a kernel of ``mmspec.kernels`` where its dispatch picks Triton."""
+        (B, H, T, D): ``scaled_dot_product_attention(*update(...), attn_mask=mask)``, through the
+        op dispatcher of ``mmspec.kernels`` wherever a kernel could run (it alone decides kernel or
+        this torch path)."""
         out = self.cache._kernel_attention(self, layer, q, k, v)
         if out is not None:
             return out
@@ -183,18 +166,16 @@ class StaticKVCache:
         return step.rotate(q, step.positions), self.k[layer, :, :, :S], self.v[layer, :, :, :S]
 
     def _kernel_attention(self, step, layer, q, k, v) -> torch.Tensor | None:
-        """The tree-verify attention kernel's output where the kernels' dispatch picks it, else None
-        (before anything is written). The kernel applies ``step.mask``'s rule from the block's
-        prefix length and its tree mask instead of reading the dense mask."""
+        """The block's attention through ``mmspec.kernels.tree_attention`` (the kernel where the
+        dispatcher picks it: it applies ``step.mask``'s rule from the block's prefix length and
+        its tree mask; this cache's SDPA on ``step.mask`` otherwise), or None, before anything is
+        written, where no kernel is considered (``dispatch.considered``: the caller's SDPA)."""
         if step.positions.shape[1] == 0 or not kernel_dispatch.considered(q.device):
-            return None
-        problem = kernel_dispatch.dtype_problem(q, self.k) or (None if q.dtype == self.k.dtype else "q and the cache "
-                                                              "differ in dtype")
-        if not kernel_dispatch.use_triton("tree attention", q.device, problem, preferred=TREE_KERNEL_PREFERRED):
             return None
         width = step.positions.shape[1] if step.tree_mask is None else step.tree_mask.shape[-1]
         q, keys, values = self._update(step, layer, q, k, v)
-        return tree_attention_triton(q, keys, values, step.slots[:, -1] + 1 - width, step.tree_mask)
+        return tree_attention(q, keys, values, step.slots[:, -1] + 1 - width, step.tree_mask,
+                              reference=lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask))
 
     def reset(self) -> None:
         """Empty the cache for a new call, keeping its buffers where they are (compiled steps pool
@@ -469,29 +450,32 @@ class SinkWindowCache(StaticKVCache):
         return self.pos[:, :S]
 
     def _update(self, step, layer, q, k, v):
-        S = step.mask.shape[-1]
         self._write(layer, step, k, v)
+        return self._read(step, layer, q)
+
+    def _read(self, step, layer, q):
+        """Rotated q and the keys (rotated by their cache positions) and values the block sees."""
+        S = step.mask.shape[-1]
         keys = step.rotate(self.k[layer, :, :, :S], step.key_positions)
         return step.rotate(q, step.positions), keys, self.v[layer, :, :, :S]
 
     def _kernel_attention(self, step, layer, q, k, v) -> torch.Tensor | None:
-        """The rolling attention kernel (keys rotated as they are read, nothing re-rotated in memory)
-        where the kernels' dispatch picks it, else None. The block sits right after the entries it
-        sees (``block_start`` = the slots' start, this cache's compact layout, ring start 0); blocks
-        whose tree mask reaches earlier tree nodes (a draft's frontier) take the default path."""
+        """The block's attention through ``mmspec.kernels.rolling_attention`` (the kernel where the
+        dispatcher picks it: keys rotated as they are read, nothing re-rotated in memory; this
+        cache's read path and SDPA otherwise), or None, before anything is written, where no
+        kernel is considered or the block's tree mask reaches earlier tree nodes (a draft's
+        frontier): the caller's SDPA. The block sits right after the entries it sees
+        (``block_start`` = the slots' start, this cache's compact layout, ring start 0)."""
         T = step.positions.shape[1]
         if T == 0 or (step.tree_mask is not None and step.tree_mask.shape[-1] != T) or \
                 not kernel_dispatch.considered(q.device):
             return None
-        problem = (kernel_dispatch.dtype_problem(q, self.k) or (None if q.dtype == self.k.dtype else
-                   "q and the cache differ in dtype") or rope_problem(self.rope))
-        if not kernel_dispatch.use_triton("rolling attention", q.device, problem,
-                                          preferred=rolling_kernel_preferred(T, self.sink, self.window)):
-            return None
         self._write(layer, step, k, v)
         start = step.slots[:, 0]
-        return rolling_attention_triton(q, self.k[layer], self.v[layer], start, start, step.positions, self.rope,
-                                        sink=self.sink, window=self.window, tree_mask=step.tree_mask)
+        return rolling_attention(q, self.k[layer], self.v[layer], start, start, step.positions, self.rope,
+                                 sink=self.sink, window=self.window, tree_mask=step.tree_mask,
+                                 reference=lambda: F.scaled_dot_product_attention(*self._read(step, layer, q),
+                                                                                  attn_mask=step.mask))
 
     def _evict(self) -> None:
         """Keep the sink frames and the last ``window`` frames of every row (and their latents)."""

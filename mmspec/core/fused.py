@@ -65,7 +65,8 @@ def fused_acceptance(rule, pipeline, draft: DraftTree, logits: torch.Tensor | No
     if knobs is None:
         return None
     top_p = knobs.pop("top_p")
-    if not kernel_dispatch.use_triton("guided acceptance", logits.device, accept_problem(logits, draft.q, top_p)):
+    if not kernel_dispatch.use_triton("guided acceptance", logits.device, accept_problem(logits, draft.q, top_p),
+                                      preferred=kernel_dispatch.preferred("guided acceptance")):
         return None
     if rows is not None:  # both CFG halves of each lane
         logits = logits[rows if knobs["guidance_scale"] is None else torch.cat([rows, rows + logits.shape[0] // 2])]

@@ -13,7 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.torch_ops import cfg_merge, greedy_one_hot, logits_to_probs
 from .errors import check
+
+__all__ = ["LogitsPipeline", "argmax_ids", "cfg_merge", "greedy_one_hot"]
 
 
 @dataclass(frozen=True)
@@ -67,42 +70,9 @@ class LogitsPipeline:
         return cfg_merge(*logits.chunk(2, dim=0), self.guidance_scale)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """(B or 2B, ..., V) raw logits -> (B, ..., V) float32 probabilities."""
-        logits = self.merge_guidance(logits.float())
-        if self.greedy:
-            return greedy_one_hot(logits)
-        logits = logits / self.temperature
-        if self.top_k is not None and self.top_k < logits.shape[-1]:
-            kth = logits.topk(self.top_k, dim=-1).values[..., -1:]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        if self.top_p is not None and self.top_p < 1:
-            # stable: among tokens tied at the nucleus boundary the lower ids are kept (transformers'
-            # ascending sort keeps the higher ones; tests/test_logits_hf.py shows both)
-            sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-            sorted_probs = sorted_logits.softmax(-1)
-            # drop a token when the mass strictly before it already reaches top_p (keeps >= 1 token)
-            drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= self.top_p
-            drop = drop_sorted.scatter(-1, order, drop_sorted)
-            logits = logits.masked_fill(drop, float("-inf"))
-        return logits.softmax(-1)
-
-
-def cfg_merge(cond: torch.Tensor, uncond: torch.Tensor, scale) -> torch.Tensor:
-    """Classifier-free guidance (Ho & Salimans, 2022): ``uncond + scale * (cond - uncond)``, the one
-    merge of conditional and unconditional logits, velocities or noise predictions; ``scale`` is a
-    number or a tensor that broadcasts against them."""
-    return uncond + scale * (cond - uncond)
-
-
-def greedy_one_hot(logits: torch.Tensor) -> torch.Tensor:
-    """The greedy distribution: float32 one-hot at each row's argmax (the first on ties), built by
-    one argmax and a scatter into zeros. The argmax ids ride along as the tensor's ``argmax_ids``
-    attribute, so a greedy rule reads them instead of scanning the vocabulary again
-    (``argmax_ids``); views and copies of the tensor drop it and scan."""
-    ids = logits.argmax(-1, keepdim=True)
-    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(-1, ids, 1.0)
-    probs.argmax_ids = ids[..., 0]
-    return probs
+        """(B or 2B, ..., V) raw logits -> (B, ..., V) float32 probabilities
+        (``mmspec.kernels.torch_ops.logits_to_probs``)."""
+        return logits_to_probs(logits, self.guidance_scale, self.temperature, self.top_k, self.top_p)
 
 
 def argmax_ids(p: torch.Tensor) -> torch.Tensor:

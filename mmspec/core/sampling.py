@@ -25,6 +25,7 @@ from typing import Sequence, Union
 
 import torch
 
+from ..kernels.torch_ops import inverse_cdf
 from .errors import check
 
 Generators = Union[torch.Generator, Sequence[torch.Generator], None]
@@ -114,15 +115,3 @@ def sample(probs: torch.Tensor, generator: Generators = None) -> torch.Tensor:
 
     With a per-row tuple of generators, ``probs[r]`` draws from generator r."""
     return inverse_cdf(probs, rand(probs.shape[:-1] + (1,), generator, probs.device, probs.dtype))
-
-
-def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """probs (B, ..., V), rows summing to > 0, and uniforms u (B, ..., 1) in [0, 1) -> (B, ...)
-    indices: the first index whose cumulative mass exceeds ``u`` times the row's total (``sample``
-    with its uniforms given)."""
-    cdf = probs.cumsum(-1)  # (B, ..., V)
-    total = cdf[..., -1:]
-    # kept strictly below the total even when u * total rounds up to it
-    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
-    # right=True picks the first token whose cdf exceeds the target: zero-mass tokens never win
-    return torch.searchsorted(cdf, target, right=True).squeeze(-1)
