@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from mmspec import commands
+from mmspec.bench import gpu_check
 from mmspec.bench import kernels as bench
-from mmspec.kernels import dispatch
+from mmspec.bench.report import format_table
+from mmspec.kernels import dispatch, splitk
 
 ROW_KEYS = {"kernel", "shape", "dtype", "max_abs_err", "tolerance", "correct", "reference_ms", "projected", "measured"}
 
@@ -44,6 +46,42 @@ def test_projections_say_where_fusion_pays():
     assert accept["torch_bytes"] > 5 * accept["bytes"]
 
 
+def test_key_sweep_covers_both_kernels_at_four_key_counts():
+    """Tree attention over 256 to 16,384 cached tokens and rolling attention over a sink of 4 + a
+    window of the same key counts, EAGLE-2's tree and Llama-7B heads, fp16 and bf16; the report's
+    two fp16 rows at 4,096 keys are the sweep's own, unchanged and first."""
+    rows = bench.projected_rows()
+    sweep = [r for r in rows if "sweep_keys" in r]
+    assert len(sweep) == 16 and all(ROW_KEYS <= set(r) and r["projected"] and not r["measured"] for r in sweep)
+    for kernel in ("tree_attention", "rolling_attention"):
+        for dtype in ("float16", "bfloat16"):
+            got = [r for r in sweep if (r["kernel"], r["dtype"]) == (kernel, dtype)]
+            assert sorted(r["sweep_keys"] for r in got) == [256, 1024, 4096, 16384]
+    for row in sweep:
+        s, n = row["inputs"], row["sweep_keys"]
+        assert (s["B"], s["heads"], s["head_dim"], s["bytes_per_element"]) == (1, 32, 128, 2)
+        if row["kernel"] == "tree_attention":
+            assert (s["tree_nodes"], s["cache_tokens"], s["kv_heads"]) == (60, n, 32) and f"S={n}," in row["shape"]
+        else:
+            assert (s["queries"], s["sink"], s["window"], s["held_keys"], s["rope"]) == (60, 4, n - 4, n, "1d")
+    assert [{k: v for k, v in r.items() if k != "sweep_keys"} for r in rows[:2]] == [
+        bench.project_tree_attention(), bench.project_rolling_tokens()]
+    assert [(r["kernel"], r.get("sweep_keys"), r["dtype"]) for r in rows[:2]] == [
+        ("tree_attention", 4096, "float16"), ("rolling_attention", 4096, "float16")]
+    # the sweep's traffic grows with the keys; bf16 moves what fp16 does
+    tree16 = sorted((r for r in sweep if r["kernel"] == "tree_attention" and r["dtype"] == "float16"),
+                    key=lambda r: r["sweep_keys"])
+    assert [a["bytes"] < b["bytes"] for a, b in zip(tree16, tree16[1:])] == [True] * 3
+    assert {r["bytes"] for r in sweep if r["sweep_keys"] == 256 and r["kernel"] == "tree_attention"} == {
+        tree16[0]["bytes"]}
+
+
+def test_the_kernel_bench_stops_starting_rows_inside_the_gpu_checks_limit():
+    """The GPU check kills the bench at its step's limit, and the bench writes its JSON only at the
+    end: its budget leaves time for starting Python and for the row in flight."""
+    assert bench.KernelBenchConfig().budget_s + 20 <= gpu_check.STEP_SECONDS["kernels"]
+
+
 @pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed (torch's CPU-only wheels, e.g. on aarch64, come without it)")
 def test_cli_writes_measured_and_projected_rows(tmp_path, monkeypatch, capsys):
     """Two small cases (to keep the interpreter run short) through ``mmspec bench kernels --json``."""
@@ -66,10 +104,12 @@ def test_cli_writes_measured_and_projected_rows(tmp_path, monkeypatch, capsys):
     assert {r["kernel"] for r in projected} == {"tree_attention", "rolling_attention", "guided_accept"}
     assert all(r["inputs"] and r["h100_us"] > 0 and r["reference_ms"] is None for r in projected)
     assert not any(r["measured"] for r in rows) and not any("measured_kernel_us" in r for r in rows)
+    assert sorted({r["sweep_keys"] for r in projected if "sweep_keys" in r}) == [256, 1024, 4096, 16384]
     setup = result["setup"]
     assert setup["kernels_ran"] == "Triton's CPU interpreter" and setup["timer"].startswith("time.perf_counter")
     assert setup["gpu_name"] is None and setup["torch"] == torch.__version__ and setup["triton"]
-    assert "tree_attention" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "tree_attention" in out and "x sdpa" in out
 
 
 def test_attention_tolerance_follows_the_tests():
@@ -199,6 +239,57 @@ def test_rows_past_the_budget_are_reported_unmeasured(compiled_on_cpu):
     assert all(r["measured"] is False and r["correct"] is None and "budget" in r["note"] for r in rows)
 
 
+def test_sweep_rows_carry_the_ratio_to_sdpa_and_the_launchers_splits(compiled_on_cpu, monkeypatch):
+    """A toy sweep through the compiled path: every row measured beside its projection, with sdpa /
+    kernel and the key splits the launcher picks (one key tile at 16 keys, five at 300), printed."""
+    monkeypatch.setattr(bench, "projected_rows",
+                        lambda: bench.key_sweep_rows(keys=(16, 300), H=2, D=16, T=5, sink=2))
+    rows = [r for r in bench.run(bench.KernelBenchConfig(), device="cpu")["rows"] if r["projected"]]
+    assert [(r["kernel"], r["dtype"], r["sweep_keys"]) for r in rows] == [
+        (kernel, dtype, n) for dtype in ("float16", "bfloat16") for kernel in ("tree_attention", "rolling_attention")
+        for n in (16, 300)]
+    for row in rows:
+        assert row["measured"] is True and row["correct"] is True, row
+        assert row["measured_sdpa_us"] == 3000.0 and row["measured_sdpa_speedup"] == 1.5
+        assert row["num_splits"] == (1 if row["sweep_keys"] == 16 else 5)
+    table = format_table(rows, bench.KERNELS_COLUMNS).splitlines()
+    header, _, first = (line.strip("|").split("|") for line in table[:3])
+    cells = dict(zip((c.strip() for c in header), (c.strip() for c in first)))
+    assert (cells["sdpa us"], cells["x sdpa"], cells["splits"]) == ("3000.00", "1.50", "1")
+
+
+def test_the_gpu_checks_summary_gives_the_ratio_to_sdpa_and_the_splits():
+    row = {"kernel": "tree_attention", "shape": "s", "dtype": "float16", "projected": True, "correct": True,
+           "sweep_keys": 16384, "measured_kernel_us": 200.0, "measured_torch_us": 900.0, "measured_sdpa_us": 300.0,
+           "measured_sdpa_speedup": 1.5, "num_splits": 9}
+    lines = gpu_check._step_lines({"name": "kernels", "summary": {"rows": [row]}})
+    assert lines == ["tree_attention s float16: correct=True, kernel 0.2000 ms, reference 0.9000 ms, "
+                     "sdpa 0.3000 ms, sdpa/kernel 1.50, 9 key splits"]
+
+
+@pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed")
+@pytest.mark.parametrize("fn, T, D, keys", [("tree_attention", 60, 128, 2000), ("rolling_attention", 5, 64, 700),
+                                            ("tree_attention", 17, 24, 60)])
+def test_recorded_splits_are_the_launchers(monkeypatch, fn, T, D, keys):
+    """``num_splits`` against what the launcher itself plans (stopped before its launch)."""
+    from mmspec.core.rope import Rope1D
+
+    class Planned(Exception):
+        pass
+
+    real = splitk.plan
+    monkeypatch.setattr(splitk, "plan", lambda *a: (_ for _ in ()).throw(Planned(real(*a).count)))
+    g = torch.Generator().manual_seed(0)
+    if fn == "tree_attention":
+        inputs = bench._tree_inputs(g, 1, 4, 4, T, keys + T, D, prefix=keys)
+    else:
+        inputs = bench._rolling_inputs(g, 1, 4, 4, T, D, 4, keys - 4, Rope1D(D), 3)
+    launcher = getattr(importlib.import_module("mmspec.kernels"), fn + "_triton")
+    with pytest.raises(Planned) as planned:
+        launcher(**inputs)
+    assert planned.value.args[0] == bench.num_splits(inputs, torch.device("cpu")) > 1
+
+
 def test_projected_cases_are_built_at_the_rows_shapes():
     g = torch.Generator().manual_seed(0)
     tree, tokens, video, accept = _small_projections()
@@ -232,12 +323,17 @@ def test_gpu_time_is_do_bench_by_time_with_quantiles(monkeypatch):
 @pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed")
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels need a CUDA GPU")
 def test_compiled_bench_on_cuda(monkeypatch):
-    """Two small cases and the toy projections compiled and timed by do_bench (short windows)."""
+    """Two small cases, the toy projections and a toy key sweep (split and unsplit) compiled and
+    timed by do_bench (short windows)."""
     full = bench.measured_cases
     monkeypatch.setattr(bench, "measured_cases", lambda seed: [full(seed)[0], full(seed)[4]])
-    monkeypatch.setattr(bench, "projected_rows", _small_projections)
+    monkeypatch.setattr(bench, "projected_rows", lambda: _small_projections() + bench.key_sweep_rows(
+        keys=(16, 300), H=2, D=16, T=5, sink=2))
     result = bench.run(bench.KernelBenchConfig(warmup_ms=2.0, rep_ms=5.0))
     assert result["setup"]["gpu_name"] == torch.cuda.get_device_name()
     for row in result["rows"]:
         assert row["measured"] is True and row["correct"] is True, row
         assert (row.get("kernel_ms") or row["measured_kernel_us"]) > 0
+    sweep = [r for r in result["rows"] if "sweep_keys" in r]
+    assert len(sweep) == 8 and {r["num_splits"] for r in sweep} == {1, 5}
+    assert all(r["measured_sdpa_speedup"] > 0 and r["measured_sdpa_us"] > 0 for r in sweep)

@@ -6,7 +6,8 @@ the interpreter or hangs in compilation costs its step, not the report):
 
 1. ``cuda-tests``: ``pytest -m cuda`` over the test files that hold CUDA-marked tests (the
    compiled kernels against their torch references at every tested shape and dtype).
-2. ``kernels``: ``mmspec bench kernels`` (compiled timings against the torch/SDPA reference).
+2. ``kernels``: ``mmspec bench kernels`` (compiled timings against the torch/SDPA reference, at
+   the report's shapes and over 256 to 16,384 keys).
 3. ``pipeline:ar-image``, ``pipeline:vlm``, ``pipeline:continuous``, ``pipeline:video``: the
    bundled checkpoint on the device in float32 and the low precisions (``check_pipeline``);
    ``pipeline:wan-tiny``: diffusers' Wan classes through ``from_wan``, tiny and random:
@@ -64,9 +65,11 @@ runs out keeps the parts it finished (float32 identity, offload, speed eager, sy
 compiled steps, then low precision). Sized from the first run on a GPU (H200, 2026-11-28, budget
 480 s): the CUDA tests one process at a time ran past 115 s with Triton's cache cold (123 passed
 in 33 s on 8 workers, cache warm); the kernel bench spent its 70 s before its guided-acceptance
-rows; ar-image and vlm ran past 70 s, continuous took 31 s, video 29 s, wan-tiny past 30 s. The
-compiled speed rows (ar-image, vlm, continuous) and the real-size step (issue 42) were added since and
-have not run on a GPU: their limits are guesses, and each records what finished."""
+rows (it starts no row after ``KernelBenchConfig.budget_s`` = 70 s, so that it writes its JSON
+inside this limit); ar-image and vlm ran past 70 s, continuous took 31 s, video 29 s, wan-tiny past
+30 s. The compiled speed rows (ar-image, vlm, continuous), the real-size step (issue 42) and the
+kernel bench's key sweep (issue 43) were added since and have not run on a GPU: their limits are
+guesses, and each records what finished."""
 BUDGET_SECONDS = 540.0
 CUDA_TEST_WORKERS = 8
 """pytest-xdist workers for the CUDA tests, where xdist is installed (at most one per CPU)."""
@@ -189,16 +192,24 @@ def format_summary(report: dict) -> str:
 
 def _timing(row: dict) -> str:
     """A kernel row's times in ms: the small shapes' ``*_ms``, or a projected row's
-    ``measured_*_us`` (the projected shape built and timed on the GPU); ``sdpa`` where timed."""
+    ``measured_*_us`` (the projected shape built and timed on the GPU); ``sdpa`` where timed, and
+    the ratio sdpa / kernel and the key splits where the row has them."""
     number = lambda v: isinstance(v, (int, float))  # noqa: E731
     if number(row.get("kernel_ms")) and number(row.get("reference_ms")):
         times = {"kernel": row["kernel_ms"], "reference": row["reference_ms"], "sdpa": row.get("sdpa_ms")}
+        ratio = row.get("sdpa_speedup")
     elif number(row.get("measured_kernel_us")) and number(row.get("measured_torch_us")):
         times = {"kernel": row["measured_kernel_us"] / 1e3, "reference": row["measured_torch_us"] / 1e3,
                  "sdpa": row["measured_sdpa_us"] / 1e3 if number(row.get("measured_sdpa_us")) else None}
+        ratio = row.get("measured_sdpa_speedup")
     else:
         return "not timed" + (f" ({row['note']})" if row.get("note") else "")
-    return ", ".join(f"{k} {v:.4f} ms" for k, v in times.items() if number(v))
+    out = [f"{k} {v:.4f} ms" for k, v in times.items() if number(v)]
+    if number(ratio):
+        out.append(f"sdpa/kernel {ratio:.2f}")
+    if number(row.get("num_splits")):
+        out.append(f"{row['num_splits']} key splits")
+    return ", ".join(out)
 
 
 def _step_lines(step: dict) -> list[str]:
@@ -323,10 +334,10 @@ def step_kernels(out: Path, timeout: float, dry_run: bool) -> dict:
     if rc != 0 or not path.is_file():
         return {"status": "error", "reason": f"mmspec bench kernels exit {rc}: {_tail(text, 8)}", "summary": {}}
     result = json.loads(path.read_text())
-    keep = ("kernel", "shape", "dtype", "measured", "projected", "correct", "decisions_equal", "max_abs_err",
-            "tolerance", "kernel_ms", "reference_ms", "speedup", "sdpa_ms", "sdpa_speedup", "measured_kernel_us",
-            "measured_torch_us", "measured_speedup", "measured_sdpa_us", "measured_sdpa_speedup", "h100_us",
-            "torch_h100_us", "projected_speedup", "note")
+    keep = ("kernel", "shape", "dtype", "sweep_keys", "measured", "projected", "correct", "decisions_equal",
+            "max_abs_err", "tolerance", "kernel_ms", "reference_ms", "speedup", "sdpa_ms", "sdpa_speedup",
+            "measured_kernel_us", "measured_torch_us", "measured_speedup", "measured_sdpa_us",
+            "measured_sdpa_speedup", "num_splits", "h100_us", "torch_h100_us", "projected_speedup", "note")
     rows = [{k: r[k] for k in keep if k in r} for r in result["rows"]]
     ran = [r for r in rows if r.get("measured")]
     wrong = [r for r in ran if r.get("correct") is False]
