@@ -253,15 +253,15 @@ def rolling_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
                              block_start: torch.Tensor, positions: torch.Tensor, rope, *, sink: int,
                              window: int, ring_start: torch.Tensor | None = None,
                              tree_mask: torch.Tensor | None = None, scale: float | None = None,
-                             num_splits: int | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+                             num_splits: int | None = None, workspace=None) -> torch.Tensor:
     """The Triton kernel (CUDA, or the CPU under ``TRITON_INTERPRET=1``); same contract as the
     reference for the ropes ``rope_problem`` accepts, with the index tensors' values unchecked.
 
     ``num_splits``: splits of the buffer's C key slots (flash-decoding split-K,
     ``mmspec.kernels.splitk``); None picks them from the shapes and the GPU's multiprocessors
     (``splitk.choose_num_splits``). ``workspace``: fp32 scratch of at least
-    ``splitk.workspace_numel(num_splits, B, Hq, T, D)`` elements for more than one split (None:
-    allocated per call)."""
+    ``splitk.workspace_numel(num_splits, B, Hq, T, D)`` elements for more than one split, or an allocator
+    ``workspace(numel) -> tensor`` (None: allocated per call)."""
     ring_start = torch.zeros_like(lengths) if ring_start is None else ring_start
     _check_inputs(q, k, v, lengths, block_start, positions, sink, window, ring_start, tree_mask, values=False)
     check(q.dtype == k.dtype == v.dtype, "q, k, v", "one dtype", (q.dtype, k.dtype, v.dtype))

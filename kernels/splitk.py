@@ -14,7 +14,8 @@ that saw no key holds a zero output and lse ``-inf``: weight 0, never a NaN. One
 output directly, as before (no workspace, no combine).
 
 Workspace (fp32, contiguous, at least ``workspace_numel`` elements; the caller may preallocate it,
-e.g. for CUDA graphs): partial outputs (splits, B, H, T, D), then lse (splits, B, H, T).
+or pass an allocator ``workspace(numel) -> tensor`` that keeps one per size, as the core's caches
+do, so a captured step replays on the same buffer): partial outputs (splits, B, H, T, D), then lse (splits, B, H, T).
 """
 
 from __future__ import annotations
@@ -101,9 +102,10 @@ class SplitPlan(NamedTuple):
 
 
 def plan(q: torch.Tensor, keys: int, block_m: int, block_n: int, num_splits: int | None,
-         workspace: torch.Tensor | None) -> SplitPlan:
+         workspace) -> SplitPlan:
     """The split of ``keys`` key slots for queries q (B, H, T, D): ``num_splits`` (None:
-    ``choose_num_splits`` for q's device), over ``workspace`` (None: allocated here)."""
+    ``choose_num_splits`` for q's device), over ``workspace``: a tensor, an allocator
+    ``workspace(numel) -> tensor`` (called only when splitting), or None (allocated here)."""
     B, H, T, D = q.shape
     key_tiles = max(1, -(-keys // block_n))
     if num_splits is None:
@@ -114,6 +116,8 @@ def plan(q: torch.Tensor, keys: int, block_m: int, block_n: int, num_splits: int
     need = workspace_numel(num_splits, B, H, T, D)
     if workspace is None:
         workspace = torch.empty(need, device=q.device, dtype=torch.float32)
+    elif callable(workspace):
+        workspace = workspace(need)
     check(workspace.dtype == torch.float32 and workspace.device == q.device and workspace.is_contiguous()
           and workspace.numel() >= need, "workspace", f"a contiguous float32 tensor on {q.device} of at least "
           f"{need} elements (workspace_numel({num_splits}, {B}, {H}, {T}, {D}))",

@@ -129,14 +129,14 @@ if TRITON_AVAILABLE:
 
 def tree_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_lens: torch.Tensor,
                           tree_mask: torch.Tensor | None = None, scale: float | None = None, *,
-                          num_splits: int | None = None, workspace: torch.Tensor | None = None) -> torch.Tensor:
+                          num_splits: int | None = None, workspace=None) -> torch.Tensor:
     """The Triton kernel (CUDA, or the CPU under ``TRITON_INTERPRET=1``); same contract as the
     reference, output in q's dtype.
 
     ``num_splits``: key splits (flash-decoding split-K, ``mmspec.kernels.splitk``); None picks
     them from the shapes and the GPU's multiprocessors (``splitk.choose_num_splits``). ``workspace``:
     fp32 scratch of at least ``splitk.workspace_numel(num_splits, B, Hq, T, D)`` elements for more
-    than one split (None: allocated per call)."""
+    than one split, or an allocator ``workspace(numel) -> tensor`` (None: allocated per call)."""
     W = _check_inputs(q, k, v, prefix_lens, tree_mask)
     check(q.dtype == k.dtype == v.dtype, "q, k, v", "one dtype", (q.dtype, k.dtype, v.dtype))
     B, Hq, T, D = q.shape

@@ -128,6 +128,23 @@ def test_split_count_fills_two_waves():
                 assert (n - 1) * -(-key_tiles // n) < key_tiles  # no split is empty for a full row
 
 
+def test_an_allocator_workspace_is_asked_only_when_splitting():
+    """``workspace`` may be the caller's allocator (the caches' ``workspace``): called with the
+    elements the split needs, not at all for one split; a cache keeps one buffer per size."""
+    from mmspec.core.cache import StaticKVCache
+
+    q = torch.zeros(1, 4, 7, 24)
+    asked = []
+    alloc = lambda n: asked.append(n) or torch.empty(n)  # noqa: E731
+    assert splitk.plan(q, 150, 16, 64, 1, alloc).partial is None and asked == []
+    split = splitk.plan(q, 150, 16, 64, 3, alloc)
+    assert asked == [splitk.workspace_numel(3, 1, 4, 7, 24)] and split.partial.shape == (3, 1, 4, 7, 24)
+    cache = StaticKVCache(1, 1, 4, 24, max_len=8)
+    a = cache.workspace(100)
+    assert a is cache.workspace(100) and a.dtype == torch.float32 and a.numel() == 100
+    assert cache.workspace(50) is not a
+
+
 def test_split_count_rejects_bad_input():
     with pytest.raises(ValueError, match="tiles, keys, block_n, sm_count"):
         splitk.choose_num_splits(0, 100, 64)

@@ -174,8 +174,18 @@ class StaticKVCache:
             return None
         width = step.positions.shape[1] if step.tree_mask is None else step.tree_mask.shape[-1]
         q, keys, values = self._update(step, layer, q, k, v)
-        return tree_attention(q, keys, values, step.slots[:, -1] + 1 - width, step.tree_mask,
+        return tree_attention(q, keys, values, step.slots[:, -1] + 1 - width, step.tree_mask, workspace=self.workspace,
                               reference=lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask))
+
+    def workspace(self, numel: int) -> torch.Tensor:
+        """The split attention kernels' fp32 scratch of ``numel`` elements (``mmspec.kernels.
+        splitk``), one buffer per size kept on the cache: every pass of a (batch, block width)
+        bucket reuses it, as a captured step must, and nothing is allocated unless a kernel splits."""
+        pool = self.__dict__.setdefault("_workspaces", {})
+        buf = pool.get(numel)
+        if buf is None:
+            buf = pool[numel] = torch.empty(numel, dtype=torch.float32, device=self.k.device)
+        return buf
 
     def reset(self) -> None:
         """Empty the cache for a new call, keeping its buffers where they are (compiled steps pool
@@ -474,6 +484,7 @@ class SinkWindowCache(StaticKVCache):
         start = step.slots[:, 0]
         return rolling_attention(q, self.k[layer], self.v[layer], start, start, step.positions, self.rope,
                                  sink=self.sink, window=self.window, tree_mask=step.tree_mask,
+                                 workspace=self.workspace,
                                  reference=lambda: F.scaled_dot_product_attention(*self._read(step, layer, q),
                                                                                   attn_mask=step.mask))
 
