@@ -66,7 +66,7 @@ from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
 from ..adapters.video import SAMPLERS, CacheLimitError, CachedStream, FlowSampler, RecomputeStream
-from ..adapters.video_wan import POSITION_POLICIES, WanStreamingDecoder, WanVideoModel, encode_prompts
+from ..adapters.video_wan import POSITION_POLICIES, WanStreamingDecoder, WanVideoModel, check_window, encode_prompts
 from ..core.errors import check, check_choice
 from . import checks
 from .base import PipelineBase, onload
@@ -145,9 +145,52 @@ class _Setup:
 WAN_STREAM_DEFAULTS = dict(position_policy="cache-order", sink_frames=3, window_frames=12, num_inference_steps=4,
                            guidance_scale=1.0, sampler="renoise", sigmas=[1.0, 0.9375, 0.8333, 0.625], height=480,
                            width=832, max_text_length=512)
-"""``from_wan``'s stream settings besides ``chunk_frames`` (which has no default): Self-Forcing's
-few-step sampler (its warped sigmas with a scheduler ``shift`` of 1; distilled, so no guidance),
-a sink of 3 and a window of 12 latent frames, 480 x 832 pixels, 512 text tokens."""
+"""``from_wan``'s stream settings without a ``preset`` (``chunk_frames`` has no default there):
+this project's choice for unbounded streams, not any released setting: cache-order positions (the
+stream never runs out of RoPE positions), a sink of 3 and a window of 12 latent frames, and
+Self-Forcing's four-step sampler (its warped sigmas, rounded to 4 digits; distilled, so no
+guidance), 480 x 832 pixels, 512 text tokens. The released settings are ``WAN_STREAM_PRESETS``."""
+
+_SIGMAS_SHIFT5 = [1.0, 0.9375, 5 / 6, 0.625]
+"""Self-Forcing's and LongLive's ``denoising_step_list`` [1000, 750, 500, 250] warped
+(``warp_denoising_step: true``: ``timesteps[1000 - t]`` of ``FlowMatchScheduler(shift=5.0,
+extra_one_step=True)``'s 1,000-step table): timesteps 1000, 937.5, 833.33, 625."""
+
+WAN_STREAM_PRESETS = {
+    # guandeh17/Self-Forcing @ 33593df: configs/self_forcing_dmd.yaml (num_frame_per_block: 3 l.48;
+    # denoising_step_list l.7-11, warp_denoising_step: true l.12, timestep_shift: 5.0 l.15/51);
+    # no sink or window in the configs, so utils/wan_wrapper.py's defaults local_attn_size=-1,
+    # sink_size=0 (l.121-122): a KV cache of 32760 tokens = 21 frames of 1560
+    # (pipeline/causal_inference.py l.288, l.34), chunk included: sink 0, window 18; absolute
+    # frame positions (wan/modules/causal_model.py l.195); the clean pass at context_noise 0
+    # (configs/default_config.yaml l.10); no unconditional pass in pipeline/causal_inference.py
+    # (distilled: guidance 1).
+    "self-forcing": dict(chunk_frames=3, sink_frames=0, window_frames=18, position_policy="absolute",
+                         num_inference_steps=4, sigmas=_SIGMAS_SHIFT5, guidance_scale=1.0, sampler="renoise",
+                         height=480, width=832, max_text_length=512),
+    # NVlabs/LongLive, branch v1.0 @ e52d9ef: configs/longlive_inference.yaml (denoising_step_list
+    # l.1-5, warp l.6, num_frame_per_block: 3 l.7, local_attn_size: 12 l.10, timestep_shift: 5.0
+    # l.11, sink_size: 3 l.12, context_noise: 0 l.25): a chunk attends to the 3 sink frames and the
+    # last 12 - 3 = 9 frames of the cache, itself included (wan/modules/causal_model.py l.323-333):
+    # sink 3, window 6; absolute positions (l.207).
+    "longlive": dict(chunk_frames=3, sink_frames=3, window_frames=6, position_policy="absolute",
+                     num_inference_steps=4, sigmas=_SIGMAS_SHIFT5, guidance_scale=1.0, sampler="renoise",
+                     height=480, width=832, max_text_length=512),
+    # tianweiy/CausVid @ ca21150: configs/wan_causal_dmd.yaml (denoising_step_list 1000, 757, 522,
+    # 0 l.14-18, the 0 dropped by causvid/models/wan/causal_inference.py l.27; num_frame_per_block:
+    # 3 l.52; warp_denoising_step: false l.53); no sink or window: global attention over a
+    # 32760-token (21-frame) cache (causal_inference.py l.56; causal_model.py l.136-143), so sink
+    # 0, window 18 (CausVid itself stops at 21 frames; this stream rolls past them); absolute
+    # positions. CausVid feeds the model timesteps 757 and 522 but re-noises with its scheduler's
+    # nearest table sigma (shift 8.0, wan_wrapper.py l.105): 0.756757 and 0.521739; the preset takes
+    # the timesteps (sigmas 0.757, 0.522), so its re-noising differs from CausVid's by < 3e-4.
+    "causvid": dict(chunk_frames=3, sink_frames=0, window_frames=18, position_policy="absolute",
+                    num_inference_steps=3, sigmas=[1.0, 0.757, 0.522], guidance_scale=1.0, sampler="renoise",
+                    height=480, width=832, max_text_length=512),
+}
+"""Named stream settings of the released causal Wan2.1-T2V-1.3B fine-tunes, from their code and
+configs (each value's file and line in the comment above): ``from_wan(..., preset=name)``. Sink
+and window count latent frames a chunk sees besides itself."""
 
 
 class StreamingVideoPipeline(PipelineBase):
@@ -185,7 +228,7 @@ class StreamingVideoPipeline(PipelineBase):
         super().__init__()
         wan = isinstance(transformer, WanTransformer3DModel)
         if wan:
-            stream_config = _check_wan_parts(vae, text_encoder, tokenizer, stream_config)
+            stream_config = _check_wan_parts(vae, text_encoder, tokenizer, stream_config, transformer)
         else:
             check(stream_config is None, "stream_config",
                   "None for the bundled VideoDiTModel (its config holds the stream defaults)", stream_config)
@@ -205,21 +248,30 @@ class StreamingVideoPipeline(PipelineBase):
         self.video_processor = VideoProcessor(do_resize=False, do_normalize=True)
 
     @classmethod
-    def from_wan(cls, transformer, vae, text_encoder, tokenizer, scheduler=None, *, chunk_frames: int | None = None,
-                 **stream_config) -> "StreamingVideoPipeline":
+    def from_wan(cls, transformer, vae, text_encoder, tokenizer, scheduler=None, *, preset: str | None = None,
+                 chunk_frames: int | None = None, **stream_config) -> "StreamingVideoPipeline":
         """A stream over diffusers' Wan classes, e.g. a Self-Forcing checkpoint
-        (``load_original_wan`` reads its original key names). ``chunk_frames``: the latent
-        frames per chunk the checkpoint was trained with (3 for Self-Forcing, CausVid and
-        LongLive), required: a bidirectional Wan (Wan2.1-T2V itself) cannot stream chunk by
-        chunk. ``stream_config`` overrides ``WAN_STREAM_DEFAULTS`` (``position_policy``,
-        ``sink_frames``, ``window_frames``, ``num_inference_steps``, ``guidance_scale``,
-        ``sampler``, ``sigmas``, ``height``, ``width``, ``max_text_length``)."""
+        (``load_original_wan`` reads its original key names). ``preset``: the released settings of
+        ``"self-forcing"``, ``"longlive"`` or ``"causvid"`` (``WAN_STREAM_PRESETS``), chunk
+        included. ``chunk_frames``: the latent frames per chunk the checkpoint was trained with
+        (3 for Self-Forcing, CausVid and LongLive), required without a preset: a bidirectional Wan
+        (Wan2.1-T2V itself) cannot stream chunk by chunk. ``stream_config`` overrides the preset
+        or ``WAN_STREAM_DEFAULTS`` (``position_policy``, ``sink_frames``, ``window_frames``,
+        ``num_inference_steps``, ``guidance_scale``, ``sampler``, ``sigmas``, ``height``,
+        ``width``, ``max_text_length``). Every setting is checked here, against the transformer
+        too (its RoPE table), before anything is built."""
         check(isinstance(transformer, WanTransformer3DModel), "transformer", "a diffusers WanTransformer3DModel",
               type(transformer).__name__)
+        check(preset is None or preset in WAN_STREAM_PRESETS, "preset",
+              "None or one of " + ", ".join(repr(p) for p in WAN_STREAM_PRESETS), preset)
+        base = dict(WAN_STREAM_DEFAULTS, **WAN_STREAM_PRESETS.get(preset, {}))
+        if chunk_frames is None:
+            chunk_frames = base.pop("chunk_frames", None)
         check(chunk_frames is not None, "chunk_frames",
               "the latent frames per chunk the causal checkpoint was trained with (3 for Self-Forcing, CausVid, "
-              "LongLive): a bidirectional Wan cannot stream", chunk_frames)
-        config = dict(WAN_STREAM_DEFAULTS, **stream_config, chunk_frames=chunk_frames)
+              "LongLive; or a preset): a bidirectional Wan cannot stream", chunk_frames)
+        base.pop("chunk_frames", None)
+        config = dict(base, **stream_config, chunk_frames=chunk_frames)
         return cls(vae=vae, transformer=transformer, scheduler=scheduler, text_encoder=text_encoder,
                    tokenizer=tokenizer, stream_config=config)
 
@@ -561,9 +613,10 @@ class StreamingVideoPipeline(PipelineBase):
         return StreamingVideoPipelineOutput(frames=frames, stats=stats)
 
 
-def _check_wan_parts(vae, text_encoder, tokenizer, stream_config) -> dict:
+def _check_wan_parts(vae, text_encoder, tokenizer, stream_config, transformer) -> dict:
     """The Wan family's components and stream settings, checked when the pipeline is built (before
-    any model runs); returns the settings complete."""
+    any model runs), the sink and window by the rules the stream's cache applies
+    (``WanVideoModel.new_cache``); returns the settings complete."""
     check(isinstance(vae, AutoencoderKLWan), "vae", "a diffusers AutoencoderKLWan with a WanTransformer3DModel",
           type(vae).__name__)
     check(text_encoder is not None, "text_encoder", "a UMT5 text encoder (transformers' UMT5EncoderModel) for Wan "
@@ -585,6 +638,8 @@ def _check_wan_parts(vae, text_encoder, tokenizer, stream_config) -> dict:
     sigmas = config["sigmas"]
     check(sigmas is None or (isinstance(sigmas, (list, tuple)) and len(sigmas) == config["num_inference_steps"]),
           "sigmas", f"None or {config['num_inference_steps']} values (one per step)", sigmas)
+    check_window(config["chunk_frames"], config["sink_frames"], config["window_frames"],
+                 int(transformer.config.rope_max_seq_len))
     return config
 
 

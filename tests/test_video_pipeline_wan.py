@@ -14,6 +14,7 @@ from mmspec.adapters.video_wan import WanStreamingDecoder, WanVideoModel, encode
 from mmspec.bench.wan_tiny import text_parts, tiny_wan_pipeline
 from mmspec.pipelines import StreamingVideoPipeline
 from mmspec.pipelines.base import PipelineBase
+from mmspec.pipelines.video import WAN_STREAM_PRESETS
 
 PROMPT, OTHER = "a red cat walks on grass", "the blue dog jumps"
 
@@ -154,6 +155,55 @@ def test_bad_parts_are_refused_when_the_pipeline_is_built(pipe):
     with pytest.raises(ValueError, match="vae must be a diffusers AutoencoderKLWan"):
         StreamingVideoPipeline(vae=torch.nn.Identity(), transformer=fresh.transformer, text_encoder=pipe.text_encoder,
                                tokenizer=pipe.tokenizer, stream_config={"chunk_frames": 3})
+
+
+def _stream_config(parts, **kwargs) -> dict:
+    """``from_wan(**parts, **kwargs)``'s saved stream settings, the transformer released after."""
+    built = StreamingVideoPipeline.from_wan(**parts, **kwargs)
+    built.video_model.restore_processors()  # one adapter per transformer at a time
+    return dict(built.config.stream_config)
+
+
+@pytest.fixture(scope="module")
+def free_parts(pipe):
+    """The pipe's text parts and VAE with a transformer no adapter wraps."""
+    fresh = tiny_wan_pipeline(seed=1)
+    fresh.video_model.restore_processors()
+    return dict(transformer=fresh.transformer, vae=pipe.vae, text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer)
+
+
+@pytest.mark.parametrize("name", list(WAN_STREAM_PRESETS))
+def test_presets_hold_the_released_settings(free_parts, name):
+    """``from_wan(preset=...)``: the released chunk, sink/window (frames a chunk sees besides
+    itself), absolute positions and sigmas (values and their sources: ``WAN_STREAM_PRESETS``);
+    explicit settings override a preset."""
+    small = dict(height=32, width=32, max_text_length=8)
+    config = _stream_config(free_parts, preset=name, **small)
+    expected = {"self-forcing": (3, 0, 18, [1.0, 0.9375, 5 / 6, 0.625]),
+                "longlive": (3, 3, 6, [1.0, 0.9375, 5 / 6, 0.625]),
+                "causvid": (3, 0, 18, [1.0, 0.757, 0.522])}[name]
+    assert (config["chunk_frames"], config["sink_frames"], config["window_frames"], list(config["sigmas"])) == expected
+    assert config["position_policy"] == "absolute" and config["guidance_scale"] == 1.0
+    assert config["num_inference_steps"] == len(expected[3]) and config["sampler"] == "renoise"
+    if name != "causvid":  # Self-Forcing's warp: timesteps[1000 - t] of the shift-5 table, t = 1000, 750, 500, 250
+        table = [5.0 * s / (1 + 4.0 * s) for s in (1 - i / 1000 for i in range(1000))]
+        assert config["sigmas"] == pytest.approx([table[1000 - t] for t in (1000, 750, 500, 250)], abs=1e-12)
+    assert _stream_config(free_parts, preset=name, sink_frames=6, **small)["sink_frames"] == 6
+
+
+def test_stream_settings_are_checked_when_the_pipeline_is_built(free_parts):
+    """A setting the stream's cache would refuse is refused by ``from_wan`` itself, before anything
+    is built or saved (the issue's sink 1 + window 2: frame-granular windows are not in yet)."""
+    parts = free_parts
+    with pytest.raises(ValueError, match="preset must be None or one of 'self-forcing', 'longlive', 'causvid'"):
+        StreamingVideoPipeline.from_wan(**parts, preset="self_forcing")
+    with pytest.raises(ValueError, match="sink_frames must be a multiple of chunk_frames"):
+        StreamingVideoPipeline.from_wan(**parts, chunk_frames=3, sink_frames=1, window_frames=3)
+    with pytest.raises(ValueError, match="window_frames must be a positive multiple of chunk_frames"):
+        StreamingVideoPipeline.from_wan(**parts, preset="longlive", window_frames=2)
+    R = parts["transformer"].config.rope_max_seq_len
+    with pytest.raises(ValueError, match=f"sink_frames \\+ window_frames must be at most {R - 3} frames"):
+        StreamingVideoPipeline.from_wan(**parts, chunk_frames=3, sink_frames=3, window_frames=3 * (R // 3))
 
 
 def test_absolute_positions_refuse_the_recompute_baseline_and_long_streams():

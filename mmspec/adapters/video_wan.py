@@ -54,7 +54,7 @@ from ..core.cache import CacheStep, SinkWindowCache, chunk_causal_mask
 from ..core.errors import check, check_choice
 from ..core.rope import Rope3D, RopeTables
 
-__all__ = ["POSITION_POLICIES", "WanCachedCrossAttnProcessor", "WanCachedSelfAttnProcessor", "WanStreamCache",
+__all__ = ["POSITION_POLICIES", "check_window", "WanCachedCrossAttnProcessor", "WanCachedSelfAttnProcessor", "WanStreamCache",
            "WanStreamingDecoder", "WanVideoModel", "encode_prompts", "load_original_wan"]
 
 POSITION_POLICIES = ("cache-order", "absolute")
@@ -63,6 +63,20 @@ WAN_ROPE_THETA = 10000.0  # WanTransformer3DModel builds its WanRotaryPosEmbed w
 
 def _is_int(x, low: int) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
+
+
+def check_window(chunk_frames: int, sink_frames, window_frames, rope_frames: int) -> None:
+    """The stream's sink and window in latent frames, as ``new_cache`` takes them (and
+    ``StreamingVideoPipeline`` checks them when it is built): multiples of the chunk, the window at
+    least one chunk, and sink + window + chunk within the model's ``rope_frames``."""
+    C, R = chunk_frames, rope_frames
+    check(_is_int(sink_frames, 0) and sink_frames % C == 0, "sink_frames",
+          f"a multiple of chunk_frames ({C}), >= 0", sink_frames)
+    check(_is_int(window_frames, C) and window_frames % C == 0, "window_frames",
+          f"a positive multiple of chunk_frames ({C})", window_frames)
+    check(sink_frames + window_frames + C <= R, "sink_frames + window_frames",
+          f"at most {R - C} frames: with a chunk of {C} the frames a chunk sees must stay within the {R} "
+          "temporal RoPE positions of this model", sink_frames + window_frames)
 
 
 class WanStreamCache(SinkWindowCache):
@@ -324,17 +338,10 @@ class WanVideoModel(nn.Module):
         12`` is sink 3, window 6). ``dtype`` of the K/V and latents defaults to the model's."""
         C = self.chunk_frames
         check(_is_int(batch_size, 1), "batch_size", "an int >= 1", batch_size)
-        check(_is_int(sink_frames, 0) and sink_frames % C == 0, "sink_frames",
-              f"a multiple of chunk_frames ({C}), >= 0", sink_frames)
-        check(_is_int(window_frames, C) and window_frames % C == 0, "window_frames",
-              f"a positive multiple of chunk_frames ({C})", window_frames)
+        check_window(C, sink_frames, window_frames, self.rope_frames)
         check(isinstance(latent_hw, (tuple, list)) and len(latent_hw) == 2, "latent_hw", "(height, width)", latent_hw)
         h, w = latent_hw
         P = self.tokens_per_frame(h, w)
-        R = self.rope_frames
-        check(sink_frames + window_frames + C <= R, "sink_frames + window_frames",
-              f"at most {R - C} frames: with a chunk of {C} the frames a chunk sees must stay within the {R} "
-              "temporal RoPE positions of this model", sink_frames + window_frames)
         dtype = dtype or self.dtype
         rope = self.rope(h, w) if self.position_policy == "cache-order" else None
         return WanStreamCache(self.num_layers, batch_size, self.num_heads, self.head_dim, sink_frames, window_frames,
