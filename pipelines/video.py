@@ -344,14 +344,17 @@ class StreamingVideoPipeline(PipelineBase):
                 sink = 0
             else:
                 sink = defaults["sink_frames"] if sink_frames is None else sink_frames
+            window = defaults["window_frames"] if window_frames is None else window_frames
+            if self.is_wan:  # frame-granular, as the released causal Wan fine-tunes count them
+                check_window(C, sink, window, R)
+            else:  # the bundled model streams whole chunks (its training windows)
                 check(checks.is_int(sink) and sink >= 0 and sink % C == 0, "sink_frames",
                       f"None or a multiple of chunk_frames ({C}), >= 0", sink)
-            window = defaults["window_frames"] if window_frames is None else window_frames
-            check(checks.is_int(window) and window >= C and window % C == 0, "window_frames",
-                  f"None or a positive multiple of chunk_frames ({C})", window)
-            check(sink + window + C <= R, "sink_frames + window_frames",
-                  f"at most {R - C} frames: with a chunk of {C} the frames a chunk sees must stay within the {R} "
-                  "frame positions the transformer's RoPE tells apart", sink + window)
+                check(checks.is_int(window) and window >= C and window % C == 0, "window_frames",
+                      f"None or a positive multiple of chunk_frames ({C})", window)
+                check(sink + window + C <= R, "sink_frames + window_frames",
+                      f"at most {R - C} frames: with a chunk of {C} the frames a chunk sees must stay within the "
+                      f"{R} frame positions the transformer's RoPE tells apart", sink + window)
         if self.is_wan and self.video_model.position_policy == "absolute":
             check(cache_mode in ("rolling", "no-sink", "full-cache"), "cache_mode",
                   "'rolling', 'no-sink' or 'full-cache' under position_policy='absolute' (keys stored at their "
@@ -431,10 +434,10 @@ class StreamingVideoPipeline(PipelineBase):
             num_inference_steps: denoising steps per chunk; None: ``stream_defaults()``. A count
                 other than the configured one takes uniform sigmas shifted by the scheduler (an
                 explicit sigma list, Self-Forcing's, holds for its own count only).
-            sink_frames: frames kept as sink (a multiple of ``chunk_frames``); None: the trained
-                number.
-            window_frames: frames kept as window (a multiple of ``chunk_frames``); None: the ones
-                the model was trained with. Sink + window + one
+            sink_frames: frames kept as sink (bundled model: a multiple of ``chunk_frames``; Wan:
+                any count, ``video_wan.check_window``); None: the trained number.
+            window_frames: frames kept as window (bundled model: a multiple of ``chunk_frames``;
+                Wan: any count >= 0); None: the ones the model was trained with. Sink + window + one
                 chunk must fit in the model's ``rope_frames``; past the trained sizes the model is
                 out of its training distribution.
             cache_mode: ``"rolling"``, ``"window-recompute"``, ``"full-cache"`` or ``"no-sink"``

@@ -473,14 +473,11 @@ def test_memory_is_constant_over_10000_frames():
 # -- bad arguments and misuse ----------------------------------------------------------------
 BAD = [
     (dict(sink=-1), "sink must be an int >= 0"),
-    (dict(window=0), "window must be an int >= 1"),
+    (dict(window=-1), "window must be an int >= 0"),
     (dict(frame_size=0), "frame_size must be an int >= 1"),
     (dict(chunk=0), "chunk must be None or an int >= 1"),
     (dict(chunk=None, max_block=0), "max_block must be an int >= 1"),
     (dict(chunk=None, max_block=None), "max_block must be an int >= 1"),
-    (dict(chunk=6, window=4), "chunk must be <= window"),
-    (dict(sink=3), "sink must be a multiple of chunk"),
-    (dict(window=5), "window must be a multiple of chunk"),
     (dict(capacity=5), "sink + window must be <= capacity"),
     (dict(capacity=7), "max_block must be <= capacity - sink - window"),
     (dict(max_block=1), "max_block must be an int >= chunk"),
@@ -541,7 +538,7 @@ def test_misuse_is_refused_and_leaves_the_cache_as_it_was():
 def test_grow_keeps_every_entry_and_then_holds_more():
     """A cache grown from a 4-frame window to 8 between chunks gives, chunk for chunk, the outputs,
     K/V and latents of a cache built with the 8-frame window from the start (nothing was evicted
-    in either); growing is refused while a chunk is open and for a smaller or ragged window."""
+    in either); growing is refused while a chunk is open and for a smaller window."""
     model = ChunkAttention(2)
     grown, wide = model.new_cache(1, 0, 4, 2), model.new_cache(1, 0, 8, 2)
     g = torch.Generator().manual_seed(0)
@@ -549,8 +546,6 @@ def test_grow_keeps_every_entry_and_then_holds_more():
         if c == 2:
             with pytest.raises(ValueError, match="window_frames must be an int >= the current window"):
                 grown.grow(2)
-            with pytest.raises(ValueError, match="a multiple of chunk"):
-                grown.grow(7)
             grown.grow(8)
             assert grown.window_frames == 8 and grown.capacity == wide.capacity
         x0 = torch.randn(1, 2, P, C_LAT, generator=g)

@@ -123,7 +123,7 @@ def _counted(pipe):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(window_frames=1020), "sink_frames \\+ window_frames must be at most 1021 frames"),
-    (dict(window_frames=4), "window_frames must be None or a positive multiple of chunk_frames \\(3\\)"),
+    (dict(window_frames=-1), "window_frames must be an int >= 0"),
     (dict(prompts=[(0, PROMPT), (4, OTHER)], prompt=None), "prompts\\[1\\] start frame must be a multiple of "
                                                             "chunk_frames \\(3\\)"),
     (dict(height=40), "height must be None or a positive multiple of 16"),
@@ -193,17 +193,31 @@ def test_presets_hold_the_released_settings(free_parts, name):
 
 def test_stream_settings_are_checked_when_the_pipeline_is_built(free_parts):
     """A setting the stream's cache would refuse is refused by ``from_wan`` itself, before anything
-    is built or saved (the issue's sink 1 + window 2: frame-granular windows are not in yet)."""
+    is built or saved; frame-granular settings (the issue's sink 1 + window 2) are accepted."""
     parts = free_parts
     with pytest.raises(ValueError, match="preset must be None or one of 'self-forcing', 'longlive', 'causvid'"):
         StreamingVideoPipeline.from_wan(**parts, preset="self_forcing")
-    with pytest.raises(ValueError, match="sink_frames must be a multiple of chunk_frames"):
-        StreamingVideoPipeline.from_wan(**parts, chunk_frames=3, sink_frames=1, window_frames=3)
-    with pytest.raises(ValueError, match="window_frames must be a positive multiple of chunk_frames"):
-        StreamingVideoPipeline.from_wan(**parts, preset="longlive", window_frames=2)
+    with pytest.raises(ValueError, match="sink_frames must be an int >= 0"):
+        StreamingVideoPipeline.from_wan(**parts, chunk_frames=3, sink_frames=-1, window_frames=3)
+    with pytest.raises(ValueError, match="window_frames must be an int >= 0"):
+        StreamingVideoPipeline.from_wan(**parts, preset="longlive", window_frames=2.0)
+    config = _stream_config(parts, chunk_frames=3, sink_frames=1, window_frames=2)
+    assert (config["sink_frames"], config["window_frames"]) == (1, 2)
     R = parts["transformer"].config.rope_max_seq_len
     with pytest.raises(ValueError, match=f"sink_frames \\+ window_frames must be at most {R - 3} frames"):
         StreamingVideoPipeline.from_wan(**parts, chunk_frames=3, sink_frames=3, window_frames=3 * (R // 3))
+
+
+def test_a_frame_granular_window_streams_through_the_pipeline(pipe):
+    """sink 1 + window 2 with chunks of 3 (Self-Forcing's ``sink_size=1, local_attn_size=6``)
+    streams through the public call; a different window gives a different stream once it rolls."""
+    narrow = pipe(prompt=PROMPT, num_frames=12, sink_frames=1, window_frames=2, generator=gen(0),
+                  output_type="latent").frames
+    wide = pipe(prompt=PROMPT, num_frames=12, sink_frames=1, window_frames=5, generator=gen(0),
+                output_type="latent").frames
+    assert narrow.shape == wide.shape == (1, 12, 4, 4, 4)
+    assert torch.equal(narrow[:, :6], wide[:, :6])  # frames 0..5: nothing evicted in either
+    assert (narrow[:, 6:] - wide[:, 6:]).abs().max() > 1e-4
 
 
 def test_absolute_positions_refuse_the_recompute_baseline_and_long_streams():

@@ -249,6 +249,41 @@ def test_one_layer_rolling_stream_equals_the_dense_block_causal_forward(batch):
     assert len(s.latents) > 2 * (SINK + WINDOW) and int(cache.num_frames().max()) == SINK + WINDOW
 
 
+@pytest.mark.parametrize("sink,window", [(1, 2), (0, 4), (2, 0)])
+def test_frame_granular_windows_roll_frame_by_frame(sink, window):
+    """Sink and window in frames, as Self-Forcing's ``sink_size`` / ``local_attn_size`` count them
+    (sink 1 + window 2 + a chunk of 3 is ``local_attn_size=6``): one layer, 6 chunks, every pass
+    equals the stock transformer where the chunk attends to the ``sink`` first and ``window``
+    last committed frames and itself at positions 0, 1, ... (1e-5); the same reference with a
+    window one frame wider misses by more than 1e-3 once the cache rolls."""
+    model, stock = wrapped(1)
+    cache = model.new_cache(1, sink, window, HW)
+    s = Stream(model, cache, prompts(1))
+
+    def reference(frames, x, times):
+        latents, t = s.inputs(frames, x, times)
+        group = torch.tensor([0] * len(frames) + [1] * CHUNK).repeat_interleave(P)  # the chunk sees all
+        mask = (group[None, :] <= group[:, None])[None, None]
+        out = stock_forward(stock, latents, t, s.prompt, Masked(stock.blocks[0].attn1.processor, mask))
+        return out[:, len(frames):]
+
+    worst, shifted = 0.0, 0.0
+    for c in range(6):
+        frames = visible(len(s.latents), sink, window)
+        wider = visible(len(s.latents), sink, window + 1)
+        assert cache.num_frames().tolist() == [len(frames)]
+
+        def check(x, times, out):
+            nonlocal worst, shifted
+            worst = max(worst, (out - reference(frames, x, times)).abs().max().item())
+            if wider != frames:
+                shifted = max(shifted, (out - reference(wider, x, times)).abs().max().item())
+        s.chunk(check=check)
+    assert worst < ATOL, worst
+    assert shifted > 1e-3, shifted
+    assert int(cache.num_frames().max()) == sink + window
+
+
 def test_two_layers_equal_the_dense_forward_until_the_first_eviction_then_the_rolling_definition():
     """Two layers, 8 chunks: chunks that never saw a roll equal the dense chunk-causal forward over
     every frame so far; every chunk equals the rolling definition (grouped reference); after the
@@ -549,7 +584,8 @@ def test_bad_input_is_refused_before_any_forward():
     cache.begin_chunk()
     x, e = torch.zeros(1, CHUNK, 4, *HW), torch.zeros(1, 8, 16)
     cases = [
-        ("latents must be whole chunks of 3 frames", lambda: model(x[:, :2], 0.5, e, cache=cache)),
+        ("latents must be the 3 frames of the cache's open chunk or re-cache",
+         lambda: model(x[:, :2], 0.5, e, cache=cache)),
         ("sink_frames \\+ window_frames must be at most 1021", lambda: model.new_cache(1, 3, 1020, HW)),
         ("latents must be a latent height and width divisible by the patch size 2",
          lambda: model(torch.zeros(1, CHUNK, 4, 5, 4), 0.5, e, cache=cache)),
@@ -561,7 +597,7 @@ def test_bad_input_is_refused_before_any_forward():
          lambda: model(x, 0.5, torch.zeros(1, 8, 15), cache=cache)),
         ("chunk_frames must be an int >= 1", lambda: WanVideoModel(tiny_wan(1), chunk_frames=0)),
         ("patch_size must be \\(1, p, p\\)", lambda: WanVideoModel(tiny_wan(1, patch_size=(2, 2, 2)))),
-        ("window_frames must be a positive multiple of chunk_frames \\(3\\)", lambda: model.new_cache(1, 3, 4, HW)),
+        ("window_frames must be an int >= 0", lambda: model.new_cache(1, 3, -1, HW)),
         ("t must be a number, \\(1,\\) or \\(1, 3\\)", lambda: model(x, torch.zeros(1, 2), e, cache=cache)),
         ("latents must be frames of the cache's 4 tokens", lambda: model(torch.zeros(1, 3, 4, 2, 2), 0.5, e,
                                                                          cache=cache)),

@@ -67,13 +67,13 @@ def _is_int(x, low: int) -> bool:
 
 def check_window(chunk_frames: int, sink_frames, window_frames, rope_frames: int) -> None:
     """The stream's sink and window in latent frames, as ``new_cache`` takes them (and
-    ``StreamingVideoPipeline`` checks them when it is built): multiples of the chunk, the window at
-    least one chunk, and sink + window + chunk within the model's ``rope_frames``."""
+    ``StreamingVideoPipeline`` checks them when it is built): any counts >= 0, frame-granular as
+    Self-Forcing's ``sink_size`` and ``local_attn_size`` are (a chunk sees ``sink + window``
+    committed frames and itself: ``local_attn_size = sink + window + chunk``), within the model's
+    ``rope_frames``."""
     C, R = chunk_frames, rope_frames
-    check(_is_int(sink_frames, 0) and sink_frames % C == 0, "sink_frames",
-          f"a multiple of chunk_frames ({C}), >= 0", sink_frames)
-    check(_is_int(window_frames, C) and window_frames % C == 0, "window_frames",
-          f"a positive multiple of chunk_frames ({C})", window_frames)
+    check(_is_int(sink_frames, 0), "sink_frames", "an int >= 0 (latent frames)", sink_frames)
+    check(_is_int(window_frames, 0), "window_frames", "an int >= 0 (latent frames)", window_frames)
     check(sink_frames + window_frames + C <= R, "sink_frames + window_frames",
           f"at most {R - C} frames: with a chunk of {C} the frames a chunk sees must stay within the {R} "
           "temporal RoPE positions of this model", sink_frames + window_frames)
@@ -333,7 +333,7 @@ class WanVideoModel(nn.Module):
         """A rolling cache for this model: ``frame_size`` = tokens per frame, chunks of
         ``chunk_frames``, one layer per transformer block, the clean latents (C, h, w) of the kept
         frames stored for LongLive's re-cache. ``sink_frames`` pinned frames (StreamingLLM's
-        attention sink) and ``window_frames`` recent frames, both multiples of the chunk; a chunk
+        attention sink) and ``window_frames`` recent frames (``check_window``); a chunk
         sees ``sink + window`` frames plus itself (LongLive v1's ``sink_size 3, local_attn_size
         12`` is sink 3, window 6). ``dtype`` of the K/V and latents defaults to the model's."""
         C = self.chunk_frames
@@ -409,7 +409,10 @@ class WanVideoModel(nn.Module):
         check(isinstance(cache, SinkWindowCache), "cache", "a SinkWindowCache (WanVideoModel.new_cache)",
               type(cache).__name__)
         C, P = self.chunk_frames, grid[0] * grid[1]
-        check(Fr % C == 0, "latents", f"whole chunks of {C} frames with a cache", Fr)
+        n = cache.open_frames
+        check(Fr % C == 0 if n is None else Fr == n, "latents",
+              f"whole chunks of {C} frames with a cache" if n is None else
+              f"the {n} frames of the cache's open chunk or re-cache", Fr)
         check(cache.frame_size == P, "latents", f"frames of the cache's {cache.frame_size} tokens "
               f"(patch {self.patch})", f"{P} tokens per frame")
         check(cache.batch_size == B, "latents", f"a batch of the cache's {cache.batch_size} rows", B)

@@ -263,13 +263,15 @@ class SinkWindowCache(StaticKVCache):
       latents, chunk-causally, at the same cache positions.
 
     Args:
-        sink: pinned frames (``frame_size`` tokens each).
-        window: recent frames.
+        sink: pinned frames (``frame_size`` tokens each), >= 0.
+        window: recent frames, >= 0.
         max_block: frames of the largest block appended past them (a draft tree; the chunk for
             video, default ``chunk``).
         frame_size: tokens per frame.
-        chunk: frames per Self-Forcing chunk (enables ``begin_chunk`` / ``begin_recache``); sink
-            and window must then be multiples of it, so evictions and re-caches cut whole chunks.
+        chunk: frames per Self-Forcing chunk (enables ``begin_chunk`` / ``begin_recache``). Sink
+            and window need not be multiples of it: eviction is frame by frame, as the reference
+            repositories roll their caches (a chunk sees ``sink + window`` committed frames and
+            itself; a window shorter than a chunk keeps only the chunk's last frames).
         capacity: frame slots of the cache; ``sink + window + max_block`` when None.
         latent_shape: shape of one frame's clean latent (e.g. (C, h, w)) kept for ``begin_recache``;
             None keeps no latents.
@@ -288,15 +290,9 @@ class SinkWindowCache(StaticKVCache):
         # every check before any buffer is allocated
         check(is_int(frame_size, 1), "frame_size", "an int >= 1 (tokens per frame)", frame_size)
         check(is_int(sink, 0), "sink", "an int >= 0 (pinned frames)", sink)
-        check(is_int(window, 1), "window", "an int >= 1 (recent frames kept)", window)
+        check(is_int(window, 0), "window", "an int >= 0 (recent frames kept)", window)
         if chunk is not None:
             check(is_int(chunk, 1), "chunk", "None or an int >= 1 (frames per chunk)", chunk)
-            check(chunk <= window, "chunk", f"<= window ({window} frames): a committed chunk must fit the window",
-                  chunk)
-            check(sink % chunk == 0, "sink", f"a multiple of chunk ({chunk}) so evictions and re-caches cut "
-                  "whole chunks", sink)
-            check(window % chunk == 0, "window", f"a multiple of chunk ({chunk}) so evictions and re-caches cut "
-                  "whole chunks", window)
             max_block = chunk if max_block is None else max_block
             check(is_int(max_block, 1) and max_block >= chunk, "max_block", f"an int >= chunk ({chunk})", max_block)
         check(is_int(max_block, 1), "max_block", "an int >= 1 (frames of the largest block)", max_block)
@@ -337,6 +333,12 @@ class SinkWindowCache(StaticKVCache):
     def window_frames(self) -> int:
         return self.window // self.frame_size
 
+    @property
+    def open_frames(self) -> int | None:
+        """Frames of the open chunk or re-cache (what the next ``step`` must write), None when none
+        is open."""
+        return None if self._open is None else self._open[1] // self.frame_size
+
     def num_frames(self) -> torch.Tensor:
         """(B,) committed frames held (sink included), at most ``sink + window``."""
         return self.lengths // self.frame_size
@@ -358,8 +360,7 @@ class SinkWindowCache(StaticKVCache):
 
     def begin_recache(self, keep_sink: bool = True) -> torch.Tensor:
         """Open a re-cache of the committed frames (the window; the sink too unless ``keep_sink``)
-        and return their clean latents (B, n, *latent_shape), n a multiple of ``chunk`` (possibly
-        0). Run the model on them once at t = 0 under the new conditioning (one block,
+        and return their clean latents (B, n, *latent_shape), n frames (possibly 0). Run the model on them once at t = 0 under the new conditioning (one block,
         chunk-causal: the cache's default mask), then ``commit()``: their K/V are then those of a
         fresh prefill of the same frames at the same positions (the sink's kept or recomputed)."""
         check(self.chunk is not None, "chunk", "set at construction to use begin_recache", None)
@@ -410,10 +411,8 @@ class SinkWindowCache(StaticKVCache):
         window each time for amortised constant cost. Between chunks only."""
         self._check_closed("grow")
         old = self.window_frames
-        check(isinstance(window_frames, int) and not isinstance(window_frames, bool) and window_frames >= old
-              and (self.chunk is None or window_frames % self.chunk == 0), "window_frames",
-              f"an int >= the current window ({old} frames)"
-              + ("" if self.chunk is None else f", a multiple of chunk ({self.chunk})"), window_frames)
+        check(isinstance(window_frames, int) and not isinstance(window_frames, bool) and window_frames >= old,
+              "window_frames", f"an int >= the current window ({old} frames)", window_frames)
         extra = window_frames - old  # frames
         if extra == 0:
             return
