@@ -188,7 +188,8 @@ class SpeculativePipeline(PipelineBase):
 
     def base_components(self, requires: tuple[str, ...]) -> dict[str, Any]:
         """The modality's base components ``methods.build`` takes (``"target"`` first) for a
-        recipe that needs ``requires``."""
+        recipe that needs ``requires``; it may also hold a method component already bound (under
+        its ``provides`` name), which ``method_components`` then keeps."""
         raise NotImplementedError
 
     def method_components(self, requires: tuple[str, ...]) -> dict[str, Any]:
@@ -197,6 +198,8 @@ class SpeculativePipeline(PipelineBase):
         needs, bound (``Component.bind``); ``None`` where missing or not needed."""
         out = self.base_components(requires)
         for component in methods.components(self.modality):
+            if component.provides in out:  # bound by base_components already
+                continue
             module = getattr(self, component.name, None)
             needed = module is not None and component.provides in requires
             out[component.provides] = component.bind(module, out) if needed else None

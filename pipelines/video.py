@@ -265,12 +265,11 @@ class StreamingVideoPipeline(PipelineBase):
         check(preset is None or preset in WAN_STREAM_PRESETS, "preset",
               "None or one of " + ", ".join(repr(p) for p in WAN_STREAM_PRESETS), preset)
         base = dict(WAN_STREAM_DEFAULTS, **WAN_STREAM_PRESETS.get(preset, {}))
-        if chunk_frames is None:
-            chunk_frames = base.pop("chunk_frames", None)
+        preset_chunk = base.pop("chunk_frames", None)
+        chunk_frames = preset_chunk if chunk_frames is None else chunk_frames
         check(chunk_frames is not None, "chunk_frames",
               "the latent frames per chunk the causal checkpoint was trained with (3 for Self-Forcing, CausVid, "
               "LongLive; or a preset): a bidirectional Wan cannot stream", chunk_frames)
-        base.pop("chunk_frames", None)
         config = dict(base, **stream_config, chunk_frames=chunk_frames)
         return cls(vae=vae, transformer=transformer, scheduler=scheduler, text_encoder=text_encoder,
                    tokenizer=tokenizer, stream_config=config)

@@ -75,26 +75,19 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
                 yield name, module
 
     def _eager_for(self, name: str, module):
-        if name.endswith(".language_model"):  # the prompt pass (``HFCacheAdapter.step`` marks it)
+        if name.endswith(".language_model"):  # the prompt pass (the adapter's ``cache.prompt_pass``)
             return lambda *args, cache=None, **kwargs: bool(getattr(cache, "prompt_pass", False))
         return super()._eager_for(name, module)
 
     def _cache_owners(self):
         """The core's views of the transformers models (``views``) and the heads."""
-        target, draft = self.views()
-        heads = [m for name, m in self._step_modules() if "." not in name and callable(getattr(m, "new_cache", None))]
-        return [view for view in (target, draft) if view is not None] + heads
+        return [view for view in self.views() if view is not None] + super()._cache_owners()
 
     def base_components(self, requires: tuple[str, ...]) -> dict:
-        return {"target": self.views()[0]}
-
-    def method_components(self, requires: tuple[str, ...]) -> dict:
-        """The base components and the method's, the draft VLM as its view of ``views`` (one per
-        pipeline, so compiled steps pool its caches)."""
-        out = super().method_components(requires)
-        if out.get("draft") is not None:
-            out["draft"] = self.views()[1]
-        return out
+        """The target's view and, for a recipe that needs it, the draft VLM's: the pipeline's own
+        (``views``, one per model, so compiled steps pool their caches)."""
+        target, draft = self.views()
+        return {"target": target, **({"draft": draft} if "draft" in requires and draft is not None else {})}
 
     def prepare_inputs(self, images, prompts) -> VLMInputs:
         """``(input_ids, vision)``: per prompt its token ids (the processor's chat template around

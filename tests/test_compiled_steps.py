@@ -6,10 +6,11 @@ Checked on the CPU with dynamo's counters (``torch._dynamo.utils.counters``): af
 call, further calls (at least 100 decode passes in all, on the pooled caches) compile nothing new
 (no ``unique_graphs``) and break no graph (``fullgraph=True`` would raise on one), for every
 registered ar-image method on a tiny random LlamaGen pipeline, for the bundled AR target
-(``eagle``: target, head, tree), and for continuous tokens (``none``, ``sd``, ``sjd``). Outputs are bit-identical to the eager forwards with the same
-static shapes, sampled with the same generator (greedy on the bundled target), since the
-``eager`` backend runs the traced aten ops as they are; Inductor's code (``slow``) is checked for
-greedy identity with the CPU's eager widths on ``sd`` (target and draft model).
+(``eagle``: target, head, tree), and for continuous tokens (``none``, ``sd``, ``sjd``). Outputs
+are bit-identical to the eager forwards with the same static shapes, sampled with the same
+generator (greedy on the bundled target), since the ``eager`` backend runs the traced aten ops as
+they are; Inductor's code (``slow``) is checked for greedy identity with the CPU's eager widths on
+``sd`` (target and draft model).
 The VLM pipeline compiles its transformers language models (target and draft VLM: every pass but
 the prompt's, whose shape is the call's) and its heads (all but a head's first, planned feed),
 checked the same way for every registered vlm method on a tiny random LLaVA, for the bundled VLM

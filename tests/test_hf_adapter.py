@@ -105,7 +105,7 @@ def test_keep_block_tree_path_and_truncate(attn, static):
     ids, lens = pad_prompts(prompts)
     with forced_static_shapes() if static else contextlib.nullcontext():
         cache = target.new_cache(2, 64)
-    assert cache.core.static == static
+    assert cache.static == static
     target(ids, torch.arange(ids.shape[1]).expand_as(ids), cache)
     cache.truncate(lens)
     assert cache.next_positions().tolist() == [5, 3]

@@ -43,7 +43,8 @@ from tiny import tiny_lm
 from mmspec.bench.synthetic import perturbed_copy
 
 calls = {"tree": 0, "rolling": 0}
-for name, mod, attr in (("tree", tree_mod, "tree_attention_triton"), ("rolling", rolling_mod, "rolling_attention_triton")):
+for name, mod, attr in (("tree", tree_mod, "tree_attention_triton"),
+                        ("rolling", rolling_mod, "rolling_attention_triton")):
     def counted(*a, _f=getattr(mod, attr), _n=name, **k):
         calls[_n] += 1
         return _f(*a, **k)

@@ -34,8 +34,8 @@ __all__ = ["GlmImagePriorTarget", "prior_logits", "prior_prompts"]
 class _RopeCache(HFCacheAdapter):
     """An ``HFCacheAdapter`` with each row's 3-D rotary table, set on the prefill."""
 
-    rope: torch.Tensor | None = None  # (B, 3, P)
-    per_call = ("rope",)
+    rope_table: torch.Tensor | None = None  # (B, 3, P)
+    per_call = ("rope_table",)
 
 
 class GlmImagePriorTarget(HFCausalLMTarget):
@@ -60,11 +60,11 @@ class GlmImagePriorTarget(HFCausalLMTarget):
                  images_per_sample=None, pixel_values=None) -> ModelOutput:
         check(pixel_values is None, "pixel_values", "None: GLM-Image's prior view decodes text-to-image only",
               "source images")
-        if cache.rope is None:
-            cache.rope = self._rope_tables(tokens, image_grid_thw, images_per_sample)
-        index = positions.clamp(max=cache.rope.shape[-1] - 1)  # (B, T)
-        rope = cache.rope.gather(2, index[:, None, :].expand(-1, 3, -1)).transpose(0, 1)  # (3, B, T)
-        mask = cache.step(positions, tree_mask, self.model.dtype)
+        if cache.rope_table is None:
+            cache.rope_table = self._rope_tables(tokens, image_grid_thw, images_per_sample)
+        index = positions.clamp(max=cache.rope_table.shape[-1] - 1)  # (B, T)
+        rope = cache.rope_table.gather(2, index[:, None, :].expand(-1, 3, -1)).transpose(0, 1)  # (3, B, T)
+        mask = cache.open_block(positions, tree_mask, self.model.dtype)
         hidden = self.backbone(input_ids=tokens, attention_mask=mask, position_ids=rope, cache=cache.cache,
                                use_cache=True).last_hidden_state
         return self._score(hidden)

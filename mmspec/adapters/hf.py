@@ -31,7 +31,7 @@ __all__ = ["HFCacheAdapter", "HFCausalLMTarget"]
 
 
 class _CoreLayer(CacheLayerMixin):
-    """One transformers cache layer whose keys and values are a layer of the adapter's core cache."""
+    """One transformers cache layer whose keys and values are a layer of the adapter's buffers."""
 
     is_compileable = True
     is_sliding = False
@@ -39,29 +39,44 @@ class _CoreLayer(CacheLayerMixin):
     def __init__(self, adapter: "HFCacheAdapter", index: int):
         super().__init__()
         self.adapter, self.index = adapter, index
-        self.keys, self.values = adapter.core.k[index], adapter.core.v[index]
+        self.keys, self.values = adapter.k[index], adapter.v[index]
         self.is_initialized = True
 
-    def lazy_initialization(self, key_states, value_states) -> None:  # preallocated by the core cache
+    def lazy_initialization(self, key_states, value_states) -> None:  # preallocated by the adapter
         pass
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        return self.adapter._update(self.index, key_states, value_states)
+        return self.adapter._store(self.index, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.adapter.core.max_len, 0
+        return self.adapter.max_len, 0
 
     def get_seq_length(self) -> int:
         """The longest row's length (a host read: the adapter always passes positions itself)."""
-        return int(self.adapter.core.lengths.max())
+        return int(self.adapter.lengths.max())
 
     def get_max_length(self) -> int:
-        return self.adapter.core.max_len
+        return self.adapter.max_len
 
 
-class HFCacheAdapter:
-    """A ``StaticKVCache`` behind the decoder-facing calls of ``mmspec.core.cache``, handed to a
-    transformers model as ``cache`` (a ``Cache`` of ``_CoreLayer``s).
+class _CoreCache(Cache):
+    """The transformers ``Cache`` the model is handed: one ``_CoreLayer`` per layer."""
+
+    def __init__(self, adapter: "HFCacheAdapter", num_layers: int):
+        super().__init__(layers=[_CoreLayer(adapter, i) for i in range(num_layers)])
+        self.adapter = adapter
+
+    @property
+    def prompt_pass(self) -> bool:
+        """Whether the forward running on it is the cache's first (what compiled steps keep eager,
+        ``pipelines.vlm``)."""
+        return self.adapter.passes == 1
+
+
+class HFCacheAdapter(StaticKVCache):
+    """A ``StaticKVCache`` (its decoder-facing calls, buffers and static-shape policy) handed to a
+    transformers model as ``cache``: a ``Cache`` whose layers write into and read from its
+    buffers. Keys arrive rotated, so the cache applies no RoPE of its own.
 
     Args:
         config: the model's config (its text config gives layers, key/value heads and head size).
@@ -72,75 +87,50 @@ class HFCacheAdapter:
         device: where they live (the model's).
     """
 
+    per_call: tuple[str, ...] = ()
+    """Attributes a subclass sets on the prompt pass; ``reset`` clears them."""
+
     def __init__(self, config, batch_size: int, max_len: int, dtype=torch.float32, device=None):
         text = config.get_text_config()
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        self.core = StaticKVCache(text.num_hidden_layers, batch_size, heads, head_dim, max_len, rope=None,
-                                  dtype=dtype, device=device)
-        self.cache = Cache(layers=[_CoreLayer(self, i) for i in range(text.num_hidden_layers)])
+        super().__init__(text.num_hidden_layers, batch_size, heads, head_dim, max_len, rope=None, dtype=dtype,
+                         device=device)
+        self.cache = _CoreCache(self, text.num_hidden_layers)
         self.passes = 0  # forwards so far (host): the first is the prompt pass
-        self._step = None
+        self._block = None
 
     @property
     def fresh(self) -> bool:
         """No forward has run on this cache yet (the next is the prompt pass)."""
         return self.passes == 0
 
-    def next_positions(self) -> torch.Tensor:
-        return self.core.next_positions()
-
-    def step(self, positions: torch.Tensor, tree_mask: torch.Tensor | None = None,
-             dtype=torch.float32) -> torch.Tensor:
-        """Open a block at ``positions`` (B, T) past each row's length: returns its (B, 1, T, S)
-        additive mask (0 where visible, the dtype's min elsewhere, so no softmax row is all
-        -inf); the model's layers then store the block through ``cache``."""
-        self._step = self.core.step(positions, tree_mask)
-        self.cache.prompt_pass = self.passes == 0  # what compiled steps keep eager (``pipelines.vlm``)
+    def open_block(self, positions: torch.Tensor, tree_mask: torch.Tensor | None = None,
+                   dtype=torch.float32) -> torch.Tensor:
+        """Open a block at ``positions`` (B, T) past each row's length (``StaticKVCache.step``):
+        returns its (B, 1, T, S) additive mask (0 where visible, the dtype's min elsewhere, so no
+        softmax row is all -inf); the model's layers then store the block through ``cache``."""
+        self._block = self.step(positions, tree_mask)
         self.passes += 1
-        seen = self._step.mask
+        seen = self._block.mask
         return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)
 
-    def _update(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
-        core = self.core
-        check(self._step is not None, "the cache", "opened with step() before the model's forward", "not opened")
-        check(keys.shape[1] == core.k.shape[2] and keys.shape[3] == core.k.shape[4], "the model's keys",
-              f"{core.k.shape[2]} heads of {core.k.shape[4]} (from the model's config)",
+    def _store(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
+        check(self._block is not None, "the cache", "opened with open_block() before the model's forward",
+              "not opened")
+        check(keys.shape[1] == self.k.shape[2] and keys.shape[3] == self.k.shape[4], "the model's keys",
+              f"{self.k.shape[2]} heads of {self.k.shape[4]} (from the model's config)",
               f"{keys.shape[1]} heads of {keys.shape[3]}")
-        _, k, v = core._update(self._step, layer, None, keys, values)
+        _, k, v = self._update(self._block, layer, None, keys, values)
         return k, v
-
-    def keep_block(self, block_size: int, idx: torch.Tensor | None, n: torch.Tensor) -> None:
-        self.core.keep_block(block_size, idx, n)
-
-    def truncate(self, lengths: torch.Tensor) -> None:
-        self.core.truncate(lengths)
-
-    def check_overflow(self) -> None:
-        self.core.check_overflow()
 
     def reset(self) -> None:
         """Empty the cache for a new call, keeping its buffers (pooled by compiled steps)."""
-        self.core.reset()
+        super().reset()
         self.passes = 0
-        self._step = None
+        self._block = None
         for name in self.per_call:  # what a subclass read from the prompt pass
             setattr(self, name, None)
-
-    per_call: tuple[str, ...] = ()
-    """Attributes a subclass sets on the prompt pass; ``reset`` clears them."""
-
-    @property
-    def k(self) -> torch.Tensor:  # the buffers compiled steps mark static (``pipelines.base``)
-        return self.core.k
-
-    @property
-    def v(self) -> torch.Tensor:
-        return self.core.v
-
-    @property
-    def overflowed(self) -> torch.Tensor:
-        return self.core.overflowed
 
 
 class HFCausalLMTarget:
@@ -181,7 +171,7 @@ class HFCausalLMTarget:
     @torch.no_grad()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: HFCacheAdapter,
                  tree_mask: torch.Tensor | None = None) -> ModelOutput:
-        mask = cache.step(positions, tree_mask, self.model.dtype)  # (B, 1, T, S)
+        mask = cache.open_block(positions, tree_mask, self.model.dtype)  # (B, 1, T, S)
         return self.forward(tokens, attention_mask=mask, position_ids=positions, cache=cache.cache, use_cache=True)
 
     def forward(self, tokens: torch.Tensor, **model_kwargs) -> ModelOutput:

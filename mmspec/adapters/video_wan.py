@@ -54,8 +54,8 @@ from ..core.cache import CacheStep, SinkWindowCache, chunk_causal_mask
 from ..core.errors import check, check_choice
 from ..core.rope import Rope3D, RopeTables
 
-__all__ = ["POSITION_POLICIES", "check_window", "WanCachedCrossAttnProcessor", "WanCachedSelfAttnProcessor", "WanStreamCache",
-           "WanStreamingDecoder", "WanVideoModel", "encode_prompts", "load_original_wan"]
+__all__ = ["POSITION_POLICIES", "WanCachedCrossAttnProcessor", "WanCachedSelfAttnProcessor", "WanStreamCache",
+           "WanStreamingDecoder", "WanVideoModel", "check_window", "encode_prompts", "load_original_wan"]
 
 POSITION_POLICIES = ("cache-order", "absolute")
 WAN_ROPE_THETA = 10000.0  # WanTransformer3DModel builds its WanRotaryPosEmbed with the default theta

@@ -107,7 +107,7 @@ class VLMTarget(HFCausalLMTarget):
         fresh = cache.fresh
         check(fresh or not conditioning, "conditioning", "given with the prompt pass only (a fresh cache)",
               sorted(conditioning))
-        mask = cache.step(positions, tree_mask, self.model.dtype)  # (B, 1, T, S)
+        mask = cache.open_block(positions, tree_mask, self.model.dtype)  # (B, 1, T, S)
         if self.mrope:
             if cache.rope_deltas is None:  # the prompt pass: ids from the model's own rule
                 positions, cache.rope_deltas = self._prompt_rope(tokens, conditioning.get("image_grid_thw"))

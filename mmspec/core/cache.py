@@ -360,9 +360,10 @@ class SinkWindowCache(StaticKVCache):
 
     def begin_recache(self, keep_sink: bool = True) -> torch.Tensor:
         """Open a re-cache of the committed frames (the window; the sink too unless ``keep_sink``)
-        and return their clean latents (B, n, *latent_shape), n frames (possibly 0). Run the model on them once at t = 0 under the new conditioning (one block,
-        chunk-causal: the cache's default mask), then ``commit()``: their K/V are then those of a
-        fresh prefill of the same frames at the same positions (the sink's kept or recomputed)."""
+        and return their clean latents (B, n, *latent_shape), n frames (possibly 0). Run the model
+        on them once at t = 0 under the new conditioning (one block, chunk-causal: the cache's
+        default mask), then ``commit()``: their K/V are then those of a fresh prefill of the same
+        frames at the same positions (the sink's kept or recomputed)."""
         check(self.chunk is not None, "chunk", "set at construction to use begin_recache", None)
         check(self.latents is not None, "latent_shape", "set at construction: a re-cache re-encodes the "
               "cached frames' clean latents", None)
