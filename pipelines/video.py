@@ -65,7 +65,7 @@ from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
-from ..adapters.video import SAMPLERS, CacheLimitError, CachedStream, FlowSampler, RecomputeStream
+from ..adapters.video import RECACHE_RULES, SAMPLERS, CacheLimitError, CachedStream, FlowSampler, RecomputeStream
 from ..adapters.video_wan import POSITION_POLICIES, WanStreamingDecoder, WanVideoModel, check_window, encode_prompts
 from ..core.errors import check, check_choice
 from . import checks
@@ -125,7 +125,7 @@ class _Setup:
     guidance_scale: float
     steps: int
     sink: int
-    window: int
+    window: int | None  # None: every frame so far (Wan's window_frames=-1)
     cache_mode: str
     recache_sink: bool
     output_type: str
@@ -136,6 +136,7 @@ class _Setup:
     sigmas: list[float] | None  # explicit sigmas (None: uniform, shifted by the scheduler)
     video_latents: torch.Tensor | None = None  # (B, F, C, h, w) clean latents to start chunks from
     strength: float = 1.0
+    latents: torch.Tensor | None = None  # (B, F, C, h, w) the chunks' initial noise, given
 
     @property
     def batch_size(self) -> int:
@@ -144,12 +145,13 @@ class _Setup:
 
 WAN_STREAM_DEFAULTS = dict(position_policy="cache-order", sink_frames=3, window_frames=12, num_inference_steps=4,
                            guidance_scale=1.0, sampler="renoise", sigmas=[1.0, 0.9375, 0.8333, 0.625], height=480,
-                           width=832, max_text_length=512)
+                           width=832, max_text_length=512, recache_rule="prefill")
 """``from_wan``'s stream settings without a ``preset`` (``chunk_frames`` has no default there):
 this project's choice for unbounded streams, not any released setting: cache-order positions (the
 stream never runs out of RoPE positions), a sink of 3 and a window of 12 latent frames, and
 Self-Forcing's four-step sampler (its warped sigmas, rounded to 4 digits; distilled, so no
-guidance), 480 x 832 pixels, 512 text tokens. The released settings are ``WAN_STREAM_PRESETS``."""
+guidance), 480 x 832 pixels, 512 text tokens, a prompt switch re-caching the kept frames as a
+fresh prefill would. The released settings are ``WAN_STREAM_PRESETS``."""
 
 _SIGMAS_SHIFT5 = [1.0, 0.9375, 5 / 6, 0.625]
 """Self-Forcing's and LongLive's ``denoising_step_list`` [1000, 750, 500, 250] warped
@@ -172,10 +174,12 @@ WAN_STREAM_PRESETS = {
     # l.1-5, warp l.6, num_frame_per_block: 3 l.7, local_attn_size: 12 l.10, timestep_shift: 5.0
     # l.11, sink_size: 3 l.12, context_noise: 0 l.25): a chunk attends to the 3 sink frames and the
     # last 12 - 3 = 9 frames of the cache, itself included (wan/modules/causal_model.py l.323-333):
-    # sink 3, window 6; absolute positions (l.207).
+    # sink 3, window 6; absolute positions (l.207). A prompt switch re-caches as
+    # pipeline/interactive_causal_inference.py l.34-96 does with global_sink: true (l.25 of the
+    # config): its last local_attn_size frames in one pass with no mask (CachedStream's "longlive").
     "longlive": dict(chunk_frames=3, sink_frames=3, window_frames=6, position_policy="absolute",
                      num_inference_steps=4, sigmas=_SIGMAS_SHIFT5, guidance_scale=1.0, sampler="renoise",
-                     height=480, width=832, max_text_length=512),
+                     height=480, width=832, max_text_length=512, recache_rule="longlive"),
     # tianweiy/CausVid @ ca21150: configs/wan_causal_dmd.yaml (denoising_step_list 1000, 757, 522,
     # 0 l.14-18, the 0 dropped by causvid/models/wan/causal_inference.py l.27; num_frame_per_block:
     # 3 l.52; warp_denoising_step: false l.53); no sink or window: global attention over a
@@ -306,7 +310,7 @@ class StreamingVideoPipeline(PipelineBase):
     def check_inputs(self, prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps, sink_frames,
                      window_frames, cache_mode, recache_sink, output_type, callback_on_step_end,
                      callback_on_step_end_tensor_inputs, height=None, width=None, video_latents=None,
-                     strength=1.0) -> _Setup:
+                     strength=1.0, latents=None) -> _Setup:
         """Every argument of ``stream``, checked before any model runs: ``ValueError`` naming the
         argument and the allowed values. Returns them resolved (defaults from
         ``stream_defaults``; the bundled model's prompts parsed, which checks their words)."""
@@ -328,6 +332,13 @@ class StreamingVideoPipeline(PipelineBase):
         checks.check_number(guidance_scale, "guidance_scale", 0, optional=True)
         check(recache_sink is None or isinstance(recache_sink, bool), "recache_sink", "None, True or False",
               recache_sink)
+        rule = defaults.get("recache_rule", "prefill")
+        check(rule == "prefill" or recache_sink is None, "recache_sink",
+              "None under recache_rule='longlive' (LongLive's re-cache decides: the sink keeps its K/V once the "
+              "cache has rolled)", recache_sink)
+        check(rule == "prefill" or cache_mode != "window-recompute", "cache_mode",
+              "'rolling', 'no-sink' or 'full-cache' under recache_rule='longlive' (a re-cache of the rolling cache)",
+              cache_mode)
         R = self.video_model.rope_frames
         if cache_mode == "full-cache":
             for name, value in (("sink_frames", sink_frames), ("window_frames", window_frames)):
@@ -345,12 +356,17 @@ class StreamingVideoPipeline(PipelineBase):
                 sink = defaults["sink_frames"] if sink_frames is None else sink_frames
             window = defaults["window_frames"] if window_frames is None else window_frames
             if self.is_wan:  # frame-granular, as the released causal Wan fine-tunes count them
-                check_window(C, sink, window, R)
+                window = check_window(C, sink, window, R)
+                limit = self.max_frames("full-cache")  # a window of every frame grows as full-cache's cache
+                check(window is not None or num_frames is None or num_frames <= limit, "num_frames",
+                      f"None or at most {limit} with window_frames=-1 (every frame so far: past it keys would leave "
+                      f"the {R} frame positions the transformer's RoPE tells apart)", num_frames)
             else:  # the bundled model streams whole chunks (its training windows)
                 check(checks.is_int(sink) and sink >= 0 and sink % C == 0, "sink_frames",
                       f"None or a multiple of chunk_frames ({C}), >= 0", sink)
                 check(checks.is_int(window) and window >= C and window % C == 0, "window_frames",
-                      f"None or a positive multiple of chunk_frames ({C})", window)
+                      f"None or a positive multiple of chunk_frames ({C}) (every frame so far, -1, is Wan's; "
+                      "here cache_mode='full-cache')", window)
                 check(sink + window + C <= R, "sink_frames + window_frames",
                       f"at most {R - C} frames: with a chunk of {C} the frames a chunk sees must stay within the "
                       f"{R} frame positions the transformer's RoPE tells apart", sink + window)
@@ -373,6 +389,15 @@ class StreamingVideoPipeline(PipelineBase):
             num_frames = video_latents.shape[1] if num_frames is None else num_frames
         check(strength == 1 or video_latents is not None, "strength",
               "1 without video_latents (a lower strength starts chunks from them)", strength)
+        if latents is not None:
+            need = None if num_frames is None else -(-num_frames // C) * C
+            check(isinstance(latents, torch.Tensor) and latents.dim() == 5 and latents.shape[0] == B
+                  and tuple(latents.shape[2:]) == tuple(latent_shape) and latents.shape[1] % C == 0
+                  and latents.is_floating_point() and (need is None or latents.shape[1] >= need), "latents",
+                  f"None or a ({B}, frames, {', '.join(map(str, latent_shape))}) float tensor of initial noise, frames "
+                  f"a multiple of chunk_frames ({C})" + ("" if need is None else f" and at least {need}"),
+                  getattr(latents, "shape", type(latents).__name__))
+            num_frames = latents.shape[1] if num_frames is None else num_frames
         checks.check_generator(generator, B)
         inputs = self.check_callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
         steps = defaults["num_inference_steps"] if num_inference_steps is None else num_inference_steps
@@ -384,7 +409,7 @@ class StreamingVideoPipeline(PipelineBase):
                       sink=sink, window=window, cache_mode=cache_mode,
                       recache_sink=True if recache_sink is None else recache_sink, output_type=output_type,
                       callback=callback_on_step_end, tensor_inputs=tuple(inputs), latent_shape=latent_shape,
-                      video_latents=video_latents, strength=float(strength))
+                      video_latents=video_latents, strength=float(strength), latents=latents)
 
     def _latent_shape(self, height, width, defaults: dict) -> tuple[int, int, int]:
         """(C, h, w) of a latent frame for a video of ``height`` x ``width`` pixels (None: the
@@ -412,7 +437,7 @@ class StreamingVideoPipeline(PipelineBase):
                output_type: str = "pt", callback_on_step_end: Callable | None = None,
                callback_on_step_end_tensor_inputs: list[str] = ("latents",), height: int | None = None,
                width: int | None = None, video_latents: torch.Tensor | None = None,
-               strength: float = 1.0) -> Iterator[VideoChunk]:
+               strength: float = 1.0, latents: torch.Tensor | None = None) -> Iterator[VideoChunk]:
         """Generate a video chunk by chunk: returns an iterator of ``VideoChunk`` (frames, their
         indices, latents, prompts, stats), each yielded as soon as it is decoded. Arguments are
         checked now, before any model runs; the work happens as you iterate.
@@ -436,9 +461,11 @@ class StreamingVideoPipeline(PipelineBase):
             sink_frames: frames kept as sink (bundled model: a multiple of ``chunk_frames``; Wan:
                 any count, ``video_wan.check_window``); None: the trained number.
             window_frames: frames kept as window (bundled model: a multiple of ``chunk_frames``;
-                Wan: any count >= 0); None: the ones the model was trained with. Sink + window + one
-                chunk must fit in the model's ``rope_frames``; past the trained sizes the model is
-                out of its training distribution.
+                Wan: any count >= 0, or -1: every frame so far, a cache that grows as
+                ``"full-cache"``'s up to ``max_frames("full-cache")``, Self-Forcing's
+                ``local_attn_size=-1``); None: the ones the model was trained with. Sink + window +
+                one chunk must fit in the model's ``rope_frames``; past the trained sizes the model
+                is out of its training distribution.
             cache_mode: ``"rolling"``, ``"window-recompute"``, ``"full-cache"`` or ``"no-sink"``
                 (module docstring).
             recache_sink: at a prompt switch, recompute the sink's K/V too (True, default: as
@@ -463,11 +490,17 @@ class StreamingVideoPipeline(PipelineBase):
                 latents' frames; a last chunk past them starts from their last frame repeated.
                 Strength 1 (default) starts from pure noise and ignores them, bit for bit; the
                 training recipe's self-rollouts (``mmspec.training.recipes.video``) use this.
+            latents: the initial noise of every chunk, as diffusers' ``latents`` (B, frames, C, h,
+                w), frames a multiple of ``chunk_frames``: chunk c starts from ``latents[:, c *
+                chunk_frames ...]`` instead of a draw from ``generator`` (which still draws the
+                re-noising of the ``"renoise"`` sampler). ``num_frames`` defaults to its frames.
+                With the same noise a stream reproduces the reference code's
+                (``tests/test_wan_parity.py``: Self-Forcing's and LongLive's own inference loops).
         """
         setup = self.check_inputs(prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps,
                                   sink_frames, window_frames, cache_mode, recache_sink, output_type,
                                   callback_on_step_end, callback_on_step_end_tensor_inputs, height, width,
-                                  video_latents, strength)
+                                  video_latents, strength, latents)
         return self._stream(setup)
 
     @torch.no_grad()
@@ -493,11 +526,14 @@ class StreamingVideoPipeline(PipelineBase):
         cache_kwargs = {"latent_hw": s.latent_shape[1:]} if self.is_wan else {}
         if s.cache_mode == "window-recompute":
             context = RecomputeStream(model, rows, s.sink, s.window, **cache_kwargs)
-        elif s.cache_mode == "full-cache":
-            limit = self.max_frames("full-cache")
-            context = CachedStream(model, rows, 0, min(limit, 4 * C), grow_to=limit, **cache_kwargs)
         else:
-            context = CachedStream(model, rows, s.sink, s.window, **cache_kwargs)
+            rule = self.stream_defaults().get("recache_rule", "prefill")
+            if s.cache_mode == "full-cache":
+                limit = self.max_frames("full-cache")
+                context = CachedStream(model, rows, 0, min(limit, 4 * C), grow_to=limit, recache_rule=rule,
+                                       **cache_kwargs)
+            else:
+                context = CachedStream(model, rows, s.sink, s.window, recache_rule=rule, **cache_kwargs)
         decoder = WanStreamingDecoder(self.vae) if self.is_wan and s.output_type != "latent" else None
         shape = (B, C) + tuple(s.latent_shape)
         dtype = self.transformer.dtype
@@ -533,7 +569,10 @@ class StreamingVideoPipeline(PipelineBase):
                 if switched:
                     nfe += context.recache(torch.cat([ids, null]) if guided else ids, keep_sink=not s.recache_sink)
                 current = ids
-                noise = randn_tensor(shape, generator=s.generator, device=device, dtype=dtype)
+                if s.latents is None:
+                    noise = randn_tensor(shape, generator=s.generator, device=device, dtype=dtype)
+                else:
+                    noise = s.latents[:, start:start + C].to(device, dtype)
                 init = None
                 if s.video_latents is not None:  # the last chunk may run past the given frames: pad
                     init = s.video_latents[:, start:start + C].to(device, dtype)
@@ -580,7 +619,7 @@ class StreamingVideoPipeline(PipelineBase):
                  output_type: str = "pil", return_dict: bool = True, callback_on_step_end: Callable | None = None,
                  callback_on_step_end_tensor_inputs: list[str] = ("latents",), prompts: list | None = None,
                  height: int | None = None, width: int | None = None, video_latents: torch.Tensor | None = None,
-                 strength: float = 1.0):
+                 strength: float = 1.0, latents: torch.Tensor | None = None):
         """Generate ``num_frames`` latent frames per prompt: ``stream`` collected (the same
         arguments; see it), with ``num_frames`` required and ``output_type`` ``"pil"`` by default.
 
@@ -593,7 +632,7 @@ class StreamingVideoPipeline(PipelineBase):
         checks.check_flag(return_dict, "return_dict")
         s = self.check_inputs(prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps, sink_frames,
                               window_frames, cache_mode, recache_sink, output_type, callback_on_step_end,
-                              callback_on_step_end_tensor_inputs, height, width, video_latents, strength)
+                              callback_on_step_end_tensor_inputs, height, width, video_latents, strength, latents)
         chunks = list(self._stream(s))  # what stream() yields; it ends with maybe_free_model_hooks
         parts = [c.frames for c in chunks]
         if output_type == "pil":
@@ -634,14 +673,15 @@ def _check_wan_parts(vae, text_encoder, tokenizer, stream_config, transformer) -
           "an int >= 1 (latent frames per chunk)", config["chunk_frames"])
     check_choice("position_policy", config["position_policy"], POSITION_POLICIES)
     check_choice("sampler", config["sampler"], SAMPLERS)
+    check_choice("recache_rule", config["recache_rule"], RECACHE_RULES)
     for name in ("num_inference_steps", "height", "width", "max_text_length"):
         checks.check_int(config[name], name, 1)
     checks.check_number(config["guidance_scale"], "guidance_scale", 0)
     sigmas = config["sigmas"]
     check(sigmas is None or (isinstance(sigmas, (list, tuple)) and len(sigmas) == config["num_inference_steps"]),
           "sigmas", f"None or {config['num_inference_steps']} values (one per step)", sigmas)
-    check_window(config["chunk_frames"], config["sink_frames"], config["window_frames"],
-                 int(transformer.config.rope_max_seq_len))
+    config["window_frames"] = check_window(config["chunk_frames"], config["sink_frames"], config["window_frames"],
+                                           int(transformer.config.rope_max_seq_len))  # -1 -> None: every frame
     return config
 
 

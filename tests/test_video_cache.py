@@ -563,3 +563,90 @@ def test_grow_keeps_every_entry_and_then_holds_more():
         assert torch.equal(grown.k[..., :n, :], wide.k[..., :n, :])
         assert torch.equal(grown.latents[:, :n // P], wide.latents[:, :n // P])
     assert grown.nbytes() == wide.nbytes()
+
+
+def test_a_one_chunk_step_hands_sdpa_no_mask():
+    """``CacheStep.attn_mask`` (what SDPA gets) is None exactly where the step's mask is all true
+    and host-side counts show it: an open chunk under the default in-block mask, one chunk long,
+    every row ending at the same slot; ``mask`` is then an all-true (B, 1, T, S) view, which the
+    visibility mask built the usual way confirms. A two-chunk re-cache block, an explicit in-block
+    mask, rows of different lengths and a decoder block (no open chunk) keep their mask."""
+    from mmspec.core.cache import chunk_causal_mask
+    from mmspec.kernels.torch_ops import visibility_mask
+
+    cache = SinkWindowCache(1, 2, 2, 4, sink=1, window=4, frame_size=P, chunk=2, latent_shape=(P, C_LAT))
+    T = 2 * P
+
+    def block(frames, tree_mask=None):
+        return cache.step(cache.next_positions()[:, None] + torch.arange(frames * P), tree_mask)
+
+    for c in range(4):  # nothing before the first chunk; the fourth sees sink 1 + window 4
+        cache.begin_chunk()
+        step = block(2)
+        S = int(cache.lengths.max()) + T
+        ends = cache.lengths + T
+        assert step.attn_mask is None and step.mask.shape == (2, 1, T, S) and bool(step.mask.all())
+        assert bool(visibility_mask(ends, T, S, chunk_causal_mask(2, 2, P, 2)).all())
+        explicit = block(2, torch.ones(2, T, T, dtype=torch.bool))
+        assert explicit.attn_mask is explicit.mask
+        cache.commit(torch.zeros(2, 2, P, C_LAT))
+    cache.begin_recache(keep_sink=False)  # 5 frames: chunks of 2, 2, 1, chunk-causal
+    step = block(5)
+    assert step.attn_mask is step.mask and not bool(step.mask.all())
+    cache.commit()
+    cache.truncate(torch.tensor([5 * P, 3 * P]))  # rows of different lengths
+    cache.begin_chunk()
+    step = block(2)
+    assert step.attn_mask is step.mask and not bool(step.mask.all()) and bool(step.mask[0].all())
+    cache.commit(torch.zeros(2, 2, P, C_LAT))
+    step = block(1)  # a decoder block past the committed frames: causal
+    assert step.attn_mask is step.mask and not bool(step.mask.all())
+
+
+def test_longlives_recache_with_lead_and_no_mask_equals_its_from_scratch_forward():
+    """LongLive's re-cache (``begin_recache(keep_sink=True, lead=..., bidirectional=True)``): after 9
+    chunks (sink 2, window 4, chunk 2; frames 0 .. 17) the evicted chunk before the window (frames
+    10, 11) comes back in front of it, the block runs under the new prompt with no mask (its step
+    hands SDPA none), and ``commit`` evicts the lead again. The next chunk then equals a
+    from-scratch two-layer forward where frames 10 .. 17 attend to the sink and to each other at once
+    and the chunk to the sink and frames 12 .. 17, to 1e-5; a chunk-causal re-cache of the same
+    frames is more than 1e-3 away (the test tells them apart)."""
+    sink, window, chunk = 2, 4, 2
+    model = ChunkAttention(2)
+    cache = model.new_cache(2, sink, window, chunk)
+    s = Stream(model, cache)
+    for _ in range(9):
+        s.chunk(0)
+    N = len(s.latents)
+    sink_f, lead_f, win_f = list(range(sink)), list(range(N - window - chunk, N - window)), list(range(N - window, N))
+    lead = torch.stack([s.latents[f] for f in lead_f], 1)
+    latents = cache.begin_recache(True, lead=lead, bidirectional=True)
+    assert torch.equal(latents, torch.stack([s.latents[f] for f in lead_f + win_f], 1))
+    masks = []
+    step = cache.step
+    cache.step = lambda *a: masks.append(step(*a).attn_mask) or step(*a)
+    model(latents, 0.0, 3, cache=cache)
+    del cache.step
+    assert masks == [None]
+    cache.commit()
+    assert cache.num_frames().tolist() == [sink + window] * 2
+    assert torch.equal(cache.latents[:, :sink + window], torch.stack([s.latents[f] for f in sink_f + win_f], 1))
+    x = s.randn(chunk)
+    cache.begin_chunk()
+    out = model(x, 0.5, 3, cache=cache)
+
+    frames = sink_f + lead_f + win_f
+    n = len(frames)
+    lat = torch.stack([s.latents[f] for f in frames] + list(x.unbind(1)), 1)
+    times = torch.tensor([0.0] * n + [0.5] * chunk).expand(2, -1)
+    prompts = torch.tensor([0] * sink + [3] * (n - sink + chunk)).expand(2, -1)
+    i_sink, i_redo, i_win = list(range(sink)), list(range(sink, n)), list(range(sink + chunk, n))
+    i_query = list(range(n, n + chunk))
+
+    def scratch(redo_groups):
+        groups = [(i_sink, i_sink)] + redo_groups + [(i_query, i_sink + i_win + i_query)]
+        return model(lat, times, prompts, groups=groups)[:, n:]
+
+    torch.testing.assert_close(out, scratch([(i_redo, i_sink + i_redo)]), atol=ATOL, rtol=0)
+    causal = [(i_redo[j:j + chunk], i_sink + i_redo[:j + chunk]) for j in range(0, len(i_redo), chunk)]
+    assert (out - scratch(causal)).abs().max() > 1e-3

@@ -299,6 +299,8 @@ BAD = [
     (dict(num_frames=2.5), "num_frames must be (None or )?an int >= 1"),
     (dict(window_frames=200), "sink_frames \\+ window_frames must be at most 196 frames"),
     (dict(window_frames=3), "window_frames must be None or a positive multiple of chunk_frames"),
+    (dict(window_frames=-1), r"window_frames must be None or a positive multiple of chunk_frames \(2\) \(every "
+                             r"frame so far, -1, is Wan's; here cache_mode='full-cache'\), got -1"),
     (dict(sink_frames=-2), "sink_frames must be None or a multiple of chunk_frames"),
     (dict(cache_mode="sliding"), "cache_mode must be one of 'rolling', 'window-recompute', 'full-cache', 'no-sink'"),
     (dict(cache_mode="no-sink", sink_frames=2), "sink_frames must be None or 0 with cache_mode='no-sink'"),

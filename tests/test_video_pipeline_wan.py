@@ -8,10 +8,11 @@ import json
 
 import pytest
 import torch
+from diffusers import WanTransformer3DModel
 
 from mmspec.adapters.video import CachedStream, FlowSampler
 from mmspec.adapters.video_wan import WanStreamingDecoder, WanVideoModel, encode_prompts
-from mmspec.bench.wan_tiny import text_parts, tiny_wan_pipeline
+from mmspec.bench.wan_tiny import TRANSFORMER, text_parts, tiny_wan_pipeline
 from mmspec.pipelines import StreamingVideoPipeline
 from mmspec.pipelines.base import PipelineBase
 from mmspec.pipelines.video import WAN_STREAM_PRESETS
@@ -123,7 +124,9 @@ def _counted(pipe):
 
 @pytest.mark.parametrize("kwargs,message", [
     (dict(window_frames=1020), "sink_frames \\+ window_frames must be at most 1021 frames"),
-    (dict(window_frames=-1), "window_frames must be an int >= 0"),
+    (dict(window_frames=-2), "window_frames must be an int >= 0 \\(latent frames\\), or None or -1"),
+    (dict(window_frames=1.5), "window_frames must be an int >= 0 \\(latent frames\\), or None or -1"),
+    (dict(window_frames="x"), "window_frames must be an int >= 0 \\(latent frames\\), or None or -1"),
     (dict(prompts=[(0, PROMPT), (4, OTHER)], prompt=None), "prompts\\[1\\] start frame must be a multiple of "
                                                             "chunk_frames \\(3\\)"),
     (dict(height=40), "height must be None or a positive multiple of 16"),
@@ -218,6 +221,44 @@ def test_a_frame_granular_window_streams_through_the_pipeline(pipe):
     assert narrow.shape == wide.shape == (1, 12, 4, 4, 4)
     assert torch.equal(narrow[:, :6], wide[:, :6])  # frames 0..5: nothing evicted in either
     assert (narrow[:, 6:] - wide[:, 6:]).abs().max() > 1e-4
+
+
+def test_a_window_of_every_frame_so_far_grows_to_the_rope_positions(pipe):
+    """``window_frames=-1`` at the call, or -1 / None in the stream settings (saved as None): every
+    frame so far, Self-Forcing's and CausVid's ``local_attn_size=-1``. On a Wan of 40 temporal RoPE
+    positions (``max_frames("full-cache")`` 36): 36 frames at sink 3 equal, bit for bit, those of a
+    fixed window of 33 (nothing evicted; the growing cache holds all 36), while a window of 27
+    rolls and differs; 37 frames are refused before any forward, naming ``num_frames``; an
+    unbounded stream yields 36 frames, then raises ``CacheLimitError``."""
+    from mmspec.pipelines import CacheLimitError
+
+    torch.manual_seed(0)
+    transformer = WanTransformer3DModel(**dict(TRANSFORMER, rope_max_seq_len=40)).eval()
+    short = StreamingVideoPipeline.from_wan(transformer, pipe.vae, pipe.text_encoder, pipe.tokenizer, chunk_frames=3,
+                                            height=32, width=32, max_text_length=8, sink_frames=3, window_frames=-1)
+    short.set_progress_bar_config(disable=True)
+    assert short.config.stream_config["window_frames"] is None and short.max_frames("full-cache") == 36
+
+    def run(**kwargs):
+        return short(prompt=PROMPT, num_frames=36, generator=gen(0), output_type="latent", **kwargs)
+
+    every = run()
+    assert every.stats["window_frames"] is None and every.stats["cache_frames"] == 36
+    assert torch.equal(every.frames, run(window_frames=-1).frames)
+    assert torch.equal(every.frames, run(window_frames=33).frames)
+    assert (every.frames - run(window_frames=27).frames).abs().max() > 1e-4
+    calls, handle = _counted(short)
+    try:
+        with pytest.raises(ValueError, match="num_frames must be None or at most 36 with window_frames=-1") as err:
+            short(prompt=PROMPT, num_frames=37)
+    finally:
+        handle.remove()
+    assert calls == [] and "\n" not in str(err.value)
+    chunks = []
+    with pytest.raises(CacheLimitError, match="stops at 36 frames"):
+        for chunk in short.stream(prompt=PROMPT, generator=gen(0), output_type="latent"):
+            chunks.append(chunk.latents)
+    assert torch.equal(torch.cat(chunks, 1), every.frames)
 
 
 def test_absolute_positions_refuse_the_recompute_baseline_and_long_streams():

@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 from torch.nn import functional as F
 
 from mmspec.adapters.video import FlowSampler, recache, sample_chunk
-from mmspec.adapters.video_wan import WanStreamingDecoder, WanVideoModel, encode_prompts, load_original_wan
+from mmspec.adapters.video_wan import (WanStreamingDecoder, WanVideoModel, check_window, encode_prompts,
+                                     load_original_wan)
 from mmspec.core import SinkWindowCache
 from mmspec.core.cache import chunk_causal_mask
 
@@ -440,6 +441,100 @@ def test_video_adapters_streams_run_wan_and_one_layer_rolling_equals_recompute()
     assert streams[0].frames() == streams[1].frames() == SINK + WINDOW
 
 
+# -- no mask where none is needed ------------------------------------------------------------------
+def test_a_one_chunk_step_hands_sdpa_no_mask_and_others_keep_theirs(monkeypatch):
+    """Every cached one-chunk step (the chunk over the kept frames and itself, bidirectional: an
+    all-true mask) hands ``scaled_dot_product_attention`` ``attn_mask=None`` in every
+    self-attention layer, so a GPU can take its flash kernels; the outputs equal those of the same
+    steps with an all-true mask given (measured: bit for bit). Steps whose mask is not all true
+    keep it: a re-cache of three chunks, and the cache-less ``chunk_causal`` forward over two
+    chunks (over one it is the stock call: no mask)."""
+    model, _ = wrapped(2)
+    e = prompts(2, L=5)  # 5 prompt keys: never a whole number of 4-token frames
+    real, force, calls = F.scaled_dot_product_attention, [False], []
+
+    def sdpa(query, key, value, attn_mask=None, **kwargs):
+        if key.shape[-2] != 5:  # self-attention
+            calls.append(attn_mask)
+            if force[0] and attn_mask is None:
+                attn_mask = torch.ones(query.shape[-2], key.shape[-2], dtype=torch.bool)
+        return real(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+
+    def run():
+        cache, g, outs = model.new_cache(2, SINK, WINDOW, HW), torch.Generator().manual_seed(0), []
+        for _ in range(5):  # the cache rolls from the fourth chunk on
+            cache.begin_chunk()
+            x = torch.randn(2, CHUNK, 4, *HW, generator=g)
+            outs += [model(x, torch.rand(2, CHUNK, generator=g), e, cache=cache), model(x, 0.0, e, cache=cache)]
+            cache.commit(x)
+        return outs, cache
+
+    plain, cache = run()
+    assert len(calls) == 10 * model.num_layers and all(m is None for m in calls)
+    force[0] = True
+    masked, _ = run()
+    assert all(torch.equal(a, b) for a, b in zip(plain, masked))
+    force[0] = False
+    calls.clear()
+    recache(model, cache, e, keep_sink=False)  # 9 frames: three chunks, chunk-causal
+    assert len(calls) == model.num_layers and all(m is not None and not bool(m.all()) for m in calls)
+    calls.clear()
+    x = torch.randn(2, 2 * CHUNK, 4, *HW, generator=torch.Generator().manual_seed(1))
+    model(x, 0.5, e, chunk_causal=True)
+    assert len(calls) == model.num_layers and all(m is not None and not bool(m.all()) for m in calls)
+    calls.clear()
+    assert torch.equal(model(x[:, :CHUNK], 0.5, e, chunk_causal=True), model(x[:, :CHUNK], 0.5, e))
+    assert len(calls) == 2 * model.num_layers and all(m is None for m in calls)
+
+
+# -- a window of every frame so far -------------------------------------------------------------
+def test_check_window_takes_none_or_minus_one_for_every_frame():
+    """None and -1 (the reference repositories' ``local_attn_size=-1``) both mean every frame so
+    far (returned as None); other values are refused in one line naming ``window_frames``."""
+    assert check_window(3, 0, None, 1024) is None and check_window(3, 2, -1, 1024) is None
+    assert check_window(3, 1, 2, 1024) == 2
+    for bad in (-2, 1.5, "x", True):
+        with pytest.raises(ValueError, match=r"window_frames must be an int >= 0 \(latent frames\), or None or -1 "
+                                             r"\(every frame so far\), got") as err:
+            check_window(3, 0, bad, 1024)
+        assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"sink_frames \+ window_frames must be at most 1021 frames"):
+        check_window(3, 1022, -1, 1024)
+
+
+def test_a_window_of_every_frame_grows_then_stops_at_the_rope_positions():
+    """A Wan of 40 temporal RoPE positions (``frame_limit``: 36 frames, one chunk short of them).
+    ``CachedStream`` with window None at sink 3 (a window of four chunks that doubles, as
+    ``full-cache``'s; it grows twice) gives, chunk for chunk and bit for bit, the stream with a
+    fixed window of 33 (sink + window = 36: nothing ever evicted); ``RecomputeStream`` with window
+    None follows it at two layers (nothing evicted, 1e-5); a window of 27 (it rolls) differs in
+    the last chunk. The chunk past 36 frames is refused by both with ``CacheLimitError``."""
+    from mmspec.adapters.video import CacheLimitError, CachedStream, RecomputeStream, frame_limit
+
+    model = WanVideoModel(tiny_wan(2, rope_max_seq_len=40))
+    assert frame_limit(model) == 36
+    sampler = FlowSampler(FlowMatchEulerDiscreteScheduler(), 2)
+    every = CachedStream(model, 1, SINK, None, latent_hw=HW)
+    fixed, narrow = (CachedStream(model, 1, SINK, w, latent_hw=HW) for w in (33, 27))
+    recompute = RecomputeStream(model, 1, SINK, None, latent_hw=HW)
+    e, g = prompts(1), torch.Generator().manual_seed(0)
+    windows = set()
+    for c in range(12):
+        noise = torch.randn(1, CHUNK, 4, *HW, generator=g)
+        a, b, r, n = (st.sample(noise, e, None, sampler, 1.0) for st in (every, fixed, recompute, narrow))
+        assert torch.equal(a, b) and (a - r).abs().max() < ATOL
+        windows.add(every.cache.window_frames)
+    assert (a - n).abs().max() > 1e-3
+    assert windows == {12, 24, 33} and every.frames() == fixed.frames() == recompute.frames() == 36
+    for st in (every, recompute):
+        with pytest.raises(CacheLimitError, match="stops at 36 frames: one more chunk would put keys past the 40 "
+                                                  "frame positions") as err:
+            st.sample(noise, e, None, sampler, 1.0)
+        assert err.value.frames == 36 and "\n" not in str(err.value)
+
+
 # -- 3. the original key layout ----------------------------------------------------------------
 ORIGINAL_NAMES = [  # diffusers -> Wan / CausalWanModel, the inverse of convert_wan_transformer_to_diffusers
     ("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
@@ -597,7 +692,9 @@ def test_bad_input_is_refused_before_any_forward():
          lambda: model(x, 0.5, torch.zeros(1, 8, 15), cache=cache)),
         ("chunk_frames must be an int >= 1", lambda: WanVideoModel(tiny_wan(1), chunk_frames=0)),
         ("patch_size must be \\(1, p, p\\)", lambda: WanVideoModel(tiny_wan(1, patch_size=(2, 2, 2)))),
-        ("window_frames must be an int >= 0", lambda: model.new_cache(1, 3, -1, HW)),
+        ("window_frames must be an int >= 0 \\(latent frames\\), or None or -1", lambda: model.new_cache(1, 3, -2, HW)),
+        ("window_frames must be an int >= 0 for new_cache \\(every frame so far, None or -1, is a cache that grows",
+         lambda: model.new_cache(1, 3, -1, HW)),
         ("t must be a number, \\(1,\\) or \\(1, 3\\)", lambda: model(x, torch.zeros(1, 2), e, cache=cache)),
         ("latents must be frames of the cache's 4 tokens", lambda: model(torch.zeros(1, 3, 4, 2, 2), 0.5, e,
                                                                          cache=cache)),

@@ -19,7 +19,9 @@ bundled DiT, and diffusers' ``WanTransformer3DModel`` through ``mmspec.adapters.
 - ``recache``: LongLive's prompt-switch re-cache (Yang et al., 2025).
 - ``CachedStream`` (rolling, no-sink, full-cache: a cache that ``grow``s instead of evicting) and
   ``RecomputeStream`` (StreamingLLM's sliding window with recompute: the baseline), behind one
-  ``sample`` / ``recache`` / ``frames`` / ``nbytes``.
+  ``sample`` / ``recache`` / ``frames`` / ``nbytes``. A window of None keeps every frame so far
+  (Self-Forcing's and CausVid's ``local_attn_size=-1``) up to ``frame_limit(model)`` frames and
+  refuses the chunk past it (``CacheLimitError``), as ``full-cache`` does.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..core.errors import check, check_choice
 from ..core.logits import cfg_merge
 
 SAMPLERS = ("euler", "renoise")
+RECACHE_RULES = ("prefill", "longlive")  # CachedStream's prompt-switch re-cache
 
 OnStep = Callable[[int, float, torch.Tensor], torch.Tensor]
 """``on_step(i, t, x) -> x`` after denoising step i (from flow time t) of a chunk; may replace x."""
@@ -45,6 +48,21 @@ class CacheLimitError(RuntimeError):
     def __init__(self, message: str, frames: int):
         super().__init__(message)
         self.frames = frames
+
+
+def frame_limit(model) -> int:
+    """Frames a stream that never evicts can hold: whole chunks, one chunk short of the model's
+    ``rope_frames`` (the frame positions its RoPE tells apart), so every chunk's keys stay inside
+    them (``cache_mode="full-cache"``, a window of every frame so far)."""
+    C = model.chunk_frames
+    return (model.rope_frames // C - 1) * C
+
+
+def _limit_error(model, limit: int, frames: int) -> CacheLimitError:
+    return CacheLimitError(
+        f"a stream that keeps every frame (cache_mode='full-cache', or window_frames None or -1) stops at {limit} "
+        f"frames: one more chunk would put keys past the {model.rope_frames} frame positions the model's RoPE "
+        "tells apart (use cache_mode='rolling' with a window for unbounded streams)", frames)
 
 
 class FlowSampler:
@@ -155,13 +173,15 @@ def sample_chunk(model, cache: SinkWindowCache, noise: torch.Tensor, prompt: tor
 
 
 @torch.no_grad()
-def recache(model, cache: SinkWindowCache, prompt: torch.Tensor, keep_sink: bool = False) -> int:
+def recache(model, cache: SinkWindowCache, prompt: torch.Tensor, keep_sink: bool = False,
+            lead: torch.Tensor | None = None, bidirectional: bool = False) -> int:
     """LongLive's prompt-switch re-cache: recompute the K/V of the cached frames (the window; the
     sink too unless ``keep_sink``) from their clean latents, in one pass at t = 0 under ``prompt``
     (the cache's rows: ``[cond; uncond]`` with guidance), at the same cache positions. The cache
-    then equals a fresh prefill of those frames under the new prompt. Returns the frames
-    re-encoded."""
-    latents = cache.begin_recache(keep_sink)
+    then equals a fresh prefill of those frames under the new prompt. ``lead`` and
+    ``bidirectional``: ``SinkWindowCache.begin_recache``'s (LongLive's code as released). Returns
+    the frames re-encoded."""
+    latents = cache.begin_recache(keep_sink, lead, bidirectional)
     if latents.shape[1]:
         model(latents, 0.0, prompt, cache=cache)
     cache.commit()
@@ -171,36 +191,73 @@ def recache(model, cache: SinkWindowCache, prompt: torch.Tensor, keep_sink: bool
 class CachedStream:
     """``rolling``, ``no-sink`` and ``full-cache``: the core's ``SinkWindowCache`` through
     ``sample_chunk``. With ``grow_to`` (frames) the cache never evicts: before a chunk that would
-    roll it ``grow``s (doubling the window) up to ``grow_to``, and past that raises
-    ``CacheLimitError``. ``cache_kwargs`` go to ``model.new_cache``."""
+    roll it ``grow``s (doubling the window) until it holds ``grow_to`` frames, sink included, and
+    past that raises ``CacheLimitError``. ``window`` None: every frame so far, a window of four
+    chunks that grows to ``grow_to`` (default ``frame_limit(model)``). ``cache_kwargs`` go to
+    ``model.new_cache``.
 
-    def __init__(self, model, rows: int, sink: int, window: int, grow_to: int | None = None, **cache_kwargs):
-        self.model, self.grow_to = model, grow_to
+    ``recache_rule``: how a prompt switch re-caches (``RECACHE_RULES``):
+
+    - ``"prefill"``: the kept frames (the sink too unless ``keep_sink``) re-encoded chunk-causally,
+      as a fresh prefill of them would be;
+    - ``"longlive"``: as LongLive v1's ``_recache_after_switch`` with ``global_sink: true`` (NVlabs/
+      LongLive v1.0, pipeline/interactive_causal_inference.py l.34-96, wan/modules/causal_model.py
+      l.230-333): its last ``local_attn_size = sink + window + chunk`` frames in one pass without a
+      mask. Of those, a cache that has rolled keeps the sink's K/V (the write starts past the sink
+      when the re-cache does not start at frame 0), so the frames re-encoded are the last ``window +
+      chunk`` (the chunk evicted at the last commit comes back in front as ``lead``: the stream keeps
+      the clean latents of its last ``window + chunk`` frames for it); before that, every frame so far,
+      the sink included. A cache that never evicts re-caches every frame (``local_attn_size=-1``).
+      ``keep_sink`` is LongLive's to decide then, not the caller's."""
+
+    def __init__(self, model, rows: int, sink: int, window: int | None, grow_to: int | None = None,
+                 recache_rule: str = "prefill", **cache_kwargs):
+        check_choice("recache_rule", recache_rule, RECACHE_RULES)
+        if window is None:
+            grow_to = frame_limit(model) if grow_to is None else grow_to
+            window = max(0, min(4 * model.chunk_frames, grow_to - sink))
+        self.model, self.grow_to, self.recache_rule = model, grow_to, recache_rule
         self.cache = model.new_cache(rows, sink, window, **cache_kwargs)
+        self.streamed = 0  # frames committed by chunks
+        self.recent: torch.Tensor | None = None  # "longlive": the clean rows of the last window + chunk frames
 
     def frames(self) -> int:
         return int(self.cache.num_frames()[0])
 
     def nbytes(self) -> int:
-        return self.cache.nbytes()
+        return self.cache.nbytes() + (0 if self.recent is None else self.recent.nbytes)
 
     def sample(self, noise, prompt, null, sampler: FlowSampler, guidance_scale, on_step=None, generator=None,
                init=None, strength: float = 1.0):
         if self.grow_to is not None:
             n, chunk = self.frames(), noise.shape[1]
-            if n + chunk > self.cache.window_frames:
+            sink, window = self.cache.sink_frames, self.cache.window_frames
+            if n + chunk > sink + window:
                 if n + chunk > self.grow_to:
-                    raise CacheLimitError(
-                        f"cache_mode='full-cache' stops at {self.grow_to} frames: one more chunk would put keys past "
-                        f"the {self.model.rope_frames} frame positions the model's RoPE tells apart (use "
-                        "cache_mode='rolling' for unbounded streams)", n)
-                self.cache.grow(min(2 * self.cache.window_frames, self.grow_to))
-        return sample_chunk(self.model, self.cache, noise, prompt, sampler, guidance_scale, null, on_step, generator,
-                            init, strength)
+                    raise _limit_error(self.model, self.grow_to, n)
+                self.cache.grow(min(max(2 * window, n + chunk - sink), self.grow_to - sink))
+        x = sample_chunk(self.model, self.cache, noise, prompt, sampler, guidance_scale, null, on_step, generator,
+                         init, strength)
+        self.streamed += x.shape[1]
+        if self.recache_rule == "longlive" and self.grow_to is None:
+            clean = torch.cat([x, x]) if guidance_scale != 1.0 else x  # the cache's rows
+            keep = self.cache.window_frames + self.model.chunk_frames
+            self.recent = (clean if self.recent is None else torch.cat([self.recent, clean], 1))[:, -keep:]
+        return x
 
     def recache(self, prompt_rows, keep_sink: bool) -> int:
-        """LongLive's re-cache; returns the transformer passes it ran (0 when nothing was cached)."""
-        return int(recache(self.model, self.cache, prompt_rows, keep_sink) > 0)
+        """A prompt switch's re-cache by ``recache_rule``; returns the transformer passes it ran (0
+        when nothing was cached)."""
+        if self.recache_rule == "prefill":
+            return int(recache(self.model, self.cache, prompt_rows, keep_sink) > 0)
+        S, W, C, cur = self.cache.sink_frames, self.cache.window_frames, self.model.chunk_frames, self.streamed
+        lead = None
+        keep_sink = self.grow_to is None and cur > S + W + C  # LongLive's re-cache starts past frame 0
+        E = 0 if self.grow_to is not None else max(0, min(C, cur - W - S))  # evicted frames it re-encodes
+        if E:
+            a = self.recent.shape[1]
+            lead = self.recent[:, a - W - E:a - W]
+        return int(recache(self.model, self.cache, prompt_rows, keep_sink, lead, bidirectional=True) > 0)
 
 
 class RecomputeStream:
@@ -211,11 +268,18 @@ class RecomputeStream:
     0, 1, ... (cache order, as the rolling cache has them): StreamingLLM's sliding window with
     recompute, for any video model. Prompts go to the model as rows when every visible frame has
     the same ones, else per frame (B, F, ...) (a model that takes only rows refuses that: a switch
-    with ``recache_sink=False``). ``cache_kwargs`` go to ``model.new_cache``."""
+    with ``recache_sink=False``). ``window`` None: every frame so far, up to ``grow_to`` frames
+    (default ``frame_limit(model)``; past it ``CacheLimitError``), as ``CachedStream``.
+    ``cache_kwargs`` go to ``model.new_cache``."""
 
-    def __init__(self, model, rows: int, sink: int, window: int, **cache_kwargs):
+    def __init__(self, model, rows: int, sink: int, window: int | None, grow_to: int | None = None,
+                 **cache_kwargs):
         del rows  # CachedStream's signature: here each step's fresh cache is sized by its prompt rows
+        if window is None:
+            grow_to = frame_limit(model) if grow_to is None else grow_to
+            window = max(0, grow_to - sink)
         self.model, self.sink, self.window, self.cache_kwargs = model, sink, window, cache_kwargs
+        self.grow_to = grow_to
         self.latents: torch.Tensor | None = None  # (rows, n, C, h, w)
         self.prompts: torch.Tensor | None = None  # (rows, n, *prompt row shape)
 
@@ -230,6 +294,8 @@ class RecomputeStream:
         guided = guidance_scale != 1.0
         rows = torch.cat([prompt, null]) if guided else prompt  # (R, ...)
         R, n, C = rows.shape[0], self.frames(), noise.shape[1]
+        if self.grow_to is not None and n + C > self.grow_to:
+            raise _limit_error(self.model, self.grow_to, n)
         frame_rows = rows[:, None].expand(R, C, *rows.shape[1:])
         prompts = frame_rows if self.prompts is None else torch.cat([self.prompts, frame_rows], 1)
         uniform = bool((prompts == rows[:, None]).all())
@@ -262,5 +328,5 @@ class RecomputeStream:
         return 0
 
 
-__all__ = ["SAMPLERS", "CacheLimitError", "CachedStream", "FlowSampler", "OnStep", "RecomputeStream", "recache",
-           "sample_chunk"]
+__all__ = ["RECACHE_RULES", "SAMPLERS", "CacheLimitError", "CachedStream", "FlowSampler", "OnStep", "RecomputeStream", "frame_limit",
+           "recache", "sample_chunk"]

@@ -55,7 +55,8 @@ from ..core.errors import check, check_choice
 from ..core.rope import Rope3D, RopeTables
 
 __all__ = ["POSITION_POLICIES", "WanCachedCrossAttnProcessor", "WanCachedSelfAttnProcessor", "WanStreamCache",
-           "WanStreamingDecoder", "WanVideoModel", "check_window", "encode_prompts", "load_original_wan"]
+           "WanStreamingDecoder", "WanVideoModel", "check_window", "encode_prompts", "load_original_wan",
+           "merge_lora"]
 
 POSITION_POLICIES = ("cache-order", "absolute")
 WAN_ROPE_THETA = 10000.0  # WanTransformer3DModel builds its WanRotaryPosEmbed with the default theta
@@ -65,18 +66,24 @@ def _is_int(x, low: int) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
-def check_window(chunk_frames: int, sink_frames, window_frames, rope_frames: int) -> None:
+def check_window(chunk_frames: int, sink_frames, window_frames, rope_frames: int) -> int | None:
     """The stream's sink and window in latent frames, as ``new_cache`` takes them (and
     ``StreamingVideoPipeline`` checks them when it is built): any counts >= 0, frame-granular as
     Self-Forcing's ``sink_size`` and ``local_attn_size`` are (a chunk sees ``sink + window``
     committed frames and itself: ``local_attn_size = sink + window + chunk``), within the model's
-    ``rope_frames``."""
+    ``rope_frames``. ``window_frames`` None or -1 (Self-Forcing's and CausVid's
+    ``local_attn_size=-1``): every committed frame so far, a cache that grows instead of rolling
+    up to the frames the model's positions tell apart (``mmspec.adapters.video.frame_limit``).
+    Returns the window, None for every frame."""
     C, R = chunk_frames, rope_frames
     check(_is_int(sink_frames, 0), "sink_frames", "an int >= 0 (latent frames)", sink_frames)
-    check(_is_int(window_frames, 0), "window_frames", "an int >= 0 (latent frames)", window_frames)
-    check(sink_frames + window_frames + C <= R, "sink_frames + window_frames",
+    check(window_frames is None or _is_int(window_frames, -1), "window_frames",
+          "an int >= 0 (latent frames), or None or -1 (every frame so far)", window_frames)
+    window = None if window_frames in (None, -1) else window_frames
+    check(sink_frames + (window or 0) + C <= R, "sink_frames + window_frames",
           f"at most {R - C} frames: with a chunk of {C} the frames a chunk sees must stay within the {R} "
-          "temporal RoPE positions of this model", sink_frames + window_frames)
+          "temporal RoPE positions of this model", sink_frames + (window or 0))
+    return window
 
 
 class WanStreamCache(SinkWindowCache):
@@ -89,14 +96,17 @@ class WanStreamCache(SinkWindowCache):
         super().__init__(*args, **kwargs)
         self.frames_streamed = 0  # frames committed by chunks since the stream began
         self.open_block: str | None = None  # "chunk" | "recache" while one is open
+        self.open_lead = 0  # evicted frames an open re-cache re-encodes in front of the window
 
     def begin_chunk(self) -> None:
         super().begin_chunk()
         self.open_block = "chunk"
 
-    def begin_recache(self, keep_sink: bool = True) -> torch.Tensor:
-        latents = super().begin_recache(keep_sink)
+    def begin_recache(self, keep_sink: bool = True, lead: torch.Tensor | None = None,
+                      bidirectional: bool = False) -> torch.Tensor:
+        latents = super().begin_recache(keep_sink, lead, bidirectional)
         self.open_block = "recache"
+        self.open_lead = 0 if lead is None else lead.shape[1]  # frames in front of the window
         return latents
 
     def commit(self, latents: torch.Tensor | None = None) -> None:
@@ -112,7 +122,7 @@ class _StreamCall:
     """What one forward that is not the stock one tells the processors."""
 
     step: CacheStep | None  # the cache's step; None: no cache, the stock attention under ``mask``
-    mask: torch.Tensor | None = None  # (1, 1, T, T) chunk-causal mask of a cache-less call
+    mask: torch.Tensor | None = None  # (1, 1, T, T) chunk-causal mask of a cache-less call (None: one chunk)
     rope: Rope3D | None = None  # set for position_policy="absolute": rotate q and k here
     tables: RopeTables | None = None  # absolute positions' tables, shared by every layer
     prompt_kv: list | None = None  # per layer (k, v) of the prompt, filled by the first call; None: no memo
@@ -335,10 +345,14 @@ class WanVideoModel(nn.Module):
         frames stored for LongLive's re-cache. ``sink_frames`` pinned frames (StreamingLLM's
         attention sink) and ``window_frames`` recent frames (``check_window``); a chunk
         sees ``sink + window`` frames plus itself (LongLive v1's ``sink_size 3, local_attn_size
-        12`` is sink 3, window 6). ``dtype`` of the K/V and latents defaults to the model's."""
+        12`` is sink 3, window 6). A window of every frame so far (None or -1) is a cache that
+        grows: ``mmspec.adapters.video.CachedStream`` builds and grows it. ``dtype`` of the K/V
+        and latents defaults to the model's."""
         C = self.chunk_frames
         check(_is_int(batch_size, 1), "batch_size", "an int >= 1", batch_size)
-        check_window(C, sink_frames, window_frames, self.rope_frames)
+        window = check_window(C, sink_frames, window_frames, self.rope_frames)
+        check(window is not None, "window_frames", "an int >= 0 for new_cache (every frame so far, None or -1, is a "
+              "cache that grows: CachedStream(model, rows, sink, None) or StreamingVideoPipeline)", window_frames)
         check(isinstance(latent_hw, (tuple, list)) and len(latent_hw) == 2, "latent_hw", "(height, width)", latent_hw)
         h, w = latent_hw
         P = self.tokens_per_frame(h, w)
@@ -393,7 +407,9 @@ class WanVideoModel(nn.Module):
         elif chunk_causal:
             check(Fr % self.chunk_frames == 0, "latents", f"whole chunks of {self.chunk_frames} frames with "
                   "chunk_causal=True", Fr)
-            call = _StreamCall(None, chunk_causal_mask(Fr, self.chunk_frames, P, 1, device)[None])
+            # one chunk is bidirectional: no mask, the stock call (a mask would keep SDPA off flash)
+            mask = chunk_causal_mask(Fr, self.chunk_frames, P, 1, device)[None] if Fr > self.chunk_frames else None
+            call = _StreamCall(None, mask)
         else:
             call = None
         previous, self._active.current = self._active.current, call
@@ -444,11 +460,15 @@ class WanVideoModel(nn.Module):
         rope = tables = None
         if absolute:
             # slots past the sink hold the stream's latest frames: shifted by what has been evicted
-            offset = max(0, cache.frames_streamed - cache.sink_frames - cache.window_frames)
+            lead = cache.open_lead if cache.open_block == "recache" else 0  # evicted frames re-encoded in front
+            offset = max(0, cache.frames_streamed - cache.sink_frames - cache.window_frames - lead)
             abs_frames = frames + (frames >= cache.sink_frames).long() * offset
             rope = self.rope(grid[0] * self.patch, grid[1] * self.patch)
             tables = rope.tables((abs_frames[..., None] * P + j).flatten(1))
-        step = cache.step(tokens, chunk_causal_mask(Fr, C, P, B, device))
+        # the cache's default in-block mask is this chunk-causal one when its chunk is ours: the cache
+        # then knows a one-chunk block sees every key and hands SDPA no mask (flash kernels on a GPU)
+        default = n is not None and cache.chunk == C
+        step = cache.step(tokens, None if default else chunk_causal_mask(Fr, C, P, B, device))
         # keyed on the caller's tensor, not a dtype-cast copy, so the identity fast path can hit
         memo = None if torch.is_grad_enabled() else self._prompt_kv.lookup(prompt_embeds)
         return _StreamCall(step, rope=rope, tables=tables, prompt_kv=memo)
@@ -491,6 +511,40 @@ def load_original_wan(state_dict_or_path: dict | str | os.PathLike, config: dict
           "the original Wan keys of this config", f"missing {missing[:4]}, unexpected {unexpected[:4]}")
     model.load_state_dict(converted, strict=True, assign=True)
     return model.eval()
+
+
+def merge_lora(state_dict: dict, lora_state_dict: dict, scale: float = 1.0, *, prefix: str = "model.") -> dict:
+    """A state dict with a LoRA merged in: ``W + scale * B @ A`` for every ``lora_A`` / ``lora_B``
+    pair, as peft's ``merge_and_unload`` computes it (``scale = lora_alpha / r``: 1 for LongLive's
+    ``rank: 256, alpha: 256``, configs/longlive_inference.yaml). ``lora_state_dict`` is in peft's
+    layout (``base_model.model.<module>.lora_A.weight``; LongLive's ``lora.pt`` holds it under
+    ``"generator_lora"``), ``state_dict`` in Wan's original names, each key behind ``prefix``
+    (``"model."`` in LongLive's ``generator`` dicts, the ``WanDiffusionWrapper``'s). Every LoRA
+    pair must find its base weight; the result is a new dict (the inputs are left as they are),
+    in the base weights' dtype, the product taken in float32."""
+    check(isinstance(state_dict, dict) and isinstance(lora_state_dict, dict), "state_dict",
+          "two dicts of tensors (the base state dict, the LoRA's)", type(state_dict).__name__)
+    check(isinstance(scale, (int, float)) and not isinstance(scale, bool), "scale", "a number (lora_alpha / r)",
+          scale)
+    merged = dict(state_dict)
+    pairs = {}
+    for key, value in lora_state_dict.items():
+        for part in ("lora_A", "lora_B"):
+            if f".{part}." in key:
+                module = key.split(f".{part}.")[0].removeprefix("base_model.model.")
+                pairs.setdefault(module, {})[part] = value
+    check(bool(pairs) and all(len(p) == 2 for p in pairs.values()), "lora_state_dict",
+          "peft LoRA weights: a lora_A and a lora_B weight for each module",
+          sorted(m for m, p in pairs.items() if len(p) != 2)[:4] or "no lora_A / lora_B keys")
+    for module, p in pairs.items():
+        key = f"{prefix}{module}.weight"
+        check(key in merged, "lora_state_dict", f"modules of the base state dict (no {key!r} there)", module)
+        base = merged[key]
+        delta = p["lora_B"].float() @ p["lora_A"].float()
+        check(delta.shape == base.shape, "lora_state_dict", f"a LoRA of {key}'s shape {tuple(base.shape)}",
+              tuple(delta.shape))
+        merged[key] = (base.float() + scale * delta).to(base.dtype)
+    return merged
 
 
 # -- text ----------------------------------------------------------------------------------------

@@ -10,8 +10,9 @@ The decoder talks to every cache through three calls:
 Native models additionally call ``step(positions, tree_mask)`` once per forward and, in every
 attention layer, ``step.attend(layer, q, k, v)`` (store the block, attend: the tree-verify or
 rolling attention kernel of ``mmspec.kernels`` where its dispatch picks Triton,
-``scaled_dot_product_attention`` with ``step.mask`` otherwise) or ``step.update(layer, q, k, v)``
-and their own attention (see ``CacheStep``). The HF adapter
+``scaled_dot_product_attention`` with ``step.attn_mask`` otherwise: ``step.mask``, or None where it
+is all true, so a GPU can take its flash kernels) or ``step.update(layer, q, k, v)`` and their own
+attention (see ``CacheStep``). The HF adapter
 (``mmspec.adapters.hf``) hands transformers models a ``Cache`` whose layers write into a
 ``StaticKVCache``, so they decode on the same buffers and calls.
 
@@ -48,11 +49,15 @@ class CacheStep:
     """One forward's view of a native cache: where the block goes and what it may see."""
 
     def __init__(self, cache: "StaticKVCache", positions: torch.Tensor, slots: torch.Tensor,
-                 mask: torch.Tensor, key_positions: torch.Tensor | None, tree_mask: torch.Tensor | None = None):
+                 mask: torch.Tensor, key_positions: torch.Tensor | None, tree_mask: torch.Tensor | None = None,
+                 dense: bool = False):
         self.cache = cache
         self.positions = positions  # (B, T)
         self.slots = slots  # (B, T)
         self.mask = mask  # (B, 1, T, S)
+        # SDPA's mask: None when the cache knows from host-side counts that ``mask`` is all true
+        # (``dense``), so a GPU can take its flash kernels (they take no mask)
+        self.attn_mask = None if dense else mask
         self.key_positions = key_positions  # (B, S) for caches that rotate keys on read
         self.tree_mask = tree_mask  # (B, T, W) the mask's block part (None: causal), for the kernels
         self.rope_tables: dict = {}  # id(positions) -> (positions, tables): every layer reuses them
@@ -80,14 +85,14 @@ class CacheStep:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Store this block's k, v (B, H, T, D) for ``layer`` and return the block's attention output
-        (B, H, T, D): ``scaled_dot_product_attention(*update(...), attn_mask=mask)``, through the
-        op dispatcher of ``mmspec.kernels`` wherever a kernel could run (it alone decides kernel or
-        this torch path)."""
+        (B, H, T, D): ``scaled_dot_product_attention(*update(...), attn_mask=attn_mask)``, through
+        the op dispatcher of ``mmspec.kernels`` wherever a kernel could run (it alone decides kernel
+        or this torch path)."""
         out = self.cache._kernel_attention(self, layer, q, k, v)
         if out is not None:
             return out
         q, k, v = self.update(layer, q, k, v)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.attn_mask)
 
 
 class StaticKVCache:
@@ -175,7 +180,8 @@ class StaticKVCache:
         width = step.positions.shape[1] if step.tree_mask is None else step.tree_mask.shape[-1]
         q, keys, values = self._update(step, layer, q, k, v)
         return tree_attention(q, keys, values, step.slots[:, -1] + 1 - width, step.tree_mask, workspace=self.workspace,
-                              reference=lambda: F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask))
+                              reference=lambda: F.scaled_dot_product_attention(q, keys, values,
+                                                                                attn_mask=step.attn_mask))
 
     def workspace(self, numel: int) -> torch.Tensor:
         """The split attention kernels' fp32 scratch of ``numel`` elements (``mmspec.kernels.
@@ -260,7 +266,8 @@ class SinkWindowCache(StaticKVCache):
       clean one (t = 0), whose K/V stay. ``commit`` advances, stores the clean latents, and rolls.
       ``begin_recache(keep_sink)`` + one forward at t = 0 under a new prompt + ``commit()`` is
       LongLive's prompt-switch re-cache: the cached frames' K/V recomputed from their clean
-      latents, chunk-causally, at the same cache positions.
+      latents, chunk-causally, at the same cache positions (or as LongLive's code does it: with
+      evicted frames in front and no mask, ``begin_recache(lead=..., bidirectional=True)``).
 
     Args:
         sink: pinned frames (``frame_size`` tokens each), >= 0.
@@ -323,6 +330,7 @@ class SinkWindowCache(StaticKVCache):
             (batch_size, capacity) + latent_shape, dtype=latent_dtype, device=device)  # (B, capacity, *latent)
         # (start (B,), tokens, "chunk" | "recache") of the open block, if any
         self._open: tuple[torch.Tensor, int, str] | None = None
+        self._bidirectional = False  # the open re-cache attends to all of itself (LongLive's)
         self._written = False  # a step wrote the open block
 
     @property
@@ -357,25 +365,51 @@ class SinkWindowCache(StaticKVCache):
         check(self.chunk is not None, "chunk", "set at construction to use begin_chunk", None)
         self._check_closed("begin_chunk")
         self._open, self._written = (self.lengths.clone(), self.chunk * self.frame_size, "chunk"), False
+        self._bidirectional = False
 
-    def begin_recache(self, keep_sink: bool = True) -> torch.Tensor:
+    def begin_recache(self, keep_sink: bool = True, lead: torch.Tensor | None = None,
+                      bidirectional: bool = False) -> torch.Tensor:
         """Open a re-cache of the committed frames (the window; the sink too unless ``keep_sink``)
         and return their clean latents (B, n, *latent_shape), n frames (possibly 0). Run the model
         on them once at t = 0 under the new conditioning (one block, chunk-causal: the cache's
         default mask), then ``commit()``: their K/V are then those of a fresh prefill of the same
-        frames at the same positions (the sink's kept or recomputed)."""
+        frames at the same positions (the sink's kept or recomputed).
+
+        LongLive's own re-cache (Yang et al., 2025; NVlabs/LongLive v1.0,
+        ``pipeline/interactive_causal_inference.py::_recache_after_switch``) differs in two ways,
+        both options here: it runs its last ``local_attn_size`` frames, more than the cache keeps
+        after a commit, and it runs them in one pass without a mask.
+
+        - ``lead`` (B, E, *latent_shape): clean latents of the E frames just before the window (frames
+          the cache has evicted; E <= ``max_block``), re-encoded first in the same block, after the
+          sink: the block sees them and their K/V, and ``commit`` evicts them again.
+        - ``bidirectional``: the block attends to all of itself (no mask) instead of chunk-causally."""
         check(self.chunk is not None, "chunk", "set at construction to use begin_recache", None)
         check(self.latents is not None, "latent_shape", "set at construction: a re-cache re-encodes the "
               "cached frames' clean latents", None)
         check(isinstance(keep_sink, bool), "keep_sink", "True or False", keep_sink)
+        check(isinstance(bidirectional, bool), "bidirectional", "True or False", bidirectional)
         self._check_closed("begin_recache")
         n = int(self.lengths[0])
         check(bool((self.lengths == n).all()), "lengths", "equal in every row for a re-cache",
               self.lengths.tolist())
+        fs, latent = self.frame_size, tuple(self.latents.shape[2:])
+        E = 0 if lead is None else lead.shape[1]
+        if lead is not None:
+            room = self.capacity - n // fs
+            check(isinstance(lead, torch.Tensor) and lead.dim() == 2 + len(latent) and lead.shape[0] == self.batch_size
+                  and tuple(lead.shape[2:]) == latent and E <= room and n >= self.sink, "lead",
+                  f"None or ({self.batch_size}, frames <= {room}, {', '.join(map(str, latent))}) clean latents of "
+                  f"evicted frames, after a full sink ({self.sink_frames} frames)", getattr(lead, "shape", lead))
+        if E:  # the lead goes after the sink, the window's latents move E frames on (their K/V are rewritten)
+            s_f, n_f = self.sink // fs, n // fs
+            self.latents[:, s_f + E:n_f + E] = self.latents[:, s_f:n_f].clone()
+            self.latents[:, s_f:s_f + E] = lead.to(self.latents)
         start = min(n, self.sink) if keep_sink else 0
-        self._open, self._written = (torch.full_like(self.lengths, start), n - start, "recache"), False
-        fs = self.frame_size
-        return self.latents[:, start // fs: n // fs].clone()
+        end = n + E * fs
+        self._open, self._written = (torch.full_like(self.lengths, start), end - start, "recache"), False
+        self._bidirectional = bidirectional
+        return self.latents[:, start // fs: end // fs].clone()
 
     def commit(self, latents: torch.Tensor | None = None) -> None:
         """Close the open chunk or re-cache. A chunk advances the cache by its frames (its K/V are
@@ -401,6 +435,7 @@ class SinkWindowCache(StaticKVCache):
             self.lengths = start + T
         else:
             check(latents is None, "latents", "None for a re-cache (the cache has them)", type(latents).__name__)
+            self.lengths = start + T  # past the window by the lead's frames, if any: evicted below
         self._open = None
         self._evict()
         self.pos.copy_(self._arange)
@@ -438,20 +473,28 @@ class SinkWindowCache(StaticKVCache):
     def step(self, positions: torch.Tensor, tree_mask: torch.Tensor | None = None) -> CacheStep:
         """Without an open chunk: ``StaticKVCache.step`` (write past the committed entries, advance).
         With one: write the block into the open slots without advancing; ``tree_mask`` (B, T, T)
-        defaults to chunk-causal (bidirectional inside each chunk, causal across)."""
+        defaults to chunk-causal (bidirectional inside each chunk, causal across). A default-masked
+        block of one chunk whose rows all end at the same slot sees every key: its step hands SDPA
+        no mask (``CacheStep.attn_mask`` None; ``mask`` an all-true view)."""
         B, T = positions.shape
         check(T % self.frame_size == 0, "positions", f"whole frames of {self.frame_size} tokens", T)
         if self._open is None:
             return super().step(positions, tree_mask)
         start, size, _ = self._open
         check(T == size, "positions", f"the open block's {size} tokens", T)
-        if tree_mask is None:
+        # bidirectional inside itself: one chunk, or a re-cache opened bidirectional
+        one_chunk = tree_mask is None and (self._bidirectional or T <= self.chunk * self.frame_size)
+        if tree_mask is None and self._bidirectional:
+            tree_mask = torch.ones((1, 1, 1), dtype=torch.bool, device=positions.device).expand(B, T, T)
+        elif tree_mask is None:
             tree_mask = chunk_causal_mask(T // self.frame_size, self.chunk, self.frame_size, B, positions.device)
         slots = start[:, None] + torch.arange(T, device=positions.device)
         ends = start + T
-        S = int(ends.max())
-        step = CacheStep(self, positions, slots, visibility_mask(ends, T, S, tree_mask),
-                         self._key_positions(slots, positions, S), tree_mask)
+        low, S = torch.stack(torch.aminmax(ends)).tolist()  # one host read, as the key range's end alone took
+        dense = one_chunk and low == S  # no row's keys end early: nothing is masked
+        mask = (torch.ones((1, 1, 1, 1), dtype=torch.bool, device=positions.device).expand(B, 1, T, S) if dense
+                else visibility_mask(ends, T, S, tree_mask))
+        step = CacheStep(self, positions, slots, mask, self._key_positions(slots, positions, S), tree_mask, dense)
         self._written = True
         return step
 
@@ -486,7 +529,7 @@ class SinkWindowCache(StaticKVCache):
                                  sink=self.sink, window=self.window, tree_mask=step.tree_mask,
                                  workspace=self.workspace,
                                  reference=lambda: F.scaled_dot_product_attention(*self._read(step, layer, q),
-                                                                                  attn_mask=step.mask))
+                                                                                  attn_mask=step.attn_mask))
 
     def _evict(self) -> None:
         """Keep the sink frames and the last ``window`` frames of every row (and their latents)."""
