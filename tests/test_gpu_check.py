@@ -7,7 +7,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -43,13 +45,22 @@ def test_dry_run_fills_the_schema(dry_report):
     for name in gc.STEPS:
         assert f"- {name}: skipped" in summary
     assert summary in stdout
+    # the real-size Wan row is planned: Wan-1.3B's shapes built on the meta device through from_wan's presets
+    wan = report["steps"][gc.STEPS.index("real-size:wan")]["summary"]
+    sf = wan["presets"]["self-forcing"]
+    assert (wan["latent_hw"], wan["tokens_per_frame"], wan["chunks"]) == ([60, 104], 1560, 60)
+    assert (sf["sink_frames"], sf["window_frames"], sf["key_tokens"], sf["frames"]) == (0, 18, 21 * 1560, 186)
+    kv, latents = 2 * 30 * 12 * 128 * 21 * 1560 * 2, 21 * 16 * 60 * 104 * 2  # bf16 K/V of 21 frames, latents
+    assert sf["cache_bytes"] == pytest.approx(kv + latents, rel=1e-3)
+    assert "self-forcing (sink 0, window 18, absolute): 5 passes a chunk over 32760 keys" in summary
 
 
 def _complete_report() -> dict:
     report = gc.new_report(dry_run=False, budget_s=480)
     ran = {"cuda-tests": {"selected": 3, "passed": 3, "failed": 0, "errors": 0, "skipped": 0},
            "kernels": {"rows": [], "measured": 0, "correct": 0},
-           "real-size": {"verify_ms": {"1": 1.0}, "draft_ms": 0.1, "loop": {}}}
+           "real-size": {"verify_ms": {"1": 1.0}, "draft_ms": 0.1, "loop": {}},
+           "real-size:wan": {"presets": {}, "targets": {}, "errors": []}}
     for name in gc.STEPS:
         summary = ran.get(name, {"identity": [], "speed": {}, "offload": [], "problems": []})
         report["steps"].append({"name": name, "status": "passed", "seconds": 1.0, "summary": summary})
@@ -294,3 +305,83 @@ def test_real_size_step_reads_its_child(monkeypatch, tmp_path):
     step = gc.step_real_size(tmp_path, 60, dry_run=False, device="cuda")
     assert step["status"] == "failed" and "boom" in step["reason"]
     assert gc.step_real_size(tmp_path, 60, dry_run=True, device="cuda")["status"] == "skipped"
+
+
+def test_the_real_size_wan_row_on_cpu():
+    """The real-size Wan step's row at a tiny size in float32: both presets streamed through
+    ``from_wan``'s machinery, every field filled, rolling against window-recompute, a record after
+    every part."""
+    from mmspec.bench import real_size_wan as rsw
+
+    saved = []
+    row = rsw.row("cpu", torch.float32, rsw.TINY, chunks=6, recompute_chunks=4, warmup=1,
+                  record=lambda r: saved.append(json.loads(json.dumps(r, default=str))))
+    assert row["errors"] == [] and list(row["presets"]) == ["longlive", "self-forcing"]
+    ll = row["presets"]["longlive"]
+    st = ll["stream"]
+    assert st["chunks_done"] == 6 and st["truncated"] is None and st["fit_chunks"] == 3  # frames 12, 15, 18
+    assert st["ms_per_chunk"] > 0 and isinstance(st["flat"], bool) and row["targets"]["flat"]["longlive"] == st["flat"]
+    assert st["slope_pct_per_1k_frames"] == pytest.approx(100 * st["latency_slope"] / st["ms_per_chunk"])
+    assert st["cache_bytes"] >= ll["cache_bytes"]  # the plan's cache, and what else the stream keeps
+    rc = ll["recompute"]
+    assert rc["chunks_done"] == 4 and rc["steady"] and rc["rolling_ms_per_chunk"] > 0
+    assert rc["speedup"] == pytest.approx(rc["recompute_ms_per_chunk"] / rc["rolling_ms_per_chunk"])
+    assert rc["cache_bytes"]["window-recompute"] < rc["cache_bytes"]["rolling"]
+    assert row["targets"]["rolling_faster"]["longlive"] == rc["rolling_faster"] == (rc["speedup"] > 1)
+    sf = row["presets"]["self-forcing"]
+    assert (sf["sink_frames"], sf["window_frames"], sf["key_tokens"]) == (0, 18, 21 * 6)
+    assert sf["stream"]["chunks_done"] == 6 and not sf["stream"]["steady"]  # 18 frames: the window not yet full
+    assert sf["stream"]["flat"] is None and sf["recompute"]["chunks_done"] == 4
+    assert len(saved) == 5 and saved[-1] == json.loads(json.dumps(row, default=str))
+    lines = gc._step_lines({"name": "real-size:wan", "summary": row})
+    assert lines[0].startswith("float32, Wan2.1-T2V-1.3B shapes") and lines[2].startswith("longlive (sink 3, window 6")
+    assert lines[3].startswith("  stream: ") and "rolling faster: " in lines[4]
+
+
+def test_the_real_size_wan_row_keeps_to_its_budget():
+    """No part starts once the row's budget is spent, and no chunk that would end past it."""
+    from mmspec.bench import real_size_wan as rsw
+
+    row = rsw.row("cpu", torch.float32, rsw.TINY, chunks=4, recompute_chunks=2, warmup=1, budget_s=0)
+    assert row["errors"] == []
+    for p in row["presets"].values():
+        assert p["stream"]["note"] == p["recompute"]["note"] == "not run: the row's 0 s budget was spent"
+    assert "  stream: not run: the row's 0 s budget was spent" in gc._step_lines(
+        {"name": "real-size:wan", "summary": row})
+
+    class Slow:  # chunks of 50 ms
+        i = 0
+
+        def __next__(self):
+            time.sleep(0.05)
+            self.i += 1
+            return SimpleNamespace(frame_indices=range(3 * self.i, 3 * self.i + 3), stats={"cache_bytes": 1})
+
+    cpu = torch.device("cpu")
+    got, cut = rsw._pull({"a": Slow(), "b": Slow()}, 5, cpu, time.perf_counter() + 0.15)
+    assert [len(v) for v in got.values()] == [1, 1] and cut == "the row's budget: 1 of 5 chunks ran"
+    got, cut = rsw._pull({"a": Slow()}, 3, cpu, None)
+    assert [t[0] for t in got["a"]] == [3, 6, 9] and cut is None
+
+
+def test_real_size_wan_step_reads_its_child(monkeypatch, tmp_path):
+    found = {"presets": {"longlive": {}}, "targets": {}, "errors": []}
+    seen = {}
+
+    def write(args):
+        seen["budget"] = float(args[args.index("--budget") + 1])
+        Path(args[args.index("--json") + 1]).write_text(json.dumps(found))
+
+    _fake_child(monkeypatch, 0, write)
+    step = gc.step_real_size_wan(tmp_path, 100, dry_run=False, device="cuda")
+    assert step["status"] == "passed" and seen["budget"] == 100 - gc.REAL_SIZE_WAN_MARGIN
+    found["errors"] = ["self-forcing stream: OutOfMemoryError: CUDA out of memory"]
+    step = gc.step_real_size_wan(tmp_path, 100, dry_run=False, device="cuda")
+    assert step["status"] == "failed" and "out of memory" in step["reason"]
+    _fake_child(monkeypatch, None, write)  # killed: what the child recorded stays
+    step = gc.step_real_size_wan(tmp_path, 100, dry_run=False, device="cuda")
+    assert step["status"] == "timeout" and "longlive" in step["summary"]["presets"]
+    (tmp_path / "real-size-wan.json").unlink()
+    _fake_child(monkeypatch, 1, text="Traceback\nRuntimeError: CUDA error: no kernel image")
+    step = gc.step_real_size_wan(tmp_path, 100, dry_run=False, device="cuda")
+    assert step["status"] == "error" and "no kernel image" in step["reason"]

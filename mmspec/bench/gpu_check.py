@@ -17,6 +17,11 @@ the interpreter or hangs in compilation costs its step, not the report):
    ``enable_model_cpu_offload()`` giving the outputs the pipeline gives without it.
 4. ``real-size``: ``mmspec.bench.real_size`` at Llama-2-7B's shapes (verify passes, an EAGLE head
    step, the loop's own cost per pass, eager and compiled).
+5. ``real-size:wan``: ``mmspec.bench.real_size_wan`` at Wan2.1-T2V-1.3B's shapes, 480 x 832
+   pixels, the "longlive" and "self-forcing" presets: ms per chunk over 60 chunks, the latency
+   slope in % per 1,000 frames, cache bytes, rolling against window-recompute. It fits its parts
+   into the time it is given (``--budget``) and the dry run plans it (``real_size_wan.plan``: the
+   shapes on the meta device, the settings checked, the cache's bytes, the FLOPs per chunk).
 
 The report: ``report.json`` (``validate_report`` says what it holds) and ``summary.txt`` in the
 report folder (``--out``, else ``$OUT`` when set, else ``gpu-check-out``); both are rewritten after
@@ -56,11 +61,16 @@ ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "assets"
 SCHEMA = 1
 PIPELINES = ("ar-image", "vlm", "continuous", "video", "wan-tiny")
-STEPS = ("cuda-tests", "kernels") + tuple(f"pipeline:{p}" for p in PIPELINES) + ("real-size",)
+STEPS = ("cuda-tests", "kernels") + tuple(f"pipeline:{p}" for p in PIPELINES) + ("real-size", "real-size:wan")
 STATUSES = ("passed", "failed", "error", "timeout", "skipped")
 STEP_SECONDS = {"cuda-tests": 80, "kernels": 90, "pipeline:ar-image": 100, "pipeline:vlm": 75,
-                "pipeline:continuous": 40, "pipeline:video": 30, "pipeline:wan-tiny": 45, "real-size": 75}
-"""Each step's time limit in seconds; together 535 s, inside the 540 s budget. A pipeline step that
+                "pipeline:continuous": 40, "pipeline:video": 30, "pipeline:wan-tiny": 45, "real-size": 75,
+                "real-size:wan": 170}
+"""Each step's time limit in seconds; the steps before ``real-size:wan`` together 535 s, inside the
+540 s budget. ``real-size:wan`` (issue 44, about 170 s by its module's estimate) comes last and
+takes what they leave, up to 170 s: the driver gives no step more than the budget has left, and
+this one fits its parts into that (``REAL_SIZE_WAN_MARGIN``), streams first; run alone
+(``--steps real-size:wan``) it gets all of it. A pipeline step that
 runs out keeps the parts it finished (float32 identity, offload, speed eager, syncs, speed with
 compiled steps, then low precision). Sized from the first run on a GPU (H200, 2026-11-28, budget
 480 s): the CUDA tests one process at a time ran past 115 s with Triton's cache cold (123 passed
@@ -71,6 +81,9 @@ inside this limit); ar-image and vlm ran past 70 s, continuous took 31 s, video 
 kernel bench's key sweep (issue 43) were added since and have not run on a GPU: their limits are
 guesses, and each records what finished."""
 BUDGET_SECONDS = 540.0
+REAL_SIZE_WAN_MARGIN = 15.0
+"""Seconds of ``real-size:wan``'s limit kept from its row's own budget: the child's imports and its
+last JSON write."""
 CUDA_TEST_WORKERS = 8
 """pytest-xdist workers for the CUDA tests, where xdist is installed (at most one per CPU)."""
 LOW_PRECISIONS = ("bfloat16", "float16")
@@ -156,8 +169,9 @@ def validate_report(report: dict) -> list[str]:
         if status in ("passed", "failed"):
             need = {"cuda-tests": ("passed", "failed", "errors", "skipped"),
                     "kernels": ("rows", "measured", "correct"),
-                    "real-size": ("verify_ms", "draft_ms", "loop")}.get(name, ("identity", "speed", "offload",
-                                                                                "problems"))
+                    "real-size": ("verify_ms", "draft_ms", "loop"),
+                    "real-size:wan": ("presets", "targets", "errors")}.get(name, ("identity", "speed", "offload",
+                                                                                  "problems"))
             problems += [f"{name}: summary.{k} missing" for k in need if k not in summary]
     return problems
 
@@ -234,6 +248,8 @@ def _step_lines(step: dict) -> list[str]:
             out.append(f"loop {mode}: {loop['pass_ms']:.2f} ms a pass, forward {loop['forward_ms']:.2f} ms, "
                        f"outside it {loop['loop_ms']:.2f} ms ({100 * loop['loop_share']:.1f}% of the forward)")
         return out + [f"PROBLEM {p}" for p in sm.get("errors", [])]
+    if step["name"] == "real-size:wan":
+        return _wan_lines(sm)
     out = [f"{k}: {v}" for k, v in sm.items() if k in ("note",)]
     for row in sm.get("identity", []):
         out.append(f"greedy {row['dtype']} {row['method']}: "
@@ -247,6 +263,45 @@ def _step_lines(step: dict) -> list[str]:
         out.append(f"offload {row['dtype']} {row['method']}: {'identical' if row['identical'] else 'DIFFERS'}"
                    + (f" (max abs diff {row['max_abs_diff']:.3g})" if row.get("max_abs_diff") else ""))
     return out + [f"PROBLEM {p}" for p in sm.get("problems", [])]
+
+
+def _wan_lines(sm: dict) -> list[str]:
+    """The real-size Wan row: its shapes, then per preset its plan, its stream and its comparison
+    (whichever the summary holds: the dry run has the plan only)."""
+    if "presets" not in sm:
+        return []
+    n = lambda v, f=".1f": "n/a" if v is None else format(v, f)  # noqa: E731
+    yes = lambda v: "n/a" if v is None else ("yes" if v else "NO")  # noqa: E731
+    (h, w), C = sm["latent_hw"], sm["chunk_frames"]
+    out = [f"{sm['dtype']}, Wan2.1-T2V-1.3B shapes ({sm['params'] / 1e9:.2f} B parameters, random): "
+           f"{sm['shapes']['height']} x {sm['shapes']['width']} px, latent frames {h} x {w} "
+           f"({sm['tokens_per_frame']} tokens), chunks of {C} frames ({C * sm['tokens_per_frame']} queries)",
+           f"{sm['warmup']} + {sm['chunks']} chunks a stream, {sm['recompute_chunks']} rolling against "
+           f"window-recompute; flat: |slope| < {sm['flat_limit_pct']:g}% per 1,000 frames"]
+    for name, p in sm["presets"].items():
+        out.append(f"{name} (sink {p['sink_frames']}, window {p['window_frames']}, {p['position_policy']}): "
+                   f"{p['passes_per_chunk']} passes a chunk over {p['key_tokens']} keys, "
+                   f"{p['tflop_per_chunk']:.0f} TFLOP (window-recompute x {p['compute_ratio']:.1f}), "
+                   f"cache {p['cache_bytes'] / 2**30:.2f} GiB")
+        st, rc = p.get("stream") or {}, p.get("recompute") or {}
+        if "note" in st:
+            out.append(f"  stream: {st['note']}")
+        elif st:
+            over = (f"{st['fit_chunks']} chunks from frame {st['fit_from_frame']}" if st["steady"] else
+                    f"{st['chunks_done']} chunks, the cache not yet full")
+            out.append(f"  stream: {n(st['ms_per_chunk'])} ms a chunk over {over}, slope "
+                       f"{n(st['slope_pct_per_1k_frames'], '+.2f')}% per 1,000 frames "
+                       f"(se {n(st['slope_pct_se'], '.2f')}), flat: {yes(st['flat'])}"
+                       + (f" (cut: {st['truncated']})" if st.get("truncated") else ""))
+        if "note" in rc:
+            out.append(f"  rolling against window-recompute: {rc['note']}")
+        elif rc:
+            out.append(f"  rolling {n(rc['rolling_ms_per_chunk'])} against window-recompute "
+                       f"{n(rc['recompute_ms_per_chunk'])} ms a chunk ({rc['position_policy']}, {rc['chunks_done']} "
+                       f"chunks{'' if rc['steady'] else ', window not yet full'}): x {n(rc['speedup'], '.2f')}, "
+                       f"rolling faster: {yes(rc['rolling_faster'])}"
+                       + (f" (cut: {rc['truncated']})" if rc.get("truncated") else ""))
+    return out + [f"PROBLEM {p}" for p in sm.get("errors", [])]
 
 
 # -- the steps ------------------------------------------------------------------------------------
@@ -370,18 +425,38 @@ def step_real_size(out: Path, timeout: float, dry_run: bool, device: str) -> dic
     """``mmspec.bench.real_size.row`` in bf16 in a child process (its JSON written as it goes)."""
     if dry_run:
         return {"status": "skipped", "reason": "dry run: no CUDA device", "summary": {}}
-    path = out / "real-size.json"
-    rc, text = _child(["-m", "mmspec.bench.gpu_check", "--real-size", "--device", device, "--json", str(path)],
-                      timeout)
-    (out / "real-size.log").write_text(text)
+    return _child_row(out, "real-size", ["--real-size", "--device", device], timeout, "loop")
+
+
+def _child_row(out: Path, name: str, args: list[str], timeout: float, key: str) -> dict:
+    """Run ``python -m mmspec.bench.gpu_check *args --json out/name.json`` (its log beside it) and
+    read the step's result from that JSON: timed out, an error (no ``key`` in it), or failed on its
+    ``errors``."""
+    path = out / f"{name}.json"
+    rc, text = _child(["-m", "mmspec.bench.gpu_check", *args, "--json", str(path)], timeout)
+    (out / f"{name}.log").write_text(text)
     summary = json.loads(path.read_text()) if path.is_file() else {}
     if rc is None:
         return {"status": "timeout", "reason": f"ran past {timeout:.0f} s: {_tail(text, 4)}", "summary": summary}
-    if rc != 0 or "loop" not in summary:
+    if rc != 0 or key not in summary:
         return {"status": "error", "reason": f"exit {rc}: {_tail(text, 8)}", "summary": summary}
     errors = summary.get("errors", [])
     return {"status": "failed" if errors else "passed", "reason": "; ".join(errors)[:600] or None,
             "summary": summary}
+
+
+def step_real_size_wan(out: Path, timeout: float, dry_run: bool, device: str) -> dict:
+    """``mmspec.bench.real_size_wan.row`` in bf16 in a child process given ``timeout`` less
+    ``REAL_SIZE_WAN_MARGIN`` seconds (its JSON written after every part); the dry run's summary is
+    the row's ``plan``."""
+    if dry_run:
+        from .real_size_wan import plan
+
+        return {"status": "skipped", "reason": "dry run: no CUDA device (planned on the meta device)",
+                "summary": plan()}
+    budget = max(1.0, timeout - REAL_SIZE_WAN_MARGIN)
+    return _child_row(out, "real-size-wan", ["--real-size-wan", "--device", device, "--budget", f"{budget:.0f}"],
+                      timeout, "presets")
 
 
 def run(out: Path, *, dry_run: bool = False, budget_s: float = BUDGET_SECONDS, device: str = "cuda",
@@ -414,6 +489,8 @@ def run(out: Path, *, dry_run: bool = False, budget_s: float = BUDGET_SECONDS, d
                     result = step_kernels(out, timeout, dry_run)
                 elif name == "real-size":
                     result = step_real_size(out, timeout, dry_run, device)
+                elif name == "real-size:wan":
+                    result = step_real_size_wan(out, timeout, dry_run, device)
                 else:
                     result = step_pipeline(name.split(":", 1)[1], out, timeout, dry_run, device)
             except Exception as e:  # the report must survive any one step
@@ -604,7 +681,7 @@ class _WanTiny(_Video):
         import torch
 
         frames = pipe.chunk_frames * (3 if self.quick else 20)
-        return pipe(prompt="a red cat walks on grass", num_frames=frames, cache_mode=method, output_type="pt",
+        return pipe(prompt="a red cat walks on grass", num_latent_frames=frames, cache_mode=method, output_type="pt",
                     generator=torch.Generator(device).manual_seed(seed), **({"height": 32, "width": 32} if self.quick
                                                                             else {}))
 
@@ -786,7 +863,8 @@ def check_pipeline(name: str, device: str = "cuda", *, dtypes: tuple[str, ...] =
 # -- command line ---------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """``[--out DIR] [--dry-run] [--budget S] [--steps ...] [--device D]``, and the hidden
-    ``--pipeline NAME --json PATH`` of one pipeline step (the driver's child)."""
+    ``--pipeline NAME --json PATH``, ``--real-size`` and ``--real-size-wan`` of one step (the
+    driver's child; ``--budget`` is then the real-size Wan row's own)."""
     p.add_argument("--out", default=None, help=f"report folder (default: $OUT when set, else {DEFAULT_OUT})")
     p.add_argument("--dry-run", action="store_true", help="every CUDA step reported as skipped")
     p.add_argument("--budget", type=float, default=BUDGET_SECONDS,
@@ -795,6 +873,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", help="the pipelines' device (default cuda)")
     p.add_argument("--pipeline", choices=PIPELINES, default=None, help=argparse.SUPPRESS)
     p.add_argument("--real-size", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--real-size-wan", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     p.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
 
@@ -812,6 +891,19 @@ def cmd(args: argparse.Namespace) -> int:
 
         check(args.json is not None, "--json", "a path with --real-size", None)
         _write(Path(args.json), json.dumps(row(args.device, torch.bfloat16), indent=2, default=str) + "\n")
+        return 0
+    if args.real_size_wan:
+        import torch
+
+        from .real_size_wan import row
+
+        check(args.json is not None, "--json", "a path with --real-size-wan", None)
+        path = Path(args.json)
+
+        def save(partial: dict) -> None:
+            _write(path, json.dumps(partial, indent=2, default=str) + "\n")
+
+        save(row(args.device, torch.bfloat16, budget_s=args.budget, record=save))
         return 0
     if args.pipeline is not None:
         check(args.json is not None, "--json", "a path with --pipeline", None)
