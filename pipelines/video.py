@@ -41,12 +41,14 @@ the past is the ``cache_mode``:
 - ``"no-sink"``: the window alone (``sink_frames`` 0): the attention-sink ablation.
 
 A prompt schedule ``prompts=[(0, text), (start, text), ...]`` switches prompts at chunk
-boundaries (a start frame that is not a multiple of ``chunk_frames`` is refused, naming the two
-nearest boundaries). At a switch, LongLive's re-cache (``recache``) recomputes the kept frames'
-K/V from their clean latents under the new prompt, so the new prompt takes hold within a chunk
-or two without a jump; ``recache_sink`` says whether the sink is recomputed too (default True:
-the recipe trains switched clips under the new prompt on every frame, context included, which is
-what a re-cache of the whole visible set gives) or keeps the old prompt's K/V.
+boundaries, starts counted in video frames (a start off the boundaries is refused, naming the two
+nearest). At a switch, LongLive's re-cache (``recache``) recomputes the kept frames' K/V from
+their clean latents under the new prompt, so the new prompt takes hold within a chunk or two
+without a jump; ``recache_sink`` says whether the sink is recomputed too (default True: the
+recipe trains switched clips under the new prompt on every frame, context included, which is
+what a re-cache of the whole visible set gives) or keeps the old prompt's K/V. Wan's
+``"longlive"`` preset re-caches as LongLive's code does instead (``CachedStream``'s
+``recache_rule``).
 """
 
 from __future__ import annotations
@@ -84,7 +86,9 @@ class VideoChunk:
     Attributes:
         frames: by ``output_type``: ``"pt"`` (B, n, 3, H, W) float in [0, 1], ``"np"`` (B, n, H,
             W, 3) float in [0, 1], ``"pil"`` B lists of n images, ``"latent"`` the latents.
-        frame_indices: the absolute frame indices of these n frames.
+        frame_indices: the indices of these n frames in the whole video: video frames (Wan: the
+            first chunk's 3 latent frames decode to frames 0 .. 8, each later chunk to 12 more),
+            latent frames for ``output_type="latent"``.
         latents: (B, n, C, h, w) the clean latents.
         prompts: the prompt text of each row in force for this chunk.
         stats: ``latency_s`` (wall time of this chunk: re-cache, denoising, commit, decode and
@@ -134,6 +138,7 @@ class _Setup:
     latent_shape: tuple[int, int, int]  # (C, h, w) of one latent frame
     sampler: str  # FlowSampler's rule
     sigmas: list[float] | None  # explicit sigmas (None: uniform, shifted by the scheduler)
+    model_times: list[float] | None = None  # flow times the model is told, where not the sigmas (CausVid)
     video_latents: torch.Tensor | None = None  # (B, F, C, h, w) clean latents to start chunks from
     strength: float = 1.0
     latents: torch.Tensor | None = None  # (B, F, C, h, w) the chunks' initial noise, given
@@ -145,7 +150,7 @@ class _Setup:
 
 WAN_STREAM_DEFAULTS = dict(position_policy="cache-order", sink_frames=3, window_frames=12, num_inference_steps=4,
                            guidance_scale=1.0, sampler="renoise", sigmas=[1.0, 0.9375, 0.8333, 0.625], height=480,
-                           width=832, max_text_length=512, recache_rule="prefill")
+                           width=832, max_text_length=512, recache_rule="prefill", model_times=None)
 """``from_wan``'s stream settings without a ``preset`` (``chunk_frames`` has no default there):
 this project's choice for unbounded streams, not any released setting: cache-order positions (the
 stream never runs out of RoPE positions), a sink of 3 and a window of 12 latent frames, and
@@ -175,7 +180,7 @@ WAN_STREAM_PRESETS = {
     # l.11, sink_size: 3 l.12, context_noise: 0 l.25): a chunk attends to the 3 sink frames and the
     # last 12 - 3 = 9 frames of the cache, itself included (wan/modules/causal_model.py l.323-333):
     # sink 3, window 6; absolute positions (l.207). A prompt switch re-caches as
-    # pipeline/interactive_causal_inference.py l.34-96 does with global_sink: true (l.25 of the
+    # pipeline/interactive_causal_inference.py l.34-96 does with global_sink: true (l.24 of the
     # config): its last local_attn_size frames in one pass with no mask (CachedStream's "longlive").
     "longlive": dict(chunk_frames=3, sink_frames=3, window_frames=6, position_policy="absolute",
                      num_inference_steps=4, sigmas=_SIGMAS_SHIFT5, guidance_scale=1.0, sampler="renoise",
@@ -185,12 +190,14 @@ WAN_STREAM_PRESETS = {
     # 3 l.52; warp_denoising_step: false l.53); no sink or window: global attention over a
     # 32760-token (21-frame) cache (causal_inference.py l.56; causal_model.py l.136-143), so sink
     # 0, window 18 (CausVid itself stops at 21 frames; this stream rolls past them); absolute
-    # positions. CausVid feeds the model timesteps 757 and 522 but re-noises with its scheduler's
-    # nearest table sigma (shift 8.0, wan_wrapper.py l.105): 0.756757 and 0.521739; the preset takes
-    # the timesteps (sigmas 0.757, 0.522), so its re-noising differs from CausVid's by < 3e-4.
+    # positions. CausVid feeds the model timesteps 757 and 522 (causal_inference.py l.147-150) but
+    # converts to x0 and re-noises with its scheduler's nearest table sigma
+    # (models/wan/wan_wrapper.py l.104-107: FlowMatchScheduler(shift=8.0, sigma_min=0.0,
+    # extra_one_step=True) over 1,000 steps; l.135-137 and flow_match.py's add_noise take the
+    # argmin): 8 s / (1 + 7 s) at s = 0.28 and 0.12, i.e. 28/37 = 0.756757 and 12/23 = 0.521739.
     "causvid": dict(chunk_frames=3, sink_frames=0, window_frames=18, position_policy="absolute",
-                    num_inference_steps=3, sigmas=[1.0, 0.757, 0.522], guidance_scale=1.0, sampler="renoise",
-                    height=480, width=832, max_text_length=512),
+                    num_inference_steps=3, sigmas=[1.0, 28 / 37, 12 / 23], model_times=[1.0, 0.757, 0.522],
+                    guidance_scale=1.0, sampler="renoise", height=480, width=832, max_text_length=512),
 }
 """Named stream settings of the released causal Wan2.1-T2V-1.3B fine-tunes, from their code and
 configs (each value's file and line in the comment above): ``from_wan(..., preset=name)``. Sink
@@ -215,9 +222,11 @@ class StreamingVideoPipeline(PipelineBase):
 
     ``scheduler``: diffusers' ``FlowMatchEulerDiscreteScheduler`` (its ``shift`` shifts the
     sigmas; default: one with the bundled transformer's ``time_shift``, or shift 1 for Wan).
-    Frames are latent frames throughout (``num_frames``, the prompt schedule, ``sink_frames``,
-    ``window_frames``): one video frame each for the bundled model. The module docstring describes
-    the loop, the cache modes and the prompt switch.
+    ``num_frames`` and the prompt schedule count video frames, as diffusers does (for Wan
+    ``4k + 1``, 81 frames being 21 latent frames; ``num_latent_frames`` takes latent frames);
+    ``sink_frames`` and ``window_frames`` count latent frames (what the cache holds). The bundled
+    model's autoencoder codes each video frame alone: one latent frame per video frame. The module
+    docstring describes the loop, the cache modes and the prompt switch.
     """
 
     # the text encoder, then the transformer: the VAE decodes every chunk between the transformer's
@@ -261,8 +270,9 @@ class StreamingVideoPipeline(PipelineBase):
         (3 for Self-Forcing, CausVid and LongLive), required without a preset: a bidirectional Wan
         (Wan2.1-T2V itself) cannot stream chunk by chunk. ``stream_config`` overrides the preset
         or ``WAN_STREAM_DEFAULTS`` (``position_policy``, ``sink_frames``, ``window_frames``,
-        ``num_inference_steps``, ``guidance_scale``, ``sampler``, ``sigmas``, ``height``,
-        ``width``, ``max_text_length``). Every setting is checked here, against the transformer
+        ``num_inference_steps``, ``guidance_scale``, ``sampler``, ``sigmas``, ``model_times``
+        (``FlowSampler``'s), ``height``, ``width``, ``max_text_length``, ``recache_rule``
+        (``CachedStream``'s: ``"prefill"`` or ``"longlive"``)). Every setting is checked here, against the transformer
         too (its RoPE table), before anything is built."""
         check(isinstance(transformer, WanTransformer3DModel), "transformer", "a diffusers WanTransformer3DModel",
               type(transformer).__name__)
@@ -306,24 +316,60 @@ class StreamingVideoPipeline(PipelineBase):
         C = self.chunk_frames
         return (self.video_model.rope_frames // C - 1) * C
 
+    @property
+    def temporal_scale(self) -> int:
+        """Video frames per latent frame past the first: Wan's VAE's ``scale_factor_temporal`` (4:
+        latent frame 0 decodes to 1 video frame, each later one to 4), 1 for the bundled model
+        (its autoencoder codes each video frame alone)."""
+        return int(self.vae.config.scale_factor_temporal) if self.is_wan else 1
+
+    def video_frames(self, latent_frames: int) -> int:
+        """Video frames ``latent_frames`` latent frames decode to (Wan: 21 -> 81; the bundled
+        model: the same count)."""
+        return _video_frames(latent_frames, self.temporal_scale)
+
+    def _frames_text(self, latent_frames: int | None) -> str:
+        if latent_frames is None or not self.is_wan:
+            return str(latent_frames)
+        return f"{self.video_frames(latent_frames)} video frames ({latent_frames} latent)"
+
+    def _latent_count(self, num_frames, num_latent_frames) -> int | None:
+        """Latent frames from ``num_frames`` (video frames; Wan: ``4k + 1``, as diffusers'
+        ``WanPipeline`` counts them) or ``num_latent_frames``, at most one given (None: neither)."""
+        checks.check_int(num_frames, "num_frames", 1, optional=True)
+        checks.check_int(num_latent_frames, "num_latent_frames", 1, optional=True)
+        check(num_frames is None or num_latent_frames is None, "num_latent_frames",
+              "None when num_frames is given (one count: video frames, or latent frames)", num_latent_frames)
+        if num_frames is None:
+            return num_latent_frames
+        r = self.temporal_scale
+        low = (num_frames - 1) // r * r + 1
+        check((num_frames - 1) % r == 0, "num_frames",
+              f"{r}k + 1 video frames, as diffusers' WanPipeline takes them (the first latent frame decodes to 1 "
+              f"frame, each later one to {r}): e.g. {low} or {low + r}; or num_latent_frames", num_frames)
+        return (num_frames - 1) // r + 1
+
     # -- inputs -----------------------------------------------------------------------------------
     def check_inputs(self, prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps, sink_frames,
                      window_frames, cache_mode, recache_sink, output_type, callback_on_step_end,
                      callback_on_step_end_tensor_inputs, height=None, width=None, video_latents=None,
-                     strength=1.0, latents=None) -> _Setup:
+                     strength=1.0, latents=None, num_latent_frames=None) -> _Setup:
         """Every argument of ``stream``, checked before any model runs: ``ValueError`` naming the
         argument and the allowed values. Returns them resolved (defaults from
         ``stream_defaults``; the bundled model's prompts parsed, which checks their words)."""
         defaults, C = self.stream_defaults(), self.chunk_frames
         check_choice("cache_mode", cache_mode, CACHE_MODES)
         checks.check_output_type(output_type, OUTPUT_TYPES)
-        checks.check_int(num_frames, "num_frames", 1, optional=True)
+        video_frames = num_frames
+        num_frames = self._latent_count(num_frames, num_latent_frames)
+        if video_frames is None and num_frames is not None:
+            video_frames = self.video_frames(num_frames)
         check((prompt is None) != (prompts is None), "prompt", "exactly one of prompt and prompts (a schedule)",
               {"prompt": prompt, "prompts": prompts})
         if prompt is not None:
             schedule = [(0, checks.check_prompts(prompt, "prompt"))]
         else:
-            schedule = _check_schedule(prompts, num_frames, C)
+            schedule = _check_schedule(prompts, video_frames, C, self.temporal_scale)
         if not self.is_wan:
             for _, texts in schedule:
                 self.transformer.encode_prompts(texts)  # refuses words outside the prompt vocabulary
@@ -344,11 +390,10 @@ class StreamingVideoPipeline(PipelineBase):
             for name, value in (("sink_frames", sink_frames), ("window_frames", window_frames)):
                 check(value is None, name, "None with cache_mode='full-cache' (it keeps every frame)", value)
             sink, window = 0, None
-            limit = self.max_frames(cache_mode)
-            check(num_frames is None or num_frames <= limit, "num_frames",
-                  f"None or at most {limit} with cache_mode='full-cache' (past it keys would leave the "
-                  f"{R} frame positions the transformer's RoPE tells apart)", num_frames)
+            caps = [(self.max_frames(cache_mode), "with cache_mode='full-cache' (past it keys would leave the "
+                     f"{R} frame positions the transformer's RoPE tells apart)")]
         else:
+            caps = []
             if cache_mode == "no-sink":
                 check(sink_frames in (None, 0), "sink_frames", "None or 0 with cache_mode='no-sink'", sink_frames)
                 sink = 0
@@ -357,10 +402,9 @@ class StreamingVideoPipeline(PipelineBase):
             window = defaults["window_frames"] if window_frames is None else window_frames
             if self.is_wan:  # frame-granular, as the released causal Wan fine-tunes count them
                 window = check_window(C, sink, window, R)
-                limit = self.max_frames("full-cache")  # a window of every frame grows as full-cache's cache
-                check(window is not None or num_frames is None or num_frames <= limit, "num_frames",
-                      f"None or at most {limit} with window_frames=-1 (every frame so far: past it keys would leave "
-                      f"the {R} frame positions the transformer's RoPE tells apart)", num_frames)
+                if window is None:  # a window of every frame grows as full-cache's cache
+                    caps.append((self.max_frames("full-cache"), "with window_frames=-1 (every frame so far: past it "
+                                 f"keys would leave the {R} frame positions the transformer's RoPE tells apart)"))
             else:  # the bundled model streams whole chunks (its training windows)
                 check(checks.is_int(sink) and sink >= 0 and sink % C == 0, "sink_frames",
                       f"None or a multiple of chunk_frames ({C}), >= 0", sink)
@@ -375,9 +419,8 @@ class StreamingVideoPipeline(PipelineBase):
                   "'rolling', 'no-sink' or 'full-cache' under position_policy='absolute' (keys stored at their "
                   "absolute frame index; the recompute baseline re-encodes frames at cache-order positions)",
                   cache_mode)
-            check(num_frames is None or num_frames <= R, "num_frames",
-                  f"None or at most {R} under position_policy='absolute' (the frames Wan's RoPE table holds; "
-                  "'cache-order' streams without bound)", num_frames)
+            caps.append((R, "under position_policy='absolute' (the frames Wan's RoPE table holds; 'cache-order' "
+                         "streams without bound)"))
         B = len(schedule[0][1])
         checks.check_number(strength, "strength", 0, 1, low_open=True)
         if video_latents is not None:
@@ -398,6 +441,11 @@ class StreamingVideoPipeline(PipelineBase):
                   f"a multiple of chunk_frames ({C})" + ("" if need is None else f" and at least {need}"),
                   getattr(latents, "shape", type(latents).__name__))
             num_frames = latents.shape[1] if num_frames is None else num_frames
+        for cap, why in caps:  # after latents and video_latents, which may set num_frames
+            check(num_frames is None or num_frames <= cap, "num_frames", f"None or at most {self._frames_text(cap)} "
+                  + why, self._frames_text(num_frames))
+        check(num_frames is None or schedule[-1][0] < num_frames, "prompts",
+              f"start frames below the video's {self._frames_text(num_frames)}", [start for start, _ in schedule])
         checks.check_generator(generator, B)
         inputs = self.check_callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
         steps = defaults["num_inference_steps"] if num_inference_steps is None else num_inference_steps
@@ -406,6 +454,7 @@ class StreamingVideoPipeline(PipelineBase):
                       steps=steps, sampler=defaults["sampler"],
                       # the configured sigma list is for its own step count; other counts take uniform sigmas
                       sigmas=defaults["sigmas"] if steps == defaults["num_inference_steps"] else None,
+                      model_times=defaults.get("model_times") if steps == defaults["num_inference_steps"] else None,
                       sink=sink, window=window, cache_mode=cache_mode,
                       recache_sink=True if recache_sink is None else recache_sink, output_type=output_type,
                       callback=callback_on_step_end, tensor_inputs=tuple(inputs), latent_shape=latent_shape,
@@ -437,7 +486,8 @@ class StreamingVideoPipeline(PipelineBase):
                output_type: str = "pt", callback_on_step_end: Callable | None = None,
                callback_on_step_end_tensor_inputs: list[str] = ("latents",), height: int | None = None,
                width: int | None = None, video_latents: torch.Tensor | None = None,
-               strength: float = 1.0, latents: torch.Tensor | None = None) -> Iterator[VideoChunk]:
+               strength: float = 1.0, latents: torch.Tensor | None = None,
+               num_latent_frames: int | None = None) -> Iterator[VideoChunk]:
         """Generate a video chunk by chunk: returns an iterator of ``VideoChunk`` (frames, their
         indices, latents, prompts, stats), each yielded as soon as it is decoded. Arguments are
         checked now, before any model runs; the work happens as you iterate.
@@ -446,10 +496,17 @@ class StreamingVideoPipeline(PipelineBase):
             prompt: a prompt such as ``"a red circle moving right"`` (bundled model: one word of
                 each field of the transformer's ``prompt_vocab``: colour, shape, direction; Wan:
                 any text), or a list of them (one video per prompt). Exclusive with ``prompts``.
-            prompts: a schedule ``[(0, text), (start, text), ...]``: start frames strictly
-                increasing from 0, each a multiple of ``chunk_frames`` (below ``num_frames`` when
-                it is given); a text may be a list with one prompt per video.
-            num_frames: latent frames to generate (the last chunk is cut to fit); None: unbounded.
+            prompts: a schedule ``[(0, text), (start, text), ...]``: start video frames strictly
+                increasing from 0, each at a chunk boundary (below ``num_frames`` when it is
+                given): the bundled model's multiples of ``chunk_frames``; Wan's 0, 9, 21, 33, ...
+                (chunk k starts at the video frame its first latent frame decodes to first:
+                ``video_frames(k * chunk_frames)``); a text may be a list with one prompt per video.
+            num_frames: video frames to generate (the last chunk is cut to fit); None: unbounded.
+                The bundled model makes one video frame per latent frame; Wan counts as diffusers'
+                ``WanPipeline`` does: ``4k + 1`` video frames are ``k + 1`` latent frames (81 -> 21),
+                other counts are refused naming the nearest two.
+            num_latent_frames: the length in latent frames instead (exclusive with
+                ``num_frames``): Wan's 21 is 81 video frames.
             generator: a ``torch.Generator``, or one per video (video r then equals that prompt
                 generated alone with generator r).
             guidance_scale: classifier-free guidance ``v_u + s (v_c - v_u)``; 1 disables it;
@@ -493,14 +550,14 @@ class StreamingVideoPipeline(PipelineBase):
             latents: the initial noise of every chunk, as diffusers' ``latents`` (B, frames, C, h,
                 w), frames a multiple of ``chunk_frames``: chunk c starts from ``latents[:, c *
                 chunk_frames ...]`` instead of a draw from ``generator`` (which still draws the
-                re-noising of the ``"renoise"`` sampler). ``num_frames`` defaults to its frames.
+                re-noising of the ``"renoise"`` sampler). The length defaults to its latent frames.
                 With the same noise a stream reproduces the reference code's
                 (``tests/test_wan_parity.py``: Self-Forcing's and LongLive's own inference loops).
         """
         setup = self.check_inputs(prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps,
                                   sink_frames, window_frames, cache_mode, recache_sink, output_type,
                                   callback_on_step_end, callback_on_step_end_tensor_inputs, height, width,
-                                  video_latents, strength, latents)
+                                  video_latents, strength, latents, num_latent_frames)
         return self._stream(setup)
 
     @torch.no_grad()
@@ -522,7 +579,7 @@ class StreamingVideoPipeline(PipelineBase):
         # under model offload: on the device before its cache is made and its dtype read, for the stream
         onload(self.transformer)
         rows = 2 * B if guided else B
-        sampler = FlowSampler(self.scheduler, s.steps, s.sampler, s.sigmas)
+        sampler = FlowSampler(self.scheduler, s.steps, s.sampler, s.sigmas, s.model_times)
         cache_kwargs = {"latent_hw": s.latent_shape[1:]} if self.is_wan else {}
         if s.cache_mode == "window-recompute":
             context = RecomputeStream(model, rows, s.sink, s.window, **cache_kwargs)
@@ -585,7 +642,10 @@ class StreamingVideoPipeline(PipelineBase):
                 frames = latents if s.output_type == "latent" else self._postprocess(latents, s.output_type, decoder)
                 stats = dict(latency_s=time.perf_counter() - begin, cache_frames=context.frames(),
                              cache_bytes=context.nbytes(), switched=switched, nfe=int(nfe))
-                yield VideoChunk(frames=frames, frame_indices=range(start, start + n), latents=latents,
+                # indices of these frames in the output: video frames once decoded, else latent frames
+                first, stop = (start, start + n) if s.output_type == "latent" else (
+                    self.video_frames(start), self.video_frames(start + n))
+                yield VideoChunk(frames=frames, frame_indices=range(first, stop), latents=latents,
                                  prompts=list(texts), stats=stats)
                 if self.interrupt:
                     return
@@ -612,27 +672,31 @@ class StreamingVideoPipeline(PipelineBase):
         return self.video_processor.postprocess_video(pixels.permute(0, 2, 1, 3, 4).float(), output_type=output_type)
 
     @torch.no_grad()
-    def __call__(self, prompt: str | list[str] | None = None, num_frames: int = 96,
+    def __call__(self, prompt: str | list[str] | None = None, num_frames: int | None = None,
                  generator: torch.Generator | list[torch.Generator] | None = None, guidance_scale: float | None = None,
                  num_inference_steps: int | None = None, sink_frames: int | None = None,
                  window_frames: int | None = None, cache_mode: str = "rolling", recache_sink: bool | None = None,
                  output_type: str = "pil", return_dict: bool = True, callback_on_step_end: Callable | None = None,
                  callback_on_step_end_tensor_inputs: list[str] = ("latents",), prompts: list | None = None,
                  height: int | None = None, width: int | None = None, video_latents: torch.Tensor | None = None,
-                 strength: float = 1.0, latents: torch.Tensor | None = None):
-        """Generate ``num_frames`` latent frames per prompt: ``stream`` collected (the same
-        arguments; see it), with ``num_frames`` required and ``output_type`` ``"pil"`` by default.
+                 strength: float = 1.0, latents: torch.Tensor | None = None, num_latent_frames: int | None = None):
+        """Generate a video per prompt: ``stream`` collected (the same arguments; see it), with a
+        length required and ``output_type`` ``"pil"`` by default. Without ``num_frames``,
+        ``num_latent_frames``, ``latents`` or ``video_latents``: 81 video frames for Wan (diffusers'
+        ``WanPipeline`` default, 21 latent frames), 96 for the bundled model.
 
         Returns:
             ``StreamingVideoPipelineOutput(frames, stats)``, or ``(frames,)`` when
             ``return_dict=False``. ``frames[r]`` is video r: a list of PIL images, an (F, H, W, 3)
             array or an (F, 3, H, W) tensor in [0, 1].
         """
-        checks.check_int(num_frames, "num_frames", 1)
         checks.check_flag(return_dict, "return_dict")
+        if num_frames is None and num_latent_frames is None and latents is None and video_latents is None:
+            num_frames = 81 if self.is_wan else 96  # WanPipeline's default; the bundled model's 96
         s = self.check_inputs(prompt, prompts, num_frames, generator, guidance_scale, num_inference_steps, sink_frames,
                               window_frames, cache_mode, recache_sink, output_type, callback_on_step_end,
-                              callback_on_step_end_tensor_inputs, height, width, video_latents, strength, latents)
+                              callback_on_step_end_tensor_inputs, height, width, video_latents, strength, latents,
+                              num_latent_frames)
         chunks = list(self._stream(s))  # what stream() yields; it ends with maybe_free_model_hooks
         parts = [c.frames for c in chunks]
         if output_type == "pil":
@@ -680,6 +744,8 @@ def _check_wan_parts(vae, text_encoder, tokenizer, stream_config, transformer) -
     sigmas = config["sigmas"]
     check(sigmas is None or (isinstance(sigmas, (list, tuple)) and len(sigmas) == config["num_inference_steps"]),
           "sigmas", f"None or {config['num_inference_steps']} values (one per step)", sigmas)
+    FlowSampler(FlowMatchEulerDiscreteScheduler(), config["num_inference_steps"], config["sampler"], sigmas,
+                config["model_times"])  # refuses bad sigmas and model_times now, not at the first stream
     config["window_frames"] = check_window(config["chunk_frames"], config["sink_frames"], config["window_frames"],
                                            int(transformer.config.rope_max_seq_len))  # -1 -> None: every frame
     return config
@@ -694,8 +760,16 @@ def _prompt_at(schedule, frame: int) -> tuple[torch.Tensor, list[str]]:
     return active[1], active[2]
 
 
-def _check_schedule(prompts, num_frames: int | None, chunk: int) -> list[tuple[int, list[str]]]:
-    """``[(start frame, text or list of texts), ...]`` -> ``[(start, [texts])]``; see ``stream``."""
+def _video_frames(latent_frames: int, scale: int) -> int:
+    """Video frames ``latent_frames`` latent frames decode to: the first gives 1, each later one
+    ``scale`` (Wan's VAE: 4; the bundled model: 1, one video frame per latent frame)."""
+    return 0 if latent_frames <= 0 else 1 + scale * (latent_frames - 1)
+
+
+def _check_schedule(prompts, num_frames: int | None, chunk: int, scale: int = 1) -> list[tuple[int, list[str]]]:
+    """``[(start frame, text or list of texts), ...]`` -> ``[(start, [texts])]``; see ``stream``.
+    Starts and ``num_frames`` count video frames (``scale`` per latent frame past the first); the
+    returned starts count latent frames."""
     check(isinstance(prompts, (list, tuple)) and len(prompts) >= 1
           and all(isinstance(p, (list, tuple)) and len(p) == 2 for p in prompts), "prompts",
           "a non-empty list of (start frame, text) pairs", prompts)
@@ -706,14 +780,24 @@ def _check_schedule(prompts, num_frames: int | None, chunk: int) -> list[tuple[i
           f"sorted by start frame: strictly increasing from 0{below}", starts)
     out = []
     for i, (start, text) in enumerate(prompts):
-        low = start // chunk * chunk
-        check(start % chunk == 0, f"prompts[{i}] start frame",
-              f"a multiple of chunk_frames ({chunk}): prompts switch at chunk boundaries, e.g. {low} or {low + chunk}",
-              start)
+        if scale == 1:
+            low = start // chunk * chunk
+            check(start % chunk == 0, f"prompts[{i}] start frame", f"a multiple of chunk_frames ({chunk}): prompts "
+                  f"switch at chunk boundaries, e.g. {low} or {low + chunk}", start)
+            latent = start
+        else:  # video frames: chunk k starts at the video frame latent frame k * chunk decodes to first
+            k = 0 if start <= 0 else ((start - 1) // scale + 1) // chunk
+            low, high = _video_frames(k * chunk, scale), _video_frames((k + 1) * chunk, scale)
+            first = ", ".join(str(_video_frames(j * chunk, scale)) for j in range(4))
+            check(start == low, f"prompts[{i}] start frame",
+                  f"a chunk boundary in video frames ({first}, ...: chunks of {chunk} latent frames, the first "
+                  f"decoding to {_video_frames(chunk, scale)} video frames and each later one to {scale * chunk}), "
+                  f"e.g. {low} or {high}", start)
+            latent = k * chunk
         texts = checks.check_prompts(text, f"prompts[{i}] text")
         check(len(texts) == len(out[0][1]) if out else True, f"prompts[{i}] text",
               f"{len(out[0][1]) if out else 0} prompts (one per video, as prompts[0])", text)
-        out.append((int(start), texts))
+        out.append((int(latent), texts))
     return out
 
 

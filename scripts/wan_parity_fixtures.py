@@ -1,12 +1,14 @@
 """Record the Wan parity fixtures (``tests/fixtures/wan_parity/``) from the reference code itself.
 
-    python scripts/wan_parity_fixtures.py --self-forcing PATH/Self-Forcing --longlive PATH/LongLive
+    python scripts/wan_parity_fixtures.py --self-forcing PATH/Self-Forcing --longlive PATH/LongLive \
+        --causvid PATH/CausVid
 
-PATH/...: checkouts of guandeh17/Self-Forcing (33593df) and NVlabs/LongLive (branch v1.0,
-e52d9ef). Nothing of them is copied here or committed: each case builds a tiny ``CausalWanModel``
-with the repository's own class, streams a few chunks through the repository's own inference
-pipeline (``CausalInferencePipeline.inference``, LongLive's
-``InteractiveCausalInferencePipeline.inference`` for the prompt switch) on the CPU in float32, and
+PATH/...: checkouts of guandeh17/Self-Forcing (33593df), NVlabs/LongLive (branch v1.0, e52d9ef)
+and tianweiy/CausVid (ca21150). Nothing of them is copied here or committed: each case builds a
+tiny ``CausalWanModel`` with the repository's own class, streams a few chunks through the
+repository's own inference pipeline (``CausalInferencePipeline.inference``, LongLive's
+``InteractiveCausalInferencePipeline.inference`` for the prompt switch, CausVid's
+``InferencePipeline.inference``) on the CPU in float32, and
 writes the facts: the weights (original key layout), the prompt embeddings, the initial noise, the
 re-noising draws, and for every transformer call its input latents, timesteps, start frame, flow
 prediction and x0. ``tests/test_wan_parity.py`` replays them through ``load_original_wan`` and
@@ -20,8 +22,11 @@ What is replaced, and why (nothing that computes a result):
 - the sizes the pipelines hard-code for Wan2.1-1.3B (30 blocks, 1560 tokens a frame, caches of
   12 x 128 heads, 512 text tokens, the 32760-token = 21-frame default cache): set to the tiny
   model's, the 21 frames kept;
-- ``WanDiffusionWrapper.__init__`` (it loads ``wan_models/`` from disk): its body is repeated
-  around the tiny model (``_wrapper``);
+- ``WanDiffusionWrapper.__init__`` (it loads ``wan_models/`` from disk), and CausVid's
+  ``InferencePipeline.__init__`` (it builds that wrapper): their bodies are repeated around the
+  tiny model (``_wrapper``, ``_causvid_pipeline``);
+- CausVid's re-noising call asks for ``device="cuda"`` (``torch.ones([batch_size],
+  device="cuda")`` in ``causal_inference.py``): ``torch.ones`` makes that tensor on the CPU;
 - attention: both repositories call flash-attn in bfloat16, or without it ``attention()``'s
   SDPA fallback with its default ``dtype=torch.bfloat16``; here every attention call
   (``wan.modules.model.flash_attention``, ``wan.modules.causal_model.attention``) is that same
@@ -68,6 +73,7 @@ CASES = {
     # lie past the sink, which keeps its K/V; at frame 12 they are frames 0 .. 11, the sink included
     "longlive_switch": ("longlive", 3, 12, 7, 15),
     "longlive_switch_early": ("longlive", 3, 12, 5, 12),
+    "causvid": ("causvid", 0, -1, 3, None),  # as released: a 21-frame cache, 3 steps at shift 8
 }
 
 
@@ -97,6 +103,42 @@ def _wrapper(model, shift: float):
     w.seq_len = REFERENCE_CACHE_FRAMES * FRAME_TOKENS
     w.post_init()
     return w
+
+
+def _causvid_wrapper(model):
+    """CausVid's ``CausalWanDiffusionWrapper()`` around ``model``: ``WanDiffusionWrapper.__init__``
+    (causvid/models/wan/wan_wrapper.py) without the ``from_pretrained``: shift 8, 1,000 steps."""
+    from causvid.models.wan.flow_match import FlowMatchScheduler
+    from causvid.models.wan.wan_wrapper import CausalWanDiffusionWrapper
+
+    w = CausalWanDiffusionWrapper.__new__(CausalWanDiffusionWrapper)
+    torch.nn.Module.__init__(w)
+    w.model = model.eval()
+    w.uniform_timestep = False
+    w.scheduler = FlowMatchScheduler(shift=8.0, sigma_min=0.0, extra_one_step=True)
+    w.scheduler.set_timesteps(1000, training=True)
+    w.seq_len = REFERENCE_CACHE_FRAMES * FRAME_TOKENS
+    w.post_init()
+    return w
+
+
+def _causvid_pipeline(generator, text_encoder, vae):
+    """CausVid's ``InferencePipeline(args)`` with configs/wan_causal_dmd.yaml's settings
+    (``denoising_step_list [1000, 757, 522, 0]``, the trailing 0 dropped; no warp; 3 frames a
+    block): its ``__init__`` around the given parts."""
+    from causvid.models.wan.causal_inference import InferencePipeline
+
+    pipe = InferencePipeline.__new__(InferencePipeline)
+    torch.nn.Module.__init__(pipe)
+    pipe.generator, pipe.text_encoder, pipe.vae = generator, text_encoder, vae
+    pipe.denoising_step_list = torch.tensor([1000, 757, 522, 0], dtype=torch.long)[:-1]
+    pipe.scheduler = generator.get_scheduler()
+    pipe.kv_cache1 = pipe.kv_cache2 = None
+    pipe.args = None
+    pipe.num_frame_per_block = 3
+    pipe.local_attn_size = -1  # for _tiny_caches: CausVid's cache is always the 21-frame one
+    generator.model.num_frame_per_block = 3
+    return pipe
 
 
 def _tiny_caches(pipe, heads: int, head_dim: int, text_len: int) -> None:
@@ -141,8 +183,18 @@ def record(name: str, repo: str, weights: Path) -> None:
     _stub_memory("utils.memory")
     torch.cuda.current_device = lambda: 0  # wan/modules/t5.py's default argument, never used here
     from omegaconf import OmegaConf
-    from wan.modules import attention as attention_module, causal_model, model as wan_model
-    from wan.modules.causal_model import CausalWanModel
+
+    if flavour == "causvid":
+        from causvid.models.wan.causal_model import CausalWanModel
+        from causvid.models.wan.wan_base.modules import attention as attention_module, model as wan_model
+
+        causal_model = sys.modules[CausalWanModel.__module__]
+        kwargs = {}
+    else:
+        from wan.modules import attention as attention_module, causal_model, model as wan_model
+        from wan.modules.causal_model import CausalWanModel
+
+        kwargs = dict(local_attn_size=local, sink_size=sink)
 
     def float32_attention(q, k, v, **kwargs):  # attention()'s SDPA fallback, in float32
         kwargs.pop("dtype", None)
@@ -152,7 +204,7 @@ def record(name: str, repo: str, weights: Path) -> None:
     wan_model.flash_attention = causal_model.attention = float32_attention
 
     torch.manual_seed(0)
-    model = CausalWanModel(**MODEL, local_attn_size=local, sink_size=sink)
+    model = CausalWanModel(**MODEL, **kwargs)
     if weights.exists():
         model.load_state_dict(load_file(str(weights)), strict=True)
     else:  # Wan's init zeroes the head: random everywhere, so no output is trivially zero
@@ -162,7 +214,7 @@ def record(name: str, repo: str, weights: Path) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * (0.3 if p.dim() < 2 else p.shape[-1] ** -0.5))
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(weights))
     _max_attention(model, local)
-    gen = _wrapper(model, shift=5.0)
+    gen = _causvid_wrapper(model) if flavour == "causvid" else _wrapper(model, shift=5.0)
     B, (C, h, w), frames = 1, LATENT, 3 * chunks
     g = torch.Generator().manual_seed(7)
     embeds = [torch.randn(B, MODEL["text_len"], MODEL["text_dim"], generator=g) for _ in range(2)]
@@ -181,27 +233,36 @@ def record(name: str, repo: str, weights: Path) -> None:
     args = OmegaConf.create(dict(denoising_step_list=WARPED_STEPS, warp_denoising_step=True, num_frame_per_block=3,
                                  independent_first_frame=False, context_noise=0, global_sink=True,
                                  model_kwargs=dict(local_attn_size=local, sink_size=sink, timestep_shift=5.0)))
-    if switch is None:
+    if flavour == "causvid":
+        pipe = _causvid_pipeline(gen, TextEncoder(), VAE())
+    elif switch is None:
         from pipeline.causal_inference import CausalInferencePipeline as Pipe
     else:
         from pipeline.interactive_causal_inference import InteractiveCausalInferencePipeline as Pipe
-    pipe = Pipe(args, "cpu", generator=gen, text_encoder=TextEncoder(), vae=VAE())
+    if flavour != "causvid":
+        pipe = Pipe(args, "cpu", generator=gen, text_encoder=TextEncoder(), vae=VAE())
     pipe.num_transformer_blocks, pipe.frame_seq_length = MODEL["num_layers"], FRAME_TOKENS
     _tiny_caches(pipe, MODEL["num_heads"], MODEL["dim"] // MODEL["num_heads"], MODEL["text_len"])
 
-    calls = []
-    forward = gen.forward
+    calls, flows = [], []
+    forward, model_forward = gen.forward, gen.model.forward
+
+    def model_recorded(*a, **k):  # CausVid's wrapper returns x0 alone: the flow is the model's output
+        out = model_forward(*a, **k)
+        flows.append(out.permute(0, 2, 1, 3, 4).clone())
+        return out
 
     def recorded(*a, **k):
         out = forward(*a, **k)
+        flow, x0 = (flows[-1], out) if flavour == "causvid" else out
         x = k["noisy_image_or_video"]
         calls.append(dict(x=x.clone(), t=k["timestep"].to(torch.float64).clone(),
-                          start=torch.tensor([k["current_start"] // FRAME_TOKENS]), flow=out[0].clone(),
-                          x0=out[1].clone(), second_prompt=torch.tensor([int(k["conditional_dict"]["prompt_embeds"]
+                          start=torch.tensor([k["current_start"] // FRAME_TOKENS]), flow=flow.clone(),
+                          x0=x0.clone(), second_prompt=torch.tensor([int(k["conditional_dict"]["prompt_embeds"]
                                                                       .equal(embeds[1]))])))
         return out
 
-    gen.forward = recorded
+    gen.forward, gen.model.forward = recorded, model_recorded
     eps, draws = torch.Generator().manual_seed(11), []
     randn_like = torch.randn_like
 
@@ -210,16 +271,23 @@ def record(name: str, repo: str, weights: Path) -> None:
         draws.append(e.clone())
         return e
 
-    torch.randn_like = drawn
+    ones = torch.ones
+
+    def on_cpu(*a, device=None, **k):  # CausVid's re-noising asks for device="cuda"
+        return ones(*a, device="cpu" if str(device).startswith("cuda") else device, **k)
+
+    torch.randn_like, torch.ones = drawn, on_cpu
     try:
         with torch.no_grad():
-            if switch is None:
+            if flavour == "causvid":
+                _, out = pipe.inference(noise, text_prompts=["p0"], return_latents=True)
+            elif switch is None:
                 _, out = pipe.inference(noise, text_prompts=["p0"], return_latents=True)
             else:
                 _, out = pipe.inference(noise, text_prompts_list=[["p0"], ["p1"]], switch_frame_indices=[switch],
                                         return_latents=True)
     finally:
-        torch.randn_like = randn_like
+        torch.randn_like, torch.ones = randn_like, ones
     tensors = {"noise": noise, "output": out, "prompt.0": embeds[0], "prompt.1": embeds[1],
                "timesteps": pipe.denoising_step_list.to(torch.float64)}
     tensors.update({f"eps.{i}": e for i, e in enumerate(draws)})
@@ -236,6 +304,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--self-forcing", help="a checkout of guandeh17/Self-Forcing")
     ap.add_argument("--longlive", help="a checkout of NVlabs/LongLive (branch v1.0)")
+    ap.add_argument("--causvid", help="a checkout of tianweiy/CausVid")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case in this process
     ap.add_argument("--repo", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -243,7 +312,7 @@ def main() -> None:
     if a.case:
         return record(a.case, a.repo, weights)
     OUT.mkdir(parents=True, exist_ok=True)
-    repos = {"self-forcing": a.self_forcing, "longlive": a.longlive}
+    repos = {"self-forcing": a.self_forcing, "longlive": a.longlive, "causvid": a.causvid}
     for name, (flavour, *_) in CASES.items():
         if repos[flavour] is None:
             print(f"{name}: skipped (no --{flavour} checkout given)")

@@ -154,7 +154,7 @@ def call(pipe, kind: str, method: str) -> list[torch.Tensor]:
         out = pipe(class_labels=[2], method=method, output_type="pt", generator=gen())
         return [out.latents, out.images]
     if kind == "wan":  # Wan's causal VAE decodes outside its forward (WanStreamingDecoder), chunk by chunk
-        return [pipe(prompt="a red cat walks", num_frames=2 * pipe.chunk_frames, output_type="pt",
+        return [pipe(prompt="a red cat walks", num_latent_frames=2 * pipe.chunk_frames, output_type="pt",
                      generator=gen()).frames]
     C = pipe.chunk_frames  # video, two chunks; "switch" changes the prompt at the second (LongLive's re-cache)
     prompts = [(0, "a red circle moving right"), (C, "a blue square moving up")]

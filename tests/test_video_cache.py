@@ -431,8 +431,9 @@ def test_recache_of_an_empty_window():
 # -- constant memory -------------------------------------------------------------------------
 def test_memory_is_constant_over_10000_frames():
     """10,000 frames (1,000 chunks of 10 one-token frames, one denoising pass each): every tensor
-    the cache holds keeps its size (and the K/V, latent and position buffers their storage), positions never pass sink + window + chunk
-    frames, and a from-scratch recompute agrees now and then and at the end."""
+    the cache holds keeps its size (and the K/V, latent and position buffers their storage),
+    positions never pass sink + window + chunk frames, and a from-scratch recompute agrees now and
+    then and at the end."""
     sink, window, chunk, total = 10, 20, 10, 10_000
     model = ChunkAttention(1, dim=8, grid=(1, 1))
     cache = SinkWindowCache(1, 1, 2, 4, sink, window, rope=model.rope, frame_size=1, chunk=chunk,

@@ -38,7 +38,7 @@ def test_from_wan_is_one_pipeline_with_the_wan_adapter(pipe):
 
 
 def test_the_sigma_list_holds_for_its_own_step_count(pipe):
-    args = (PROMPT, None, 6, None, None)
+    args = (PROMPT, None, 21, None, None)  # 21 video frames: 6 latent
     rest = (None, None, "rolling", None, "latent", None, ())
     assert pipe.check_inputs(*args, None, *rest).sigmas == [1.0, 0.9375, 0.8333, 0.625]
     other = pipe.check_inputs(*args, 2, *rest)
@@ -49,7 +49,7 @@ def test_the_stream_is_the_adapters_loop(pipe):
     """12 latent frames, rolling (sink 3 + window 6: the cache rolls at the 4th chunk): latents bit
     for bit those of the adapter driven by hand (UMT5 rows, one noise draw per chunk, then
     Self-Forcing's renoise draws, from one generator)."""
-    got = pipe(prompt=PROMPT, num_frames=12, generator=gen(3), output_type="latent").frames
+    got = pipe(prompt=PROMPT, num_latent_frames=12, generator=gen(3), output_type="latent").frames
     model, d = pipe.video_model, pipe.stream_defaults()
     stream = CachedStream(model, 1, 3, 6, latent_hw=(4, 4))
     sampler = FlowSampler(pipe.scheduler, 4, "renoise", d["sigmas"])
@@ -63,11 +63,30 @@ def test_the_stream_is_the_adapters_loop(pipe):
     assert stream.frames() == 9
 
 
+def test_num_frames_counts_video_frames_as_wan_pipeline_does(pipe):
+    """``num_frames`` counts video frames (``4k + 1``, diffusers' ``WanPipeline``): 21 video frames
+    are 6 latent frames, the same stream as ``num_latent_frames=6`` bit for bit, decoded to 21
+    frames; chunk indices count video frames once decoded (0 .. 8, then 12 a chunk), latent frames
+    for ``output_type="latent"``; the schedule's start 9 is the second chunk; without a length the
+    call makes WanPipeline's 81 frames (21 latent)."""
+    assert [pipe.video_frames(n) for n in (0, 1, 3, 6, 21)] == [0, 1, 9, 21, 81]
+    video = pipe(prompt=PROMPT, num_frames=21, generator=gen(6), output_type="latent")
+    latent = pipe(prompt=PROMPT, num_latent_frames=6, generator=gen(6), output_type="latent")
+    assert torch.equal(video.frames, latent.frames) and video.frames.shape[1] == 6 and video.stats["frames"] == 6
+    chunks = list(pipe.stream(prompts=[(0, PROMPT), (9, OTHER)], num_frames=21, generator=gen(6), output_type="pt"))
+    assert [c.frame_indices for c in chunks] == [range(0, 9), range(9, 21)]
+    assert [c.frames.shape[1] for c in chunks] == [9, 12] and [c.stats["switched"] for c in chunks] == [False, True]
+    assert [c.frame_indices for c in pipe.stream(prompt=PROMPT, num_frames=21, output_type="latent")] == [
+        range(0, 3), range(3, 6)]
+    out = pipe(prompt=PROMPT, generator=gen(6), output_type="pt")
+    assert out.frames.shape[1] == 81 and out.stats["frames"] == 81 and out.stats["chunks"] == 7
+
+
 def test_frames_are_the_clip_decoded_at_once(pipe):
     """Decoded chunk by chunk with the VAE's causal cache: 1 + 4 x 11 = 45 video frames, equal to
     decoding the 12 latent frames in one call."""
-    out = pipe(prompt=PROMPT, num_frames=12, generator=gen(4), output_type="pt")
-    latents = pipe(prompt=PROMPT, num_frames=12, generator=gen(4), output_type="latent").frames
+    out = pipe(prompt=PROMPT, num_latent_frames=12, generator=gen(4), output_type="pt")
+    latents = pipe(prompt=PROMPT, num_latent_frames=12, generator=gen(4), output_type="latent").frames
     assert out.frames.shape == (1, 45, 3, 32, 32)
     whole = pipe._postprocess(latents, "pt", WanStreamingDecoder(pipe.vae))
     assert torch.equal(out.frames, whole)
@@ -90,15 +109,15 @@ def test_round_trip_through_a_local_folder(pipe, tmp_path):
     for name in ("transformer", "vae", "text_encoder"):
         mine, theirs = getattr(pipe, name).state_dict(), getattr(loaded, name).state_dict()
         assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
-    a = pipe(prompts=[(0, PROMPT), (6, OTHER)], num_frames=9, generator=gen(1), output_type="pt").frames
-    b = loaded(prompts=[(0, PROMPT), (6, OTHER)], num_frames=9, generator=gen(1), output_type="pt").frames
+    a = pipe(prompts=[(0, PROMPT), (21, OTHER)], num_latent_frames=9, generator=gen(1), output_type="pt").frames
+    b = loaded(prompts=[(0, PROMPT), (21, OTHER)], num_latent_frames=9, generator=gen(1), output_type="pt").frames
     assert a.shape == b.shape == (1, 33, 3, 32, 32) and (a - b).abs().max() < 1e-5
 
 
 def test_a_prompt_switch_recaches_once_and_the_cache_stays_flat(pipe):
     """A switch at frame 9 re-caches the kept frames (one extra transformer pass in that chunk);
     over 30 chunks the cache holds sink + window frames at constant bytes once it has rolled."""
-    chunks = list(pipe.stream(prompts=[(0, PROMPT), (9, OTHER)], num_frames=90, generator=gen(2),
+    chunks = list(pipe.stream(prompts=[(0, PROMPT), (33, OTHER)], num_latent_frames=90, generator=gen(2),
                               output_type="latent"))
     assert [c.stats["switched"] for c in chunks[:5]] == [False, False, False, True, False]
     assert [c.stats["nfe"] for c in chunks[2:5]] == [5, 6, 5] and chunks[3].prompts == [OTHER]
@@ -107,10 +126,10 @@ def test_a_prompt_switch_recaches_once_and_the_cache_stays_flat(pipe):
 
 
 def test_offload_keeps_the_outputs(pipe):
-    want = pipe(prompt=PROMPT, num_frames=6, generator=gen(5), output_type="pt").frames
+    want = pipe(prompt=PROMPT, num_latent_frames=6, generator=gen(5), output_type="pt").frames
     pipe.enable_model_cpu_offload(device="cpu")
     try:
-        got = pipe(prompt=PROMPT, num_frames=6, generator=gen(5), output_type="pt").frames
+        got = pipe(prompt=PROMPT, num_latent_frames=6, generator=gen(5), output_type="pt").frames
     finally:
         pipe.remove_all_hooks()
     assert torch.equal(got, want)
@@ -127,8 +146,12 @@ def _counted(pipe):
     (dict(window_frames=-2), "window_frames must be an int >= 0 \\(latent frames\\), or None or -1"),
     (dict(window_frames=1.5), "window_frames must be an int >= 0 \\(latent frames\\), or None or -1"),
     (dict(window_frames="x"), "window_frames must be an int >= 0 \\(latent frames\\), or None or -1"),
-    (dict(prompts=[(0, PROMPT), (4, OTHER)], prompt=None), "prompts\\[1\\] start frame must be a multiple of "
-                                                            "chunk_frames \\(3\\)"),
+    (dict(prompts=[(0, PROMPT), (4, OTHER)], prompt=None), "prompts\\[1\\] start frame must be a chunk boundary in "
+                                                            "video frames \\(0, 9, 21, 33, ...: .*e.g. 0 or 9"),
+    (dict(prompts=[(0, PROMPT), (12, OTHER)], prompt=None), "prompts\\[1\\] start frame .* e.g. 9 or 21, got 12"),
+    (dict(num_frames=80), "num_frames must be 4k \\+ 1 video frames, as diffusers' WanPipeline takes them .*e.g. 77 "
+                          "or 81; or num_latent_frames, got 80"),
+    (dict(num_latent_frames=6), "num_latent_frames must be None when num_frames is given"),
     (dict(height=40), "height must be None or a positive multiple of 16"),
     (dict(prompt=7), "prompt must be"),
 ])
@@ -136,7 +159,7 @@ def test_bad_stream_input_is_refused_before_any_forward(pipe, kwargs, message):
     calls, handle = _counted(pipe)
     try:
         with pytest.raises(ValueError, match=message):
-            pipe(**{"prompt": PROMPT, "num_frames": 6, **kwargs})
+            pipe(**{"prompt": PROMPT, "num_frames": 21, **kwargs})
     finally:
         handle.remove()
     assert calls == []
@@ -184,13 +207,18 @@ def test_presets_hold_the_released_settings(free_parts, name):
     config = _stream_config(free_parts, preset=name, **small)
     expected = {"self-forcing": (3, 0, 18, [1.0, 0.9375, 5 / 6, 0.625]),
                 "longlive": (3, 3, 6, [1.0, 0.9375, 5 / 6, 0.625]),
-                "causvid": (3, 0, 18, [1.0, 0.757, 0.522])}[name]
+                "causvid": (3, 0, 18, [1.0, 28 / 37, 12 / 23])}[name]
     assert (config["chunk_frames"], config["sink_frames"], config["window_frames"], list(config["sigmas"])) == expected
     assert config["position_policy"] == "absolute" and config["guidance_scale"] == 1.0
     assert config["num_inference_steps"] == len(expected[3]) and config["sampler"] == "renoise"
     if name != "causvid":  # Self-Forcing's warp: timesteps[1000 - t] of the shift-5 table, t = 1000, 750, 500, 250
         table = [5.0 * s / (1 + 4.0 * s) for s in (1 - i / 1000 for i in range(1000))]
         assert config["sigmas"] == pytest.approx([table[1000 - t] for t in (1000, 750, 500, 250)], abs=1e-12)
+        assert config["model_times"] is None
+    else:  # CausVid: the model told 1000, 757, 522; x0 and re-noising at the shift-8 table's nearest sigmas
+        table = [8.0 * s / (1 + 7.0 * s) for s in (1 - i / 1000 for i in range(1000))]
+        nearest = [min(table, key=lambda s: abs(1000 * s - t)) for t in (1000, 757, 522)]
+        assert config["sigmas"] == pytest.approx(nearest, abs=1e-12) and config["model_times"] == [1.0, 0.757, 0.522]
     assert _stream_config(free_parts, preset=name, sink_frames=6, **small)["sink_frames"] == 6
 
 
@@ -214,9 +242,9 @@ def test_stream_settings_are_checked_when_the_pipeline_is_built(free_parts):
 def test_a_frame_granular_window_streams_through_the_pipeline(pipe):
     """sink 1 + window 2 with chunks of 3 (Self-Forcing's ``sink_size=1, local_attn_size=6``)
     streams through the public call; a different window gives a different stream once it rolls."""
-    narrow = pipe(prompt=PROMPT, num_frames=12, sink_frames=1, window_frames=2, generator=gen(0),
+    narrow = pipe(prompt=PROMPT, num_latent_frames=12, sink_frames=1, window_frames=2, generator=gen(0),
                   output_type="latent").frames
-    wide = pipe(prompt=PROMPT, num_frames=12, sink_frames=1, window_frames=5, generator=gen(0),
+    wide = pipe(prompt=PROMPT, num_latent_frames=12, sink_frames=1, window_frames=5, generator=gen(0),
                 output_type="latent").frames
     assert narrow.shape == wide.shape == (1, 12, 4, 4, 4)
     assert torch.equal(narrow[:, :6], wide[:, :6])  # frames 0..5: nothing evicted in either
@@ -240,7 +268,7 @@ def test_a_window_of_every_frame_so_far_grows_to_the_rope_positions(pipe):
     assert short.config.stream_config["window_frames"] is None and short.max_frames("full-cache") == 36
 
     def run(**kwargs):
-        return short(prompt=PROMPT, num_frames=36, generator=gen(0), output_type="latent", **kwargs)
+        return short(prompt=PROMPT, num_latent_frames=36, generator=gen(0), output_type="latent", **kwargs)
 
     every = run()
     assert every.stats["window_frames"] is None and every.stats["cache_frames"] == 36
@@ -249,8 +277,8 @@ def test_a_window_of_every_frame_so_far_grows_to_the_rope_positions(pipe):
     assert (every.frames - run(window_frames=27).frames).abs().max() > 1e-4
     calls, handle = _counted(short)
     try:
-        with pytest.raises(ValueError, match="num_frames must be None or at most 36 with window_frames=-1") as err:
-            short(prompt=PROMPT, num_frames=37)
+        with pytest.raises(ValueError, match="num_frames must be None or at most 141 video frames \\(36 latent\\) with window_frames=-1") as err:
+            short(prompt=PROMPT, num_latent_frames=37)
     finally:
         handle.remove()
     assert calls == [] and "\n" not in str(err.value)
@@ -267,15 +295,41 @@ def test_absolute_positions_refuse_the_recompute_baseline_and_long_streams():
     try:
         with pytest.raises(ValueError, match="cache_mode must be 'rolling', 'no-sink' or 'full-cache' under "
                                              "position_policy='absolute'"):
-            pipe(prompt=PROMPT, num_frames=6, cache_mode="window-recompute")
-        with pytest.raises(ValueError, match="num_frames must be None or at most 1024 under"):
-            pipe(prompt=PROMPT, num_frames=1026)
+            pipe(prompt=PROMPT, num_latent_frames=6, cache_mode="window-recompute")
+        with pytest.raises(ValueError, match="num_frames must be None or at most 4093 video frames \\(1024 latent\\) under"):
+            pipe(prompt=PROMPT, num_latent_frames=1026)
     finally:
         handle.remove()
     assert calls == []
-    assert pipe(prompt=PROMPT, num_frames=6, generator=gen(0), output_type="latent").frames.shape == (1, 6, 4, 4, 4)
+    assert pipe(prompt=PROMPT, num_latent_frames=6, generator=gen(0), output_type="latent").frames.shape == (1, 6, 4, 4, 4)
 
 
 def test_text_parts_tokenize_words_and_end_with_eos():
     _, tokenizer = text_parts()
     assert tokenizer("a red cat purrs")["input_ids"] == [3, 5, 7, 2, 1]
+
+
+def test_the_recache_rule_and_model_times_are_checked_early(free_parts):
+    """``recache_rule`` and ``model_times`` are refused when the pipeline is built; under
+    LongLive's re-cache, ``recache_sink`` (LongLive decides) and the recompute baseline are refused
+    at the call, before any forward."""
+    small = dict(height=32, width=32, max_text_length=8)
+    with pytest.raises(ValueError, match="recache_rule must be one of 'prefill', 'longlive'"):
+        StreamingVideoPipeline.from_wan(**free_parts, chunk_frames=3, recache_rule="bidirectional", **small)
+    with pytest.raises(ValueError, match="model_times must be None or 4 flow times in \\(0, 1\\]"):
+        StreamingVideoPipeline.from_wan(**free_parts, preset="self-forcing", model_times=[1.0, 0.5], **small)
+    with pytest.raises(ValueError, match="model_times must be None without explicit sigmas"):
+        StreamingVideoPipeline.from_wan(**free_parts, chunk_frames=3, sigmas=None, model_times=[1.0] * 4, **small)
+    pipe = StreamingVideoPipeline.from_wan(**free_parts, preset="longlive", position_policy="cache-order", **small)
+    pipe.set_progress_bar_config(disable=True)
+    calls, handle = _counted(pipe)
+    try:
+        with pytest.raises(ValueError, match="recache_sink must be None under recache_rule='longlive'"):
+            pipe(prompt=PROMPT, num_latent_frames=6, recache_sink=True)
+        with pytest.raises(ValueError, match="cache_mode must be 'rolling', 'no-sink' or 'full-cache' under "
+                                             "recache_rule='longlive'"):
+            pipe(prompt=PROMPT, num_latent_frames=6, cache_mode="window-recompute")
+    finally:
+        handle.remove()
+        pipe.video_model.restore_processors()
+    assert calls == []

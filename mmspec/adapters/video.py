@@ -76,16 +76,26 @@ class FlowSampler:
         sigmas: an explicit list of ``num_inference_steps`` sigmas (before the scheduler's shift),
             e.g. Self-Forcing's warped ``[1.0, 0.9375, 0.8333, 0.625]`` with ``shift`` 1; default
             ``linspace(1, 0, steps + 1)[:-1]``, shifted by the scheduler.
+        model_times: the flow times the model is told at each step, where they differ from the
+            sigmas the step uses (x0 = x - sigma v, the re-noising): CausVid feeds its model the
+            timesteps 757 and 522 but steps with its scheduler's nearest table sigmas 0.756757 and
+            0.521739. None: the sigmas themselves (shifted); given, used as they are, with explicit
+            ``sigmas`` only.
     """
 
-    def __init__(self, scheduler, num_inference_steps: int, sampler: str = "euler", sigmas=None):
+    def __init__(self, scheduler, num_inference_steps: int, sampler: str = "euler", sigmas=None, model_times=None):
         check(isinstance(num_inference_steps, int) and not isinstance(num_inference_steps, bool)
               and num_inference_steps >= 1, "num_inference_steps", "an int >= 1", num_inference_steps)
         check_choice("sampler", sampler, SAMPLERS)
+        check(model_times is None or sigmas is not None, "model_times", "None without explicit sigmas", model_times)
         if sigmas is None:
             sigmas = torch.linspace(1.0, 0.0, num_inference_steps + 1)[:-1].tolist()
         check(len(sigmas) == num_inference_steps and all(0 < s <= 1 for s in sigmas), "sigmas",
               f"{num_inference_steps} values in (0, 1] (one per step)", sigmas)
+        check(model_times is None or (isinstance(model_times, (list, tuple)) and len(model_times) == num_inference_steps
+                                      and all(isinstance(t, (int, float)) and 0 < t <= 1 for t in model_times)),
+              "model_times", f"None or {num_inference_steps} flow times in (0, 1] (one per step)", model_times)
+        self.model_times = None if model_times is None else [float(t) for t in model_times]
         # a stream's own copy: the scheduler keeps a step index, and two streams of one pipeline
         # (a demo's, a generator left open) must not advance each other's
         self.scheduler = type(scheduler).from_config(scheduler.config)
@@ -134,7 +144,8 @@ class FlowSampler:
             x = s.scale_noise(init.to(noise.dtype), s.timesteps[first:first + 1], noise)
         for i in range(first, len(s.timesteps)):
             t, sigma = s.timesteps[i], float(sigmas[i])
-            v = velocity(torch.cat([x, x]) if guided else x, sigma)
+            told = sigma if self.model_times is None else self.model_times[i]  # what the model hears
+            v = velocity(torch.cat([x, x]) if guided else x, told)
             if guided:
                 v = cfg_merge(*v.chunk(2), guidance_scale)
             if self.sampler == "euler":
@@ -328,5 +339,5 @@ class RecomputeStream:
         return 0
 
 
-__all__ = ["RECACHE_RULES", "SAMPLERS", "CacheLimitError", "CachedStream", "FlowSampler", "OnStep", "RecomputeStream", "frame_limit",
-           "recache", "sample_chunk"]
+__all__ = ["RECACHE_RULES", "SAMPLERS", "CacheLimitError", "CachedStream", "FlowSampler", "OnStep", "RecomputeStream",
+           "frame_limit", "recache", "sample_chunk"]

@@ -213,7 +213,7 @@ def _window_pairs(pipe, kwargs: dict, windows, frames: int, group: str, cfg: Vid
     runs = []
     for w in windows:
         for mode in ("rolling", "window-recompute"):
-            kw = dict(kwargs, cache_mode=mode, window_frames=w * C, num_frames=frames)
+            kw = dict(kwargs, cache_mode=mode, window_frames=w * C, num_latent_frames=frames)
             if cfg.warmup:
                 _warm(pipe, dict(kw, generator=gens()), K + w * C + 3 * C)
             runs.append(_Run(dict(method=mode, group=group, window=w * C, sink=K), dict(kw, generator=gens()), frames,

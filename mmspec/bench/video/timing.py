@@ -196,7 +196,7 @@ def _warm(pipe, kwargs: dict, frames: int) -> None:
     from ...pipelines.video import CacheLimitError
 
     try:
-        for chunk in pipe.stream(**{**kwargs, "num_frames": None}):
+        for chunk in pipe.stream(**{**kwargs, "num_frames": None, "num_latent_frames": None}):
             if chunk.frame_indices.stop >= frames:
                 break
     except CacheLimitError:
