@@ -334,6 +334,12 @@ def register_subcommand(subparsers) -> None:
             p.add_argument("--batch-size", type=positive_int, default=defaults["batch_size"],
                            help=f"(default {defaults['batch_size']})")
             p.add_argument("--lr", type=positive_float, default=defaults["lr"], help=f"(default {defaults['lr']})")
+            p.add_argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
+                           help="save a checkpoint every N steps into --checkpoint-dir (default: none)")
+            p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                           help="where checkpoints go (default: OUT.checkpoints beside --out)")
+            p.add_argument("--resume", action="store_true",
+                           help="continue from the last checkpoint in --checkpoint-dir (needs --checkpoint-every)")
         p.add_argument("--seed", type=non_negative_int, default=0, help="init, data and batch order (default 0)")
         p.add_argument("--dataset-size", type=positive_int, default=defaults["dataset_size"],
                        help=f"training images (default {defaults['dataset_size']})")
@@ -370,14 +376,39 @@ def _registered_call(args):
 
 
 def check(args) -> None:
-    """Arguments that need each other (``ValueError`` naming them): what an alias's recipe lacks or
-    requires (``_registered_call``), then the registered recipe's ``check_options``."""
+    """Arguments that need each other (``ValueError`` naming them): ``--resume`` without
+    ``--checkpoint-every``, what an alias's recipe lacks or requires (``_registered_call``), then
+    the registered recipe's ``check_options``."""
+    _checkpoints(args)  # --resume without --checkpoint-every
     found = _registered_call(args)
     if found is not None and found[0].check_options is not None:
         found[0].check_options(found[1])
 
 
+def _checkpoints(args):
+    """The ``Checkpoints`` the flags ask for (None without ``--checkpoint-every``)."""
+    from pathlib import Path
+
+    from ..training.loop import Checkpoints
+
+    every, resume = getattr(args, "checkpoint_every", None), getattr(args, "resume", False)
+    if every is None:
+        if resume:
+            raise ValueError("--resume needs --checkpoint-every N (the run goes on saving checkpoints)")
+        return None
+    out = Path(args.out)
+    folder = Path(args.checkpoint_dir) if args.checkpoint_dir else out.with_name(out.name + ".checkpoints")
+    return Checkpoints(folder, every, resume)
+
+
 def run(args) -> int:
+    from ..training.loop import checkpointing
+
+    with checkpointing(_checkpoints(args)):
+        return _run(args)
+
+
+def _run(args) -> int:
     set_threads(args.threads)
     common = dict(steps=args.steps, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                   dataset_size=args.dataset_size, log_every=args.log_every, log=print)

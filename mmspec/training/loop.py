@@ -14,18 +14,36 @@ bit-identical to the plain torch loop the recipes had. Under ``accelerate launch
 the model is wrapped in DDP (gradients all-reduced), each process takes its ``shard`` of every
 global batch, and logged values are means over processes. Recipes train on the CPU (tiny models;
 gloo between processes).
+
+Checkpoints (``Checkpoints``: passed to ``train_loop``, or set around a recipe with
+``checkpointing(...)``, as ``mmspec train ... --checkpoint-every N [--resume]`` does): every
+``every`` steps the loop writes ``<folder>/<name>/step-<n>`` whole or not at all (the previous
+one is then removed): the model's weights, the optimizer's and the schedule's state, each
+process's torch RNG state and the ``state`` objects' (an ``EMA``, the ``torch.Generator`` a loss
+draws its dropout or augmentation from), as safetensors and JSON, nothing pickled. ``resume``
+loads the last one and continues at the step after it, the first batches of ``batches`` skipped
+(a recipe's batch order comes from its own seeded generator, so skipping replays it): a run
+killed at any point (SIGKILL included) and resumed ends with the weights of a run never stopped,
+bit for bit (``tests/test_train_resume.py``: one process and two).
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 import time
 from collections.abc import Callable, Iterable
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..core.errors import check
+from ..utils import atomic_dir
 
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | dict"]
 
@@ -62,10 +80,140 @@ class _LossStep(nn.Module):
         return self.loss(self.model, batch)
 
 
+@dataclass(frozen=True)
+class Checkpoints:
+    """Save a checkpoint every ``every`` steps under ``folder`` (one sub-folder per loop name);
+    ``resume``: continue from the last one there (from the start when there is none)."""
+
+    folder: Path
+    every: int
+    resume: bool = False
+
+    def __post_init__(self):
+        check(isinstance(self.every, int) and not isinstance(self.every, bool) and self.every >= 1, "every",
+              "an int >= 1 (steps between checkpoints)", self.every)
+        check(isinstance(self.resume, bool), "resume", "True or False", self.resume)
+        object.__setattr__(self, "folder", Path(self.folder))
+
+
+_ACTIVE: list = []
+
+
+@contextmanager
+def checkpointing(policy: Checkpoints | None):
+    """Every ``train_loop`` inside the block that is given no ``checkpoints`` uses ``policy``."""
+    _ACTIVE.append(policy)
+    try:
+        yield policy
+    finally:
+        _ACTIVE.pop()
+
+
+def _flatten(path: str, value, tensors: dict):
+    """A nested dict / list of tensors and JSON values -> its JSON skeleton, the tensors (copied:
+    safetensors refuses shared storage) moved to ``tensors`` under their path."""
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value.detach().cpu().clone()
+        return {"$tensor": path}
+    if isinstance(value, dict):
+        return {"$dict": [[_flatten(f"{path}/k{i}", k, tensors), _flatten(f"{path}/{i}", v, tensors)]
+                          for i, (k, v) in enumerate(value.items())]}
+    if isinstance(value, (list, tuple)):
+        return {"$list": [_flatten(f"{path}/{i}", v, tensors) for i, v in enumerate(value)],
+                "tuple": isinstance(value, tuple)}
+    return value
+
+
+def _unflatten(skeleton, tensors: dict):
+    if isinstance(skeleton, dict) and "$tensor" in skeleton:
+        return tensors[skeleton["$tensor"]]
+    if isinstance(skeleton, dict) and "$dict" in skeleton:
+        return {_unflatten(k, tensors): _unflatten(v, tensors) for k, v in skeleton["$dict"]}
+    if isinstance(skeleton, dict) and "$list" in skeleton:
+        items = [_unflatten(v, tensors) for v in skeleton["$list"]]
+        return tuple(items) if skeleton["tuple"] else items
+    return skeleton
+
+
+def _save_state(folder: Path, name: str, value) -> None:
+    tensors = {}
+    skeleton = _flatten("", value, tensors)
+    save_file(tensors, str(folder / f"{name}.safetensors"))
+    (folder / f"{name}.json").write_text(json.dumps(skeleton))
+
+
+def _load_state(folder: Path, name: str):
+    return _unflatten(json.loads((folder / f"{name}.json").read_text()), load_file(str(folder / f"{name}.safetensors")))
+
+
+def _state_of(obj):
+    return {"generator": obj.get_state()} if isinstance(obj, torch.Generator) else obj.state_dict()
+
+
+def _restore(obj, state) -> None:
+    if isinstance(obj, torch.Generator):
+        obj.set_state(state["generator"])
+    else:
+        obj.load_state_dict(state)
+
+
+def _last_checkpoint(folder: Path) -> tuple[int, Path] | None:
+    found = [(int(p.name.split("-")[1]), p) for p in folder.glob("step-*") if p.is_dir()] if folder.is_dir() else []
+    return max(found) if found else None
+
+
+def _save_checkpoint(folder: Path, step: int, model, optimizer, schedule, state: dict, accelerator) -> None:
+    """``folder/step-<step>``: every process writes its RNG state and process 0 the rest into one
+    staging folder, which process 0 then publishes whole (``atomic_dir``) and the older ones go."""
+    accelerator.wait_for_everyone()
+    staging = folder / f".staging-{step:08d}"
+    if accelerator.is_main_process:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    accelerator.wait_for_everyone()
+    rank = accelerator.process_index  # each process's RNG and state objects (a generator may differ)
+    _save_state(staging, f"rng-{rank}", {"torch": torch.get_rng_state()})
+    for key, obj in state.items():
+        _save_state(staging, f"state-{key}-{rank}", _state_of(obj))
+    if accelerator.is_main_process:
+        _save_state(staging, "model", model.state_dict())
+        _save_state(staging, "optimizer", optimizer.state_dict())
+        if schedule is not None:
+            _save_state(staging, "schedule", schedule.state_dict())
+        (staging / "meta.json").write_text(json.dumps({"step": step, "processes": accelerator.num_processes}))
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        target = folder / f"step-{step:08d}"
+        with atomic_dir(target) as tmp:
+            for f in staging.iterdir():
+                shutil.move(str(f), str(tmp / f.name))
+        shutil.rmtree(staging, ignore_errors=True)
+        for old in folder.glob("step-*"):  # the newest only
+            if old != target:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def _load_checkpoint(path: Path, model, optimizer, schedule, state: dict, accelerator) -> None:
+    meta = json.loads((path / "meta.json").read_text())
+    check(meta["processes"] == accelerator.num_processes, "resume",
+          f"a checkpoint of a run of {accelerator.num_processes} processes, as this one",
+          f"{path}: {meta['processes']}")
+    model.load_state_dict(_load_state(path, "model"))
+    optimizer.load_state_dict(_load_state(path, "optimizer"))
+    if schedule is not None:
+        schedule.load_state_dict(_load_state(path, "schedule"))
+    rank = accelerator.process_index
+    for key, obj in state.items():
+        _restore(obj, _load_state(path, f"state-{key}-{rank}"))
+    torch.set_rng_state(_load_state(path, f"rng-{rank}")["torch"])
+
+
 def train_loop(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable, loss: LossFn, *,
                steps: int, accelerator, schedule=None, grad_clip: float | None = None, name: str = "train",
                log: Callable[[str], None] = print, log_every: int = 50,
-               on_step: Callable[[int], None] | None = None) -> float:
+               on_step: Callable[[int], None] | None = None, checkpoints: Checkpoints | None = None,
+               state: dict | None = None) -> float:
     """Train ``model`` for ``steps`` steps on the first ``steps`` items of ``batches`` (this
     process's part of each batch) and return the last step's loss (mean over processes).
 
@@ -81,6 +229,9 @@ def train_loop(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
             ``log_every`` steps and at the last.
         on_step: called with the step number (from 1) after each optimizer and schedule step
             (an ``EMA``'s ``update``, say).
+        checkpoints: save and resume (module docstring); default the ``checkpointing`` block's.
+        state: ``{name: object}`` checkpointed beside the model: anything with ``state_dict`` /
+            ``load_state_dict`` (an ``EMA``) or a ``torch.Generator`` the loss draws from.
     """
     check(isinstance(steps, int) and steps >= 1, "steps", "an int >= 1", steps)
     check(grad_clip is None or grad_clip > 0, "grad_clip", "None or a number > 0", grad_clip)
@@ -88,10 +239,21 @@ def train_loop(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
     step_module, optimizer, *rest = accelerator.prepare(*parts)
     schedule = rest[0] if rest else None
     step_module.train()
+    policy = checkpoints if checkpoints is not None else (_ACTIVE[-1] if _ACTIVE else None)
+    state = dict(state or {})
+    folder = None if policy is None else policy.folder / name.replace(" ", "-")
+    first = 1
+    found = _last_checkpoint(folder) if policy is not None and policy.resume else None
+    if found is not None and found[0] < steps:
+        _load_checkpoint(found[1], model, optimizer, schedule, state, accelerator)
+        first = found[0] + 1
+        log(f"{name} resumed at step {first} from {found[1]}")
     start = time.perf_counter()
     batches = iter(batches)
+    for _ in range(first - 1):  # the checkpoint's steps' batches: the recipe's order replayed
+        next(batches)
     final = float("nan")
-    for step in range(1, steps + 1):
+    for step in range(first, steps + 1):
         out = step_module(next(batches))
         out = out if isinstance(out, dict) else {"loss": out}
         optimizer.zero_grad(set_to_none=True)
@@ -110,6 +272,8 @@ def train_loop(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
             final = values["loss"]
             shown = "  ".join(f"{k} {v:.4f}" for k, v in values.items())
             log(f"{name} step {step}/{steps}  {shown}  {time.perf_counter() - start:.0f}s")
+        if policy is not None and step % policy.every == 0 and step < steps:
+            _save_checkpoint(folder, step, model, optimizer, schedule, state, accelerator)
     return final
 
 
@@ -125,6 +289,14 @@ class EMA:
         self.decay = decay
         self.updates = 0
         self.shadow = {k: v.detach().float().clone() for k, v in model.state_dict().items() if v.is_floating_point()}
+
+    def state_dict(self) -> dict:
+        return {"updates": self.updates, "shadow": dict(self.shadow)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.updates = int(state["updates"])
+        for k, v in state["shadow"].items():
+            self.shadow[k].copy_(v)
 
     def current_decay(self) -> float:
         return min(self.decay, (1 + self.updates) / (10 + self.updates))

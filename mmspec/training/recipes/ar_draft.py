@@ -155,7 +155,7 @@ def train_ar_draft(out_dir: str | Path, *, kind: str, vq_dir: str | Path, target
         loss_text = f"smooth_l1(features) + {CLS_WEIGHT} x soft cross-entropy(target's head)"
     final_loss = train_loop(head, optimizer, batches, step_loss, steps=steps, accelerator=accelerator,
                             schedule=schedule, grad_clip=GRAD_CLIP, name=f"ar-draft ({kind})", log=log,
-                            log_every=log_every)
+                            log_every=log_every, state={"dropout": dropout})
 
     nulls = torch.full_like(held_labels, target.null_class)
     if kind == "medusa":

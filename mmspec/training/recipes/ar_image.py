@@ -105,7 +105,7 @@ def train_ar_image(out_dir: str | Path, *, vq_dir: str | Path, steps: int, batch
     batches = ((labels[idx], ids[idx]) for idx in batch_indices(dataset_size, batch_size, steps, order))
     final_loss = train_loop(model, optimizer, batches, lambda m, b: m.loss(*b, generator=dropout), steps=steps,
                             accelerator=accelerator, schedule=schedule, grad_clip=1.0, name="ar-image", log=log,
-                            log_every=log_every)
+                            log_every=log_every, state={"dropout": dropout})
 
     held = heldout_loss(model, held_labels, held_ids)
     log(f"ar-image held-out loss {held:.4f} ({heldout_size} images)")

@@ -75,7 +75,7 @@ def train_classifier(out_dir: str | Path, *, steps: int, batch_size: int, lr: fl
         return {"loss": F.cross_entropy(logits, y), "batch_accuracy": (logits.argmax(-1) == y).float().mean()}
 
     final_loss = train_loop(model, optimizer, batches, loss, steps=steps, accelerator=accelerator, schedule=schedule,
-                            name="classifier", log=log, log_every=log_every)
+                            name="classifier", log=log, log_every=log_every, state={"augmentation": augmentation})
     del images, batches
 
     model.eval()

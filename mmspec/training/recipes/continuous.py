@@ -216,14 +216,14 @@ def _model_config(tokenizer: Tokenizer, defaults: dict, model_config: dict | Non
 
 def _train(kind: str, out: Path, model: ContinuousARModel, loss, *, tokenizer_path: Path, labels, latents, held,
            steps, batch_size, lr, seed, dataset_size, heldout_size, held_seed, warmup, log_every, log, start,
-           extra: dict) -> dict:
+           extra: dict, state: dict | None = None) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.02)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(warmup_cosine, warmup=warmup, steps=steps))
     order = torch.Generator().manual_seed(seed)
     batches = ((labels[idx], latents[idx]) for idx in batch_indices(dataset_size, batch_size, steps, order))
     train_start = time.perf_counter()
     final = train_loop(model, optimizer, batches, loss, steps=steps, accelerator=new_accelerator(kind),
-                       schedule=schedule, grad_clip=1.0, name=kind, log=log, log_every=log_every)
+                       schedule=schedule, grad_clip=1.0, name=kind, log=log, log_every=log_every, state=state)
     train_s = time.perf_counter() - train_start
     held_losses = heldout_losses(model, *held, seed=held_seed)
     log(f"{kind} held-out " + "  ".join(f"{k} {v:.4f}" for k, v in held_losses.items()) + f" ({heldout_size} images)")
@@ -273,7 +273,8 @@ def train_continuous_ar(out_dir: str | Path, *, tokenizer_dir: str | Path, steps
     return _train("continuous-ar", out, model, loss, tokenizer_path=tok_path, labels=labels, latents=latents,
                   held=held, steps=steps, batch_size=batch_size, lr=lr, seed=seed, dataset_size=dataset_size,
                   heldout_size=heldout_size, held_seed=held_seed, warmup=warmup, log_every=log_every, log=log,
-                  start=start, extra={"diffusion_positions": diffusion_positions, "input_noise": input_noise})
+                  start=start, extra={"diffusion_positions": diffusion_positions, "input_noise": input_noise},
+                  state={"diffusion": g})
 
 
 def distill_loss(draft: ContinuousARModel, target: ContinuousARModel, labels: torch.Tensor, latents: torch.Tensor,
@@ -374,5 +375,5 @@ def train_continuous_draft(out_dir: str | Path, *, tokenizer_dir: str | Path, st
     record = _train("continuous-draft", out, model, loss, tokenizer_path=tok_path, labels=labels, latents=latents,
                     held=held, steps=steps, batch_size=batch_size, lr=lr, seed=seed, dataset_size=dataset_size,
                     heldout_size=heldout_size, held_seed=held_seed, warmup=warmup, log_every=log_every, log=log,
-                    start=start, extra=extra)
+                    start=start, extra=extra, state={"diffusion": g})
     return record

@@ -93,7 +93,8 @@ def fit_autoencoder(ae: FrameAutoencoder, images: torch.Tensor, *, steps: int, b
     noise = torch.Generator().manual_seed(seed + 1)
     batches = (images[idx] for idx in batch_indices(len(images), batch_size, steps, order))
     final_loss = train_loop(ae, optimizer, batches, lambda m, x: m.loss(x, noise), steps=steps,
-                            accelerator=accelerator, schedule=schedule, name=name, log=log, log_every=log_every)
+                            accelerator=accelerator, schedule=schedule, name=name, log=log, log_every=log_every,
+                            state={"noise": noise})
     ae.eval()
     return final_loss
 
@@ -492,7 +493,8 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
     ema = EMA(model, ema_decay) if ema_decay is not None else None
     final_loss = train_loop(model, optimizer, batches, loss, steps=steps, accelerator=accelerator, schedule=schedule,
                             grad_clip=1.0, name="video", log=log, log_every=log_every,
-                            on_step=None if ema is None else lambda step: ema.update(model))
+                            on_step=None if ema is None else lambda step: ema.update(model),
+                            state={"loss": loss.generator, **({} if ema is None else {"ema": ema})})
     train_time = time.perf_counter() - start
 
     held_raw = None

@@ -102,7 +102,7 @@ def train_video_judge(out_dir: str | Path, *, steps: int, batch_size: int, lr: f
         return {"loss": ce["colour"] + ce["shape"], "shape_ce": ce["shape"], "batch_accuracy": both.float().mean()}
 
     final_loss = train_loop(judge, optimizer, batches, loss, steps=steps, accelerator=accelerator, schedule=schedule,
-                            name="video-judge", log=log, log_every=log_every)
+                            name="video-judge", log=log, log_every=log_every, state={"augmentation": augmentation})
     del frames, batches
     judge.eval()
     held_seed = heldout_seed(seed)
