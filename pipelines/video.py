@@ -67,7 +67,8 @@ from diffusers.utils import BaseOutput
 from diffusers.utils.torch_utils import randn_tensor
 from diffusers.video_processor import VideoProcessor
 
-from ..adapters.video import RECACHE_RULES, SAMPLERS, CacheLimitError, CachedStream, FlowSampler, RecomputeStream
+from ..adapters.video import (RECACHE_RULES, SAMPLERS, CacheLimitError, CachedStream, FlowSampler, RecomputeStream,
+                              frame_limit)
 from ..adapters.video_wan import POSITION_POLICIES, WanStreamingDecoder, WanVideoModel, check_window, encode_prompts
 from ..core.errors import check, check_choice
 from . import checks
@@ -142,6 +143,7 @@ class _Setup:
     video_latents: torch.Tensor | None = None  # (B, F, C, h, w) clean latents to start chunks from
     strength: float = 1.0
     latents: torch.Tensor | None = None  # (B, F, C, h, w) the chunks' initial noise, given
+    recache_rule: str = "prefill"  # CachedStream's prompt-switch re-cache (Wan's stream settings)
 
     @property
     def batch_size(self) -> int:
@@ -272,8 +274,8 @@ class StreamingVideoPipeline(PipelineBase):
         or ``WAN_STREAM_DEFAULTS`` (``position_policy``, ``sink_frames``, ``window_frames``,
         ``num_inference_steps``, ``guidance_scale``, ``sampler``, ``sigmas``, ``model_times``
         (``FlowSampler``'s), ``height``, ``width``, ``max_text_length``, ``recache_rule``
-        (``CachedStream``'s: ``"prefill"`` or ``"longlive"``)). Every setting is checked here, against the transformer
-        too (its RoPE table), before anything is built."""
+        (``CachedStream``'s: ``"prefill"`` or ``"longlive"``)). Every setting is checked here,
+        against the transformer too (its RoPE table), before anything is built."""
         check(isinstance(transformer, WanTransformer3DModel), "transformer", "a diffusers WanTransformer3DModel",
               type(transformer).__name__)
         check(preset is None or preset in WAN_STREAM_PRESETS, "preset",
@@ -313,8 +315,7 @@ class StreamingVideoPipeline(PipelineBase):
         check_choice("cache_mode", cache_mode, CACHE_MODES)
         if cache_mode != "full-cache":
             return None
-        C = self.chunk_frames
-        return (self.video_model.rope_frames // C - 1) * C
+        return frame_limit(self.video_model)
 
     @property
     def temporal_scale(self) -> int:
@@ -458,7 +459,7 @@ class StreamingVideoPipeline(PipelineBase):
                       sink=sink, window=window, cache_mode=cache_mode,
                       recache_sink=True if recache_sink is None else recache_sink, output_type=output_type,
                       callback=callback_on_step_end, tensor_inputs=tuple(inputs), latent_shape=latent_shape,
-                      video_latents=video_latents, strength=float(strength), latents=latents)
+                      video_latents=video_latents, strength=float(strength), latents=latents, recache_rule=rule)
 
     def _latent_shape(self, height, width, defaults: dict) -> tuple[int, int, int]:
         """(C, h, w) of a latent frame for a video of ``height`` x ``width`` pixels (None: the
@@ -583,14 +584,8 @@ class StreamingVideoPipeline(PipelineBase):
         cache_kwargs = {"latent_hw": s.latent_shape[1:]} if self.is_wan else {}
         if s.cache_mode == "window-recompute":
             context = RecomputeStream(model, rows, s.sink, s.window, **cache_kwargs)
-        else:
-            rule = self.stream_defaults().get("recache_rule", "prefill")
-            if s.cache_mode == "full-cache":
-                limit = self.max_frames("full-cache")
-                context = CachedStream(model, rows, 0, min(limit, 4 * C), grow_to=limit, recache_rule=rule,
-                                       **cache_kwargs)
-            else:
-                context = CachedStream(model, rows, s.sink, s.window, recache_rule=rule, **cache_kwargs)
+        else:  # full-cache is sink 0 and a window of every frame: a cache that grows to frame_limit
+            context = CachedStream(model, rows, s.sink, s.window, recache_rule=s.recache_rule, **cache_kwargs)
         decoder = WanStreamingDecoder(self.vae) if self.is_wan and s.output_type != "latent" else None
         shape = (B, C) + tuple(s.latent_shape)
         dtype = self.transformer.dtype

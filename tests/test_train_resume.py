@@ -97,3 +97,23 @@ def test_a_recipe_resumes_through_the_cli(tmp_path, capsys, recipe):
     assert resumed == ["step-00000004"]  # it did resume
     files = sorted(p.name for p in (tmp_path / "plain").glob("*.safetensors"))
     assert files and all((tmp_path / "plain" / f).read_bytes() == (tmp_path / "run" / f).read_bytes() for f in files)
+
+
+def test_a_resume_from_another_process_count_is_refused(tmp_path):
+    """A checkpoint records its run's process count; a resume under another count is refused in one
+    line naming ``resume`` (each process's RNG state is its own), before any weight is loaded."""
+    from types import SimpleNamespace
+
+    from mmspec.training.loop import Checkpoints, _load_checkpoint, new_accelerator, train_loop
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    batches = ((torch.randn(4, 3), torch.randn(4, 2)) for _ in range(4))
+    train_loop(model, optimizer, batches, lambda m, b: ((m(b[0]) - b[1]) ** 2).mean(), steps=4,
+               accelerator=new_accelerator("toy"), name="toy", log=lambda msg: None,
+               checkpoints=Checkpoints(tmp_path, 2))
+    path = tmp_path / "toy" / "step-00000002"
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="resume must be a checkpoint of a run of 2 processes, as this one") as err:
+        _load_checkpoint(path, model, optimizer, None, {}, SimpleNamespace(num_processes=2, process_index=0))
+    assert "\n" not in str(err.value) and all(torch.equal(before[k], v) for k, v in model.state_dict().items())

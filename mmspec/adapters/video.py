@@ -54,7 +54,8 @@ def frame_limit(model) -> int:
     """Frames a stream that never evicts can hold: whole chunks, one chunk short of the model's
     ``rope_frames`` (the frame positions its RoPE tells apart), so every chunk's keys stay inside
     them (``cache_mode="full-cache"``, a window of every frame so far)."""
-    C = model.chunk_frames
+    config = getattr(model, "config", None)  # the bundled DiT's config, or Wan's adapter's own attribute
+    C = config.chunk_frames if hasattr(config, "chunk_frames") else model.chunk_frames
     return (model.rope_frames // C - 1) * C
 
 
