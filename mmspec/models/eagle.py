@@ -64,12 +64,12 @@ class EagleDraftHead(EagleHead):
     @classmethod
     def from_target(cls, target: LlamaGenModel, **overrides) -> "EagleDraftHead":
         """A fresh head shaped like one of ``target``'s layers (``overrides`` change any argument),
-        bound to it."""
+        stamped with it (``stamp``) and bound to it."""
         cfg = target.config
         args = dict(vocab_size=cfg.vocab_size, grid_size=cfg.grid_size, dim=cfg.dim, n_heads=cfg.n_heads,
                     mlp_hidden=cfg.mlp_hidden, rope_base=cfg.rope_base, norm_eps=cfg.norm_eps,
                     initializer_range=cfg.initializer_range)
-        return cls(**{**args, **overrides}).bind(target)
+        return cls(**{**args, **overrides}).stamp(target).bind(target)
 
     def _target_config(self, target: LlamaGenModel) -> dict:
         return {key: target.config[key] for key in _TARGET_KEYS}

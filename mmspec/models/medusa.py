@@ -44,8 +44,9 @@ class _ParallelHeads(BoundToTarget, ModelMixin, ConfigMixin):
 
     @classmethod
     def from_target(cls, target, **overrides):
-        """Fresh heads sized like ``target``'s, bound to it (``overrides`` change any argument)."""
-        return cls(**{**cls._target_config(target), **overrides}).bind(target)
+        """Fresh heads sized like ``target``'s, stamped with it (``stamp``) and bound to it
+        (``overrides`` change any argument)."""
+        return cls(**{**cls._target_config(target), **overrides}).stamp(target).bind(target)
 
     @property
     def num_heads(self) -> int:

@@ -202,12 +202,12 @@ class VLMDraftHead(EagleHead):
     @classmethod
     def from_target(cls, target, method: str = "eagle", **overrides) -> "VLMDraftHead":
         """A fresh head sized like one of ``target``'s (a ``VLMTarget``) language-model layers,
-        bound to it."""
+        stamped with it (``stamp``) and bound to it."""
         text = target.model.config.text_config
         args = dict(method=method, hidden_size=text.hidden_size, vocab_size=text.vocab_size,
                     image_token_id=target.image_token_id, num_heads=text.num_attention_heads,
                     intermediate_size=text.intermediate_size, rms_norm_eps=text.rms_norm_eps)
-        return cls(**{**args, **overrides}).bind(target)
+        return cls(**{**args, **overrides}).stamp(target).bind(target)
 
     def _target_config(self, target) -> dict:
         text = target.model.config.text_config
