@@ -294,13 +294,13 @@ CLI_CASES = [
     ("--model not a folder", AR_ARGS + ["--model", "missing_dir"],
      "mmspec generate ar-image", "argument --model: no such folder: 'missing_dir'"),
     ("unknown bench", ["bench", "audio"],
-     "mmspec bench", "argument name: invalid choice: 'audio' (choose from 'core', 'ar-image', 'vlm', 'video', 'kernels', 'continuous', 'cost', 'compile', 'glm-image')"),
+     "mmspec bench", "argument name: invalid choice: 'audio' (choose from 'core', 'ar-image', 'vlm', 'adapt', 'video', 'kernels', 'continuous', 'cost', 'compile', 'glm-image')"),
     ("bench --json names a folder", ["bench", "core", "--json", "empty_dir"],
      "mmspec bench", "argument --json: must be a file path, got the existing folder 'empty_dir'"),
     ("bench --json under a file", ["bench", "core", "--json", "a_file/core.json"],
      "mmspec bench", "argument --json: cannot write 'a_file/core.json'"),
     ("bench --pipeline for core", ["bench", "core", "--pipeline", "empty_dir"],
-     "mmspec bench", "--pipeline is for 'bench vlm' and 'bench video' only, got 'bench core'"),
+     "mmspec bench", "--pipeline is for 'bench vlm' and 'bench video' and 'bench adapt' only, got 'bench core'"),
     ("bench --pipeline missing", ["bench", "vlm", "--pipeline", "missing_dir"],
      "mmspec bench", "argument --pipeline: no such folder: 'missing_dir'"),
     ("bench --threads 0", ["bench", "core", "--threads", "0"],
@@ -407,7 +407,8 @@ RECIPE_CASES = [
     ("unknown VLM draft method", "vlm-draft", dict(method="hydra", target_dir="vlm_target"),
      "method must be one of 'eagle', 'specvlm', 'vispec', 'medusa', got 'hydra'"),
     ("VLM target without its tokenizer", "vlm-draft", dict(method="eagle", target_dir="vlm_target_no_tokenizer"),
-     "target_dir must be a folder written by 'mmspec train vlm' (with tokenizer.json or tokenizer_config.json)"),
+     "target_dir must be a transformers VLM folder with its processor (LLaVA, Qwen2-VL, Qwen2.5-VL; e.g. written by "
+     "'mmspec train vlm') (with tokenizer.json or tokenizer_config.json)"),
 ]
 RECIPES = {"vq": recipes.train_vq, "ar-image": recipes.train_ar_image, "ar-draft": recipes.train_ar_draft,
            "classifier": recipes.train_classifier, "vlm": recipes.train_vlm, "vlm-draft": recipes.train_vlm_draft}

@@ -89,8 +89,9 @@ def teacher_batch(target, continuations=CONTINUATIONS):
     S = max(map(len, seqs))
     ids = torch.tensor([s + [0] * (S - len(s)) for s in seqs])
     mask = torch.tensor([[1] * len(s) + [0] * (S - len(s)) for s in seqs])
-    feats, embeds, logits = teacher(target, ids, mask, images["pixel_values"])
-    return ids, torch.tensor([len(p) for p in prompts]), mask.sum(1), feats, embeds, logits
+    prompt_lens = torch.tensor([len(p) for p in prompts])
+    feats, embeds, logits = teacher(target, ids, mask, images, prompt_lens)
+    return ids, prompt_lens, mask.sum(1), feats, embeds, logits
 
 
 # -- 1. lossless greedy decoding ---------------------------------------------------------------
@@ -495,7 +496,7 @@ def test_vlm_draft_recipe_runs_under_accelerate_with_two_processes(tiny_vlm_dir,
     cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "mmspec", "train", "vlm-draft",
            "--method", "specvlm", "--target", str(tiny_vlm_dir), "--out", str(out), "--steps", "2",
-           "--batch-size", "4", "--dataset-size", "8", "--threads", "1"]
+           "--batch-size", "4", "--dataset-size", "8", "--threads", "1", "--tau-tokens", "0"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((out / "train_log.json").read_text())

@@ -119,15 +119,19 @@ class VLMTarget(HFCausalLMTarget):
                                   cache=cache.cache, use_cache=True)
         return self._score(out.last_hidden_state, prompt_embeds=embeds if fresh else None)
 
-    def input_embeds(self, tokens: torch.Tensor, **conditioning) -> torch.Tensor:
+    def input_embeds(self, tokens: torch.Tensor, image_slots: torch.Tensor | None = None,
+                     **conditioning) -> torch.Tensor:
         """(B, T, E) token embeddings with the images' features (``conditioning``, as
-        ``vision_inputs`` returns it) scattered into the placeholders, as the model's forward does."""
+        ``vision_inputs`` returns it) scattered into the placeholders, as the model's forward does.
+        ``image_slots`` (B, T) bool: which placeholder ids are the images' (default: all; a
+        training batch holding prompts and answers passes the prompts' only, since a generated
+        placeholder id is text)."""
         embeds = self.model.get_input_embeddings()(tokens)
         if "pixel_values" not in conditioning:
             return embeds
         images = self.model.model.get_image_features(**conditioning, return_dict=True).pooler_output
         feats = torch.cat(list(images), 0).to(embeds.device, embeds.dtype)  # (N, E)
-        slots = tokens == self.image_token_id
+        slots = tokens == self.image_token_id if image_slots is None else image_slots
         check(int(slots.sum()) == feats.shape[0], "pixel_values",
               f"as many image features as the prompts' {int(slots.sum())} image placeholders", feats.shape[0])
         return embeds.masked_scatter(slots[..., None].expand_as(embeds), feats)

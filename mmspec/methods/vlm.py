@@ -112,25 +112,37 @@ def _train_draft_vlm(out_dir, **run) -> dict:
 def _train_head(method: str):
     """``train`` of the ``vlm-draft`` recipe of ``method`` (``mmspec.training.recipes.train_vlm_draft``)."""
 
-    def train(out_dir, *, target, rollout_steps=None, heads=None, **run) -> dict | None:
+    def train(out_dir, *, target, rollout_steps=None, heads=None, data=None, image_folder=None, regenerate=None,
+              tau_tokens=None, **run) -> dict | None:
         from ..training.recipes import train_vlm_draft
 
-        return train_vlm_draft(out_dir, method=method, target_dir=target, rollout_steps=rollout_steps,
-                               **({} if heads is None else {"medusa_heads": heads}), **run)
+        extra = {} if tau_tokens is None else {"tau_tokens": tau_tokens}
+        return train_vlm_draft(out_dir, method=method, target_dir=target, rollout_steps=rollout_steps, data=data,
+                               image_folder=image_folder, regenerate=regenerate,
+                               **({} if heads is None else {"medusa_heads": heads}), **extra, **run)
 
     return train
 
 
 def _report_head(log: dict) -> str:
-    return (f"held-out top-1 agreement {agreement(log['heldout_top1'])}, {log['wall_time_s']:.0f} s on "
+    tau = "" if log.get("heldout_tau") is None else (
+        f", held-out tau {log['heldout_tau']:.2f} (untrained {log['untrained_tau']:.2f})")
+    return (f"held-out top-1 agreement {agreement(log['heldout_top1'])}{tau}, {log['wall_time_s']:.0f} s on "
             f"{log['processes']} process(es)")
 
 
 # two threads, batch 32: ~0.1 s per draft-VLM step (the defaults of the target's recipe, 'mmspec train vlm')
 _DRAFT_VLM_DEFAULTS = dict(steps=1600, batch_size=32, lr=1e-3, dataset_size=16000)
 _HEAD_DEFAULTS = dict(steps=1000, batch_size=16, lr=1e-3, dataset_size=8000)
-_HEAD_OPTIONS = (("--target", str, REQUIRED, "folder written by 'mmspec train vlm' (the VLM it drafts for)"),
-                 ("--rollout-steps", int, None, "anti-shortcut rollout steps (default: 2 for vispec, 1 otherwise)"))
+_HEAD_OPTIONS = (
+    ("--target", str, REQUIRED, "the VLM it drafts for: a transformers LLaVA, Qwen2-VL or Qwen2.5-VL folder with "
+                                "its processor (e.g. written by 'mmspec train vlm'), or a hub id"),
+    ("--data", str, None, "conversations in the LLaVA / ShareGPT layout: a .json or .jsonl file or a folder of them "
+                          "(default: generated scene questions, for a target written by 'mmspec train vlm')"),
+    ("--image-folder", str, None, "where the data's image paths start (default: the data file's folder)"),
+    ("--regenerate", int, None, "self-distillation: the target answers each first question itself, up to N tokens"),
+    ("--tau-tokens", int, None, "new tokens per held-out prompt for the held-out tau, 0 to skip (default 32)"),
+    ("--rollout-steps", int, None, "anti-shortcut rollout steps (default: 2 for vispec, 1 otherwise)"))
 TRAINING = {
     "sd": TrainingRecipe(
         "vlm-sd", _train_draft_vlm, "heldout_loss", defaults=_DRAFT_VLM_DEFAULTS,
