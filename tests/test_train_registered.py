@@ -108,7 +108,7 @@ def test_an_alias_runs_its_registered_recipe_with_the_same_options(tmp_path):
         assert {k: a[k] for k in common} == {k: b[k] for k in common}
     recipe, options = train._registered_call(parser.parse_args(["train", *pairs[3][0], *out]))
     assert recipe.name == "ar-medusa" and options == {"target": str(tmp_path / "ar"), "vq": str(tmp_path / "vq"),
-                                                      "heads": 3}
+                                                      "data": None, "n_head": None, "image_size": None, "heads": 3}
     assert train._registered_call(parser.parse_args(["train", "vq", "--out", "x"])) is None  # a built-in recipe
 
 

@@ -154,10 +154,10 @@ COMPONENTS = {
 def _train_draft(kind: str):
     """``train`` of the ``ar-draft`` recipe of ``kind`` (``mmspec.training.recipes.train_ar_draft``)."""
 
-    def train(out_dir, *, vq, target=None, heads=None, **run) -> dict:
+    def train(out_dir, *, vq, target=None, heads=None, data=None, **run) -> dict:
         from ..training.recipes import train_ar_draft
 
-        return train_ar_draft(out_dir, kind=kind, vq_dir=vq, target_dir=target,
+        return train_ar_draft(out_dir, kind=kind, vq_dir=vq, target_dir=target, data_dir=data,
                               **({} if heads is None else {"medusa_heads": heads}), **run)
 
     return train
@@ -174,6 +174,19 @@ def _report_draft(log: dict) -> str:
 _DRAFT_DEFAULTS = dict(steps=800, batch_size=16, lr=1e-3, dataset_size=4096)
 _VQ = ("--vq", str, REQUIRED, "folder written by 'mmspec train vq'")
 _TARGET = ("--target", str, REQUIRED, "the AR model it drafts for")
+# the heads also train for a user's LlamaGen checkpoints (LlamaGen's own layout) on an image folder
+# (--target's help is also the message of 'ar-draft --kind eagle' without it: the folders and files
+# it takes are told by --n-head's help)
+_HEAD_OPTIONS = (
+    _TARGET,
+    ("--vq", str, REQUIRED, "folder written by 'mmspec train vq', or a LlamaGen VQ checkpoint (.safetensors file)"),
+    ("--data", str, None, "train on this image folder, DIR/<class>/<image> (class folders named by class id, or "
+                          "sorted names get ids 0..n-1; default: the procedural shapes)"),
+    ("--n-head", int, None, "when --target is a LlamaGen c2i GPT checkpoint (.safetensors file, LlamaGen's layout; "
+                            "else a folder written by 'mmspec train ar-image'): its attention heads (default: "
+                            "those of the LlamaGen config with its depth and width, GPT-B ... GPT-7B)"),
+    ("--image-size", int, None, "when --vq is a LlamaGen VQ checkpoint: the image side it encodes (default 256)"),
+)
 TRAINING = {
     "sd": TrainingRecipe(
         "ar-sd", _train_draft("chain"), "heldout_loss", alias="ar-draft --kind chain", report=_report_draft,
@@ -181,11 +194,11 @@ TRAINING = {
         defaults=_DRAFT_DEFAULTS, doc="the AR image model's chain draft: a small AR model on the VQ's ids"),
     "eagle": TrainingRecipe(
         "ar-eagle", _train_draft("eagle"), "heldout_top1", alias="ar-draft --kind eagle", report=_report_draft,
-        options=(_TARGET, _VQ), defaults=_DRAFT_DEFAULTS, doc="EAGLE's feature head on the AR image model"),
+        options=_HEAD_OPTIONS, defaults=_DRAFT_DEFAULTS, doc="EAGLE's feature head on the AR image model"),
     "medusa": TrainingRecipe(
         "ar-medusa", _train_draft("medusa"), "heldout_top1", alias="ar-draft --kind medusa", report=_report_draft,
-        options=(_TARGET, _VQ, ("--heads", int, None, "parallel heads, the tree's depth below the root (default 4, "
-                                                     "less than the grid's width)")),
+        options=(*_HEAD_OPTIONS, ("--heads", int, None, "parallel heads, the tree's depth below the root (default 4, "
+                                                       "less than the grid's width)")),
         defaults=_DRAFT_DEFAULTS, doc="Medusa heads on the AR image model's features (root token, token above, "
                                       "column)"),
 }
