@@ -56,6 +56,46 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
         super().__init__()
         self.register_modules(target=target, processor=processor, **self.method_modules(components))
         self._views = None
+        self.draft_adaptation = None
+
+    # heads a served answer can train (the drafter parts whose component is a trained head)
+    ADAPTABLE = {"eagle": "eagle_head", "specvlm": "specvlm_head", "vispec": "vispec_head", "medusa": "medusa_head"}
+
+    def enable_draft_adaptation(self, lr: float = 1e-4, every: int = 8, rollout_steps: int = 1):
+        """Opt in to online adaptation (``mmspec.pipelines.draft_adaptation``, Online Speculative Decoding):
+        after each call with a head method (``eagle``, ``specvlm``, ``vispec``, ``medusa``), its
+        answers join a buffer and every ``every`` answers the head takes one AdamW step (``lr``)
+        of its distillation loss on them. The answers stay exactly the target's; only how many
+        tokens each pass accepts changes. The head must be float32. ``pipe.draft_adaptation``
+        holds the counters (``updates``, ``losses``, ``served``). Returns it."""
+        from .draft_adaptation import DraftAdaptation
+
+        self.draft_adaptation = DraftAdaptation(lr=lr, every=every, rollout_steps=rollout_steps)
+        return self.draft_adaptation
+
+    def disable_draft_adaptation(self) -> None:
+        """Stop adapting (the head keeps what it learned); an unfinished buffer is dropped."""
+        self.draft_adaptation = None
+
+    def _adapt(self, recipe, ids: list[list[int]], vision: dict, tokens: list[list[int]]) -> None:
+        """Give the served answers to the adaptation, if on and the method drafts with a head."""
+        component = self.ADAPTABLE.get(recipe.part("drafter"))
+        if self.draft_adaptation is None or component is None:
+            return
+        from ..models.vlm_distill import Rendered
+
+        grids = vision.get("image_grid_thw")
+        if grids is not None:  # Qwen2-VL / Qwen2.5-VL: patches of every image, concatenated
+            ends = grids.prod(-1).cumsum(0).tolist()
+            starts = [0] + ends[:-1]
+            rows = [{"pixel_values": vision["pixel_values"][a:b], "image_grid_thw": grids[i : i + 1]}
+                    for i, (a, b) in enumerate(zip(starts, ends))]
+        else:
+            rows = [{"pixel_values": vision["pixel_values"][i : i + 1]} for i in range(len(ids))]
+        items = [Rendered(p + t, [False] * len(p) + [True] * len(t), v, len(p))
+                 for p, t, v in zip(ids, tokens, rows) if t]
+        pad = self.processor.tokenizer.pad_token_id
+        self.draft_adaptation.observe(getattr(self, component), items, 0 if pad is None else pad)
 
     def views(self) -> tuple[VLMTarget, VLMTarget | None]:
         """The core's views of the target and the draft VLM (built once)."""
@@ -180,6 +220,7 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
         if feed is not None:
             feed.end(tokens[0])
         texts = self.processor.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+        self._adapt(recipe, ids, vision, tokens)
         self.maybe_free_model_hooks()
         if not return_dict:
             return (texts,)

@@ -53,7 +53,7 @@ def test_unknown_bench_is_rejected(capsys):
         commands.main(["bench", "audio"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == ("mmspec bench: error: argument name: invalid choice: 'audio' "
-                                       "(choose from 'core', 'ar-image', 'vlm', 'video', 'kernels', 'continuous', 'cost', 'compile', 'glm-image')\n")
+                                       "(choose from 'core', 'ar-image', 'vlm', 'adapt', 'video', 'kernels', 'continuous', 'cost', 'compile', 'glm-image')\n")
 
 
 BAD_METHOD = ["generate", "ar-image", "--prompt", "a red circle", "--out", "pngs", "--method", "hydra"]

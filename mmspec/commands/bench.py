@@ -71,6 +71,14 @@ def _vlm(args):
     return vlm.run(cfg, progress=_progress(args)), vlm.VLM_COLUMNS
 
 
+@_bench("adapt")
+def _adapt(args):
+    from ..bench import adapt
+
+    cfg = _config(adapt.AdaptBenchConfig, args)
+    return adapt.run(cfg, progress=_progress(args)), adapt.ADAPT_COLUMNS
+
+
 @_bench("video")
 def _video(args):
     from ..bench import video
@@ -142,7 +150,8 @@ def register_subcommand(subparsers) -> None:
     bench.add_argument("--json", type=output_file, metavar="PATH", help='write {"bench": name, "rows": [...]} here')
     bench.add_argument("--quick", action="store_true", help="smaller sample counts (the showcase's)")
     bench.add_argument("--pipeline", type=existing_dir, metavar="DIR",
-                       help="vlm and video only: the pipeline folder to bench (default assets/vlm, assets/video)")
+                       help="vlm, adapt and video only: the pipeline folder to bench (default assets/vlm, "
+                            "assets/video)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bench.add_argument("--images", type=positive_int, metavar="N",
                        help="ar-image only: images per method (default 128, 16 with --quick); KID intervals "
@@ -167,7 +176,7 @@ def register_subcommand(subparsers) -> None:
 
 
 # options that belong to some benches: (argument, attribute, the benches it is for)
-_ONLY = (("--pipeline", "pipeline", ("vlm", "video")), ("--frames", "frames", ("video",)),
+_ONLY = (("--pipeline", "pipeline", ("vlm", "video", "adapt")), ("--frames", "frames", ("video",)),
          ("--prompts", "prompts", ("video",)), ("--groups", "groups", ("video",)),
          ("--videos-per-prompt", "videos_per_prompt", ("video",)), ("--methods", "methods", ("video",)),
          ("--images", "images", ("ar-image",)), ("--gpu-curve", "gpu_curve", ("cost",)))

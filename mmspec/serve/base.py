@@ -80,8 +80,12 @@ class Models:
     by every caller (the demo's users, a batch's jobs). Loading is serialised by a lock, so two
     first requests arriving together load a model once."""
 
-    def __init__(self, assets: str | Path = ASSETS):
+    def __init__(self, assets: str | Path = ASSETS, adapt_drafts: dict | None = None):
+        """``adapt_drafts``: keyword arguments of ``SpeculativeVLMPipeline.enable_draft_adaptation``
+        (``lr``, ``every``): the VLM pipeline's heads then keep learning from the answers they
+        serve (``mmspec.pipelines.draft_adaptation``; the answers stay the target's). None: frozen heads."""
         self.assets = Path(assets)
+        self.adapt_drafts = adapt_drafts
         self._lock = threading.Lock()
         self._loaded: dict[str, Any] = {}
         self.loads = 0  # how many loads ran (the load test checks it stays at one per model)
@@ -96,7 +100,14 @@ class Models:
     def pipeline(self, kind: str):
         """The pipeline of job kind ``kind``, from ``assets/<kind>``, progress bar off."""
         serving = runner(kind)
-        return self._get(kind, lambda: serving.load(self.assets / kind))
+
+        def load():
+            pipe = serving.load(self.assets / kind)
+            if self.adapt_drafts is not None and hasattr(pipe, "enable_draft_adaptation"):
+                pipe.enable_draft_adaptation(**self.adapt_drafts)
+            return pipe
+
+        return self._get(kind, load)
 
     def classifier(self):
         def load():
