@@ -112,15 +112,34 @@ def _run_ar_image(args, common) -> None:
 
 
 def _ar_draft_options(p) -> None:
+    import argparse
+    from pathlib import Path
+
+    def existing(text: str) -> str:  # a folder, or (eagle, medusa) a LlamaGen checkpoint file
+        if not Path(text).exists():
+            raise argparse.ArgumentTypeError(f"no such folder or file: {text!r}")
+        return text
+
     p.add_argument("--kind", required=True, choices=tuple(_aliased("ar-draft")),
                    help="eagle: feature head on the target; medusa: parallel heads on the target's "
                         "features (root token, token above, column); chain: a small AR model")
-    p.add_argument("--target", type=existing_dir, metavar="DIR",
-                   help="folder written by 'mmspec train ar-image' (required for --kind eagle and medusa)")
+    p.add_argument("--target", type=existing, metavar="DIR|FILE",
+                   help="folder written by 'mmspec train ar-image', or for eagle and medusa a LlamaGen c2i GPT "
+                        "checkpoint (.safetensors file, LlamaGen's layout); required for --kind eagle and medusa")
     p.add_argument("--heads", type=positive_int, default=None,
                    help="medusa only: parallel heads, the tree's depth below the root (default 4, "
                         "less than the grid's width)")
-    _vq_option(p)
+    p.add_argument("--vq", required=True, type=existing, metavar="DIR|FILE",
+                   help="folder written by 'mmspec train vq', or for eagle and medusa a LlamaGen VQ checkpoint "
+                        "(.safetensors file)")
+    p.add_argument("--data", type=existing_dir, metavar="DIR",
+                   help="eagle and medusa only: train on this image folder, DIR/<class>/<image> (class folders "
+                        "named by class id, or sorted names get ids 0..n-1; default: the procedural shapes)")
+    p.add_argument("--n-head", type=positive_int, default=None,
+                   help="eagle and medusa, a LlamaGen GPT --target: its attention heads (default: those of the "
+                        "LlamaGen config with its depth and width, GPT-B ... GPT-7B)")
+    p.add_argument("--image-size", type=positive_int, default=None,
+                   help="eagle and medusa, a LlamaGen VQ --vq: the image side it encodes (default 256)")
 
 
 def _classifier_options(p) -> None:
@@ -156,8 +175,10 @@ def _vlm_draft_options(p) -> None:
                    help="eagle: all image tokens; specvlm: elastic visual compressor; "
                         "vispec: vision adaptor + global image feature; medusa: parallel heads "
                         "(root token + global image feature)")
-    p.add_argument("--target", required=True, type=existing_dir, metavar="DIR",
-                   help="folder written by 'mmspec train vlm' (the VLM it drafts for)")
+    for flag, kind, default, help in methods.vlm.TRAINING["eagle"].options:
+        if flag != "--rollout-steps":  # the heads' own options (mmspec.methods.vlm), below with its default
+            p.add_argument(flag, type=kind, required=default is methods.REQUIRED, default=None,
+                           metavar="N" if kind is int else "PATH", help=help)
     p.add_argument("--rollout-steps", type=positive_int, default=None,
                    help="anti-shortcut rollout steps (default: 2 for vispec, 1 otherwise)")
     p.add_argument("--heads", type=positive_int, default=None,
@@ -317,6 +338,8 @@ def registered_recipes() -> dict:
 
 
 def register_subcommand(subparsers) -> None:
+    import argparse
+
     train = subparsers.add_parser(NAME, help="rebuild a tiny checkpoint from a seed")
     recipes = train.add_subparsers(dest="recipe", required=True)
     entries = [(name, recipe.help, recipe.options, TRAIN_DEFAULTS[name] if recipe.run else _alias_defaults(name))
@@ -340,6 +363,12 @@ def register_subcommand(subparsers) -> None:
                            help="where checkpoints go (default: OUT.checkpoints beside --out)")
             p.add_argument("--resume", action="store_true",
                            help="continue from the last checkpoint in --checkpoint-dir (needs --checkpoint-every)")
+            p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                           help="a progress bar on stderr: step, loss, rate, ETA (default: when stderr is a terminal)")
+            p.add_argument("--log-with", default=None, metavar="NAME",
+                           help="also log to this accelerate tracker (tensorboard, wandb, ...; its package installed)")
+            p.add_argument("--logging-dir", default=None, metavar="DIR",
+                           help="the tracker's files (default: OUT.logs beside --out)")
         p.add_argument("--seed", type=non_negative_int, default=0, help="init, data and batch order (default 0)")
         p.add_argument("--dataset-size", type=positive_int, default=defaults["dataset_size"],
                        help=f"training images (default {defaults['dataset_size']})")
@@ -402,9 +431,14 @@ def _checkpoints(args):
 
 
 def run(args) -> int:
-    from ..training.loop import checkpointing
+    from pathlib import Path
 
-    with checkpointing(_checkpoints(args)):
+    from ..training.loop import checkpointing, progress_bars, tracking
+
+    log_with, logs = getattr(args, "log_with", None), getattr(args, "logging_dir", None)
+    if log_with is not None and logs is None:
+        logs = Path(args.out).with_name(Path(args.out).name + ".logs")
+    with checkpointing(_checkpoints(args)), tracking(log_with, logs), progress_bars(getattr(args, "progress", None)):
         return _run(args)
 
 
