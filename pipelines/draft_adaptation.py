@@ -11,8 +11,9 @@ changes how many tokens each pass accepts (``tests/test_draft_adaptation.py`` ho
 answers equal to the target's alone). Runtime code: the loss and batches come from
 ``mmspec.models.vlm_distill``, which the training recipes share; nothing of ``mmspec.training``. The paper keeps the verify passes' distributions instead of
 recomputing them; here the teacher pass is recomputed because a tree's verify passes hold
-rejected branches and the core keeps no per-token features after a pass. Its cost is one target
-pass over ``every`` answers per update, about 1 / (tau * every / answer length) of serving.
+rejected branches and the core keeps no per-token features after a pass. Its cost is one
+teacher pass over ``every`` answers and one optimizer step per update (``seconds`` holds each
+update's wall time; ``mmspec bench adapt`` reports their sum beside the serving time).
 
 Randomness: an update draws from torch's global generator only (SpecVLM's pruning and Gumbel
 choices in training mode) and puts its state back, so what the pipeline samples is unchanged.
@@ -92,6 +93,6 @@ class DraftAdaptation:
             torch.set_rng_state(rng)
         self.buffer.clear()
         self.updates += 1
-        self.losses.append(float(logs["loss"]))
+        self.losses.append(float(logs["loss"].detach()))
         self.seconds.append(time.perf_counter() - began)
         return self.losses[-1]

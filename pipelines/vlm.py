@@ -58,9 +58,6 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
         self._views = None
         self.draft_adaptation = None
 
-    # heads a served answer can train (the drafter parts whose component is a trained head)
-    ADAPTABLE = {"eagle": "eagle_head", "specvlm": "specvlm_head", "vispec": "vispec_head", "medusa": "medusa_head"}
-
     def enable_draft_adaptation(self, lr: float = 1e-4, every: int = 8, rollout_steps: int = 1):
         """Opt in to online adaptation (``mmspec.pipelines.draft_adaptation``, Online Speculative Decoding):
         after each call with a head method (``eagle``, ``specvlm``, ``vispec``, ``medusa``), its
@@ -79,8 +76,11 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
 
     def _adapt(self, recipe, ids: list[list[int]], vision: dict, tokens: list[list[int]]) -> None:
         """Give the served answers to the adaptation, if on and the method drafts with a head."""
-        component = self.ADAPTABLE.get(recipe.part("drafter"))
-        if self.draft_adaptation is None or component is None:
+        if self.draft_adaptation is None:
+            return
+        # the method's trained head, if it drafts with one (the sd draft VLM and lookup have none)
+        heads = [getattr(self, c) for c in recipe.requires if hasattr(getattr(self, c, None), "distill_loss")]
+        if not heads:
             return
         from ..models.vlm_distill import Rendered
 
@@ -95,7 +95,7 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
         items = [Rendered(p + t, [False] * len(p) + [True] * len(t), v, len(p))
                  for p, t, v in zip(ids, tokens, rows) if t]
         pad = self.processor.tokenizer.pad_token_id
-        self.draft_adaptation.observe(getattr(self, component), items, 0 if pad is None else pad)
+        self.draft_adaptation.observe(heads[0], items, 0 if pad is None else pad)
 
     def views(self) -> tuple[VLMTarget, VLMTarget | None]:
         """The core's views of the target and the draft VLM (built once)."""

@@ -18,3 +18,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def small_vocab_pair():
     return _small_vocab_pair(0)
+
+
+@pytest.fixture
+def restore_torch_threads():
+    """Put torch's thread count back after a test that runs the CLI (its --threads sets it for the
+    process, and a reduction's float rounding depends on it)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)

@@ -125,3 +125,36 @@ def test_mmspec_batch_adapts_the_vlm_heads_and_writes_the_same_answers(tmp_path)
     assert models.pipeline("vlm").draft_adaptation.updates == 2
     for i in range(4):
         assert (tmp_path / "adapted" / f"a{i}.txt").read_text() == (tmp_path / "frozen" / f"a{i}.txt").read_text()
+
+
+def test_qwen2_vl_rows_are_split_per_image_for_adaptation():
+    """A Qwen2-VL pipeline answering two prompts of different image grids in one call: each buffered
+    row holds its own ids, patches (24 and 16) and grid, as the prompt asked alone would (a split
+    at the wrong patch fails here: the vision tower would not notice), an update moves the head,
+    and the answers stay the target's."""
+    from test_vlm_adapter import tiny_qwen2_vl
+    from test_vlm_inputs import qwen_processor
+    from transformers import Qwen2VLProcessor
+
+    from mmspec.adapters.vlm import VLMTarget
+    from mmspec.models.vlm_draft import VLMDraftHead
+
+    model = tiny_qwen2_vl()
+    torch.manual_seed(0)
+    head = VLMDraftHead.from_target(VLMTarget(model), method="eagle")
+    pipe = SpeculativeVLMPipeline(target=model, processor=qwen_processor(Qwen2VLProcessor), eagle_head=head)
+    pipe.set_progress_bar_config(disable=True)
+    questions = ["what colour is the shape ?", "describe the image in detail ."]
+    rng = torch.Generator().manual_seed(4)
+    images = [torch.rand(3, 8, 12, generator=rng), torch.rand(3, 8, 8, generator=rng)]  # 24 and 16 patches
+    plain = pipe(images, questions, max_new_tokens=8, method="none")
+    adaptation = pipe.enable_draft_adaptation(lr=1e-3, every=3)  # the two answers stay in the buffer
+    drafted = pipe(images, questions, max_new_tokens=8, method="eagle")
+    assert drafted.tokens == plain.tokens
+    for item, image, question, answer in zip(adaptation.buffer, images, questions, plain.tokens):
+        alone = pipe.prepare_inputs([image], [question])  # the row as if it had been asked alone
+        assert item.ids == alone.input_ids[0] + answer and item.prompt_len == len(alone.input_ids[0])
+        assert all(torch.equal(item.vision[k], alone.vision[k]) for k in ("pixel_values", "image_grid_thw"))
+    before = head.fc.weight.clone()
+    adaptation.step(head, pad_id=0)
+    assert adaptation.updates == 1 and not torch.equal(before, head.fc.weight)

@@ -21,7 +21,7 @@ from mmspec.adapters.vlm import VLMTarget
 from mmspec.core import LogitsPipeline, ParallelHeadsDrafter, SpeculativeDecoder, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue
 from mmspec.models.medusa import MedusaHeads
-from mmspec.training.recipes.vlm_draft import answer_mask
+from mmspec.models.vlm_distill import answer_mask
 from test_vlm_adapter import llava_inputs, tiny_llava
 from test_vlm_draft import NEW_TOKENS, teacher_batch
 from tiny import spread

@@ -46,6 +46,8 @@ LLAVA_TEMPLATE = (
     "{%- endif %}{%- endfor %}{%- if m['role'] == 'assistant' %}{{ ' </s>' }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ ' ASSISTANT:' }}{%- endif %}")
 
+pytestmark = pytest.mark.usefixtures("restore_torch_threads")  # the CLI's --threads
+
 
 def llava_processor() -> LlavaProcessor:
     """A word-level tokenizer over the tiny LLaVA's 64 ids, 16 x 16 images in 8 x 8 patches (4
@@ -84,15 +86,6 @@ def write_data(folder: Path, n: int, size, seed: int = 0) -> Path:
     file = folder / "data.jsonl"
     file.write_text("\n".join(lines) + "\n")
     return file
-
-
-@pytest.fixture(autouse=True)
-def _threads():
-    """The CLI's --threads sets torch's thread count for the process: put it back for later tests
-    (a reduction's float rounding depends on it)."""
-    n = torch.get_num_threads()
-    yield
-    torch.set_num_threads(n)
 
 
 @pytest.fixture(scope="module")
@@ -201,12 +194,14 @@ def test_malformed_records_are_skipped_and_counted(tmp_path):
         json.dumps({"conversations": [{"from": "human", "value": "<image>\nno image"}, {"from": "gpt", "value": "a"}]}),
         json.dumps({"image": "images/0.png", "conversations": [{"from": "human", "value": "q"},
                                                                 {"from": "gpt", "value": "  "}]}),
+        json.dumps({"image": ["images/0.png", "images/1.png"], "conversations": json.loads(lines[0])["conversations"]}),
     ]
     (tmp_path / "mixed.jsonl").write_text("\n".join([lines[0], *bad, lines[1], lines[2]]) + "\n")
     convs = read_conversations(tmp_path / "mixed.jsonl")
     assert len(convs.records) == 3 and len(convs.skipped) == len(bad)
     assert convs.skipped[0][0].endswith("mixed.jsonl:2") and "not JSON" in convs.skipped[0][1]
     assert "not found" in convs.skipped[3][1] and "no 'image'" in convs.skipped[4][1]
+    assert "one image per record" in convs.skipped[6][1]
     assert convs.records[0].turns[0][0] == "what colour is the shape ?"  # the <image> tag removed
 
 
@@ -244,3 +239,46 @@ def test_a_foreign_target_needs_data(targets, tmp_path):
     with pytest.raises(ValueError, match="data must be conversations in the LLaVA layout"):
         commands.main(["train", "vlm-eagle", "--out", str(tmp_path / "h"), "--target", str(target_dir),
                        "--steps", "1", "--debug"])
+
+
+def test_a_multi_turn_conversation_marks_every_answer(tmp_path):
+    """Two turns through the LLaVA chat template: the answer tokens are both answers with their
+    end-of-turn token, the prompt ends at the first answer, and the ids are those of the whole
+    conversation rendered at once."""
+    from mmspec.training.data.conversations import load_image, render
+
+    write_data(tmp_path, 1, (16, 16))
+    record = {"image": "images/0.png", "conversations": [
+        {"from": "human", "value": "<image>\nwhat colour is the shape ?"}, {"from": "gpt", "value": "the shape"},
+        {"from": "human", "value": "where is the image ?"}, {"from": "gpt", "value": "in detail ."}]}
+    (tmp_path / "two.jsonl").write_text(json.dumps(record) + "\n")
+    conv = read_conversations(tmp_path / "two.jsonl").records[0]
+    processor = llava_processor()
+    r = render(processor, conv, load_image(conv.image))
+    tok = processor.tokenizer
+    answered = tok.convert_ids_to_tokens([i for i, a in zip(r.ids, r.answer) if a])
+    assert answered == ["the", "shape", "</s>", "in", "detail", ".", "</s>"]
+    assert tok.convert_ids_to_tokens(r.ids[r.prompt_len - 1 : r.prompt_len + 1]) == ["ASSISTANT:", "the"]
+    assert r.ids.count(IMAGE) == 4 and r.vision["pixel_values"].shape == (1, 3, 16, 16)
+    text = processor.apply_chat_template([
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "what colour is the shape ?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "the shape"}]},
+        {"role": "user", "content": [{"type": "text", "text": "where is the image ?"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "in detail ."}]}], tokenize=False)
+    whole = processor(text=[text], images=[load_image(conv.image)], add_special_tokens=False)["input_ids"][0]
+    assert r.ids == list(whole)
+
+
+def test_a_conversation_longer_than_max_length_is_skipped(tmp_path):
+    """``user_items``: a rendered conversation over ``max_length`` tokens is skipped and counted."""
+    from mmspec.training.recipes.vlm_draft import user_items
+
+    data = write_data(tmp_path, 6, (16, 16))
+    lines = data.read_text().splitlines()
+    long = json.loads(lines[0])
+    long["conversations"][1]["value"] = " ".join(["the shape"] * 20)
+    data.write_text("\n".join([json.dumps(long), *lines[1:]]) + "\n")
+    train, held, record = user_items(llava_processor(), data, None, limit=10, heldout_size=1, seed=0,
+                                     max_length=30, log=lambda m: None)
+    assert len(train) + len(held) == 5 and record["skipped"] == 1
+    assert "more than max_length 30" in record["skipped_first"][0] and record["skipped_first"][0].startswith(str(data))

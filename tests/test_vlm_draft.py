@@ -29,7 +29,7 @@ from mmspec.core import EagleTreeDrafter, LogitsPipeline, SpeculativeDecoder
 from mmspec.core.types import ModelOutput
 from mmspec.models import load_checkpoint
 from mmspec.models.vlm_draft import BRANCHES, METHODS, VLMDraftHead
-from mmspec.training.recipes.vlm_draft import answer_mask, teacher
+from mmspec.models.vlm_distill import answer_mask, teacher
 from test_vlm_adapter import IMAGE, LLAVA_TOKENS, llava_inputs, tiny_llava
 from tiny import spread
 

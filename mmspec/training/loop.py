@@ -377,14 +377,14 @@ def train_loop(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
     policy = checkpoints if checkpoints is not None else (_ACTIVE[-1] if _ACTIVE else None)
     state = dict(state or {})
     folder = None if policy is None else policy.folder / name.replace(" ", "-")
-    first, evaluations = 1, []  # this run's {"step": n, **figures}, a checkpoint's first
+    first = 1
+    evaluations = history if history is not None else []  # {"step": n, **figures}, a checkpoint's first
     found = _last_checkpoint(folder) if policy is not None and policy.resume else None
     if found is not None and found[0] < steps:
         meta = _load_checkpoint(found[1], model, optimizer, schedule, state, accelerator)
-        first, evaluations = found[0] + 1, list(meta.get("history", []))
+        first = found[0] + 1
+        evaluations.extend(meta.get("history", []))
         log(f"{name} resumed at step {first} from {found[1]}")
-    if history is not None:
-        history.extend(evaluations)
     if progress is None:
         progress = _PROGRESS[-1] if _PROGRESS and _PROGRESS[-1] is not None else _is_terminal(sys.stderr)
     tracked = bool(getattr(accelerator, "log_with", None))
@@ -410,8 +410,6 @@ def train_loop(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
         figures = _held_out(model, evaluate)
         evaluating += time.perf_counter() - began
         evaluations.append({"step": step, **figures})
-        if history is not None:
-            history.append(evaluations[-1])
         say(f"{name} step {step} held-out " + "  ".join(f"{k} {_shown(v)}" for k, v in figures.items()))
         if tracked:
             accelerator.log({f"heldout/{k}": v for k, v in figures.items() if isinstance(v, (int, float))}, step=step)

@@ -32,8 +32,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from ...core.errors import check
 from ...models.vlm_distill import VISION_KEYS, Rendered
 
@@ -199,49 +197,24 @@ def _encode(processor, text: str, image) -> dict:
     return processor(**kwargs)
 
 
-def render(processor, conversation: Conversation, image=None, max_turns: int | None = None) -> Rendered:
+def render(processor, conversation: Conversation, image=None) -> Rendered:
     """``conversation`` through ``processor``'s chat template (its ``image`` already loaded, as a
     PIL image). Turn k's answer tokens are the ids the template adds from the prompt with turn k's
     generation prompt to the conversation through turn k's answer; ValueError when the template
-    does not render turns as prefixes of each other (then the record is skipped)."""
-    template = dict(tokenize=False)
-    n = len(conversation.turns) if max_turns is None else min(max_turns, len(conversation.turns))
-    full = _encode(processor, processor.apply_chat_template(messages(conversation, n, True), **template), image)
-    ids = full["input_ids"][0].tolist()
-    answer = [False] * len(ids)
-    prompt_len = None
-    for k in range(1, n + 1):
+    does not render turns as prefixes of each other (then the record is skipped). Each text is
+    encoded once; the last turn's is the whole conversation."""
+    answer, prompt_len, done, last = [], None, [], None
+    for k in range(1, len(conversation.turns) + 1):
         prompt = processor.apply_chat_template(messages(conversation, k, False), add_generation_prompt=True,
-                                               **template)
-        upto = processor.apply_chat_template(messages(conversation, k, True), **template)
+                                               tokenize=False)
+        last = _encode(processor, processor.apply_chat_template(messages(conversation, k, True), tokenize=False),
+                       image)
         a = _encode(processor, prompt, image)["input_ids"][0].tolist()
-        b = _encode(processor, upto, image)["input_ids"][0].tolist()
-        if b[: len(a)] != a or ids[: len(b)] != b or len(b) == len(a):
+        b = last["input_ids"][0].tolist()
+        if a[: len(done)] != done or b[: len(a)] != a or len(b) == len(a):
             raise ValueError(f"the chat template does not render turn {k} as a prefix of the conversation")
         prompt_len = len(a) if prompt_len is None else prompt_len
-        answer[len(a):len(b)] = [True] * (len(b) - len(a))
-    vision = {k: full[k] for k in VISION_KEYS if k in full}
-    return Rendered(ids, answer, vision, prompt_len)
-
-
-def write_llava_json(items, folder, *, name: str = "data.jsonl") -> Path:
-    """Write ``(image, question, answer)`` items (image: a (3, H, W) tensor in [-1, 1] as
-    ``SceneQADataset`` gives, or a PIL image) as PNG files and one LLaVA-layout record per line
-    in ``folder / name``; returns the file. For tests and examples: a dataset in the layout the
-    training recipes read."""
-    from PIL import Image
-
-    folder = Path(folder)
-    (folder / "images").mkdir(parents=True, exist_ok=True)
-    lines = []
-    for i, (image, question, answer) in enumerate(items):
-        if isinstance(image, torch.Tensor):
-            pixels = ((image.clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).permute(1, 2, 0).numpy()
-            image = Image.fromarray(pixels)
-        rel = f"images/{i:06d}.png"
-        image.save(folder / rel)
-        lines.append(json.dumps({"id": f"{i:06d}", "image": rel, "conversations": [
-            {"from": "human", "value": f"{IMAGE_TAG}\n{question}"}, {"from": "gpt", "value": answer}]}))
-    file = folder / name
-    file.write_text("\n".join(lines) + "\n")
-    return file
+        answer += [False] * (len(a) - len(done)) + [True] * (len(b) - len(a))
+        done = b
+    vision = {k: last[k] for k in VISION_KEYS if k in last}
+    return Rendered(done, answer, vision, prompt_len)

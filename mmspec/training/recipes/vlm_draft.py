@@ -34,7 +34,7 @@ from ...adapters.vlm import VLMTarget
 from ...core.errors import check, check_choice
 from ...models.medusa import MedusaHeads
 from ...models.vlm_draft import BRANCHES, METHODS as HEAD_METHODS, VLMDraftHead
-from ...models.vlm_distill import Rendered, answer_mask, collate_items, distill, teacher  # noqa: F401 (re-exported)
+from ...models.vlm_distill import Rendered, collate_items, distill
 from ..data.conversations import load_image, read_conversations, render
 from ..data.scene_qa import SceneQADataset
 from ..loop import new_accelerator, shard, train_loop
@@ -166,7 +166,6 @@ def user_items(processor, data, image_folder, *, limit: int, heldout_size: int, 
     order = torch.randperm(len(convs.records), generator=torch.Generator().manual_seed(seed)).tolist()
     n_held = max(1, min(heldout_size, len(order) // 5))
     skipped = list(convs.skipped)
-    rendered: dict[int, Rendered] = {}
 
     def take(indices, want):
         got = []
@@ -182,7 +181,6 @@ def user_items(processor, data, image_folder, *, limit: int, heldout_size: int, 
             except ValueError as err:
                 skipped.append((conv.where, str(err)))
                 continue
-            rendered[i] = r
             got.append(r)
         return got
 
