@@ -16,6 +16,7 @@ from .cache import SinkWindowCache, SlotKVCache, StaticKVCache
 from .decoder import DecodeOutput, DecodeState, SpeculativeDecoder
 from .distributions import DensityPipeline, Draw, HeadMeter, Residual, TokenDist
 from .lookup import PromptLookupDrafter
+from .gate import GatedDrafter, SpeedGate
 from .drafters import (EagleTreeDrafter, JacobiDensityDrafter, JacobiDrafter, ModelChainDrafter, ModelTreeDrafter,
                        NullDrafter, ParallelHeadsDrafter)
 from .logits import LogitsPipeline
@@ -29,13 +30,13 @@ from .types import (Acceptance, AcceptanceRule, DecodingSchedule, Drafter, Draft
 
 __all__ = [
     "Acceptance", "AcceptanceRule", "DecodeOutput", "DecodeState", "DecodingSchedule", "DensityPipeline", "Draw",
-    "DraftTree", "Drafter", "DrafterBase", "EagleTreeDrafter", "FeatureHead", "GreedyMatch", "HeadMeter",
+    "DraftTree", "Drafter", "DrafterBase", "EagleTreeDrafter", "FeatureHead", "GatedDrafter", "GreedyMatch", "HeadMeter",
     "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDensityDrafter", "JacobiDrafter", "KVCache",
     "LatentProximityAcceptance",
     "LatentProximityConfig", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter",
     "NextSetSchedule", "NullDrafter", "ParallelHeads", "ParallelHeadsDrafter", "PromptLookupDrafter",
     "RasterSchedule", "Residual", "SchedulePlan",
-    "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder",
+    "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder", "SpeedGate",
     "SpeculativeSampling", "StaticKVCache", "Stats", "Target", "TokenDist", "TokenHead", "Tree", "dynamic_tree",
     "latent_neighbours", "sampled_tree",
 ]

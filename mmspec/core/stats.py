@@ -39,6 +39,7 @@ class Stats:
     accept_tests: int = 0
     accepted: int = 0
     _emitted: list = field(default_factory=list)  # per decode pass: (B,) tokens emitted, 0 if done
+    extra: dict = field(default_factory=dict)  # the caller's annotations (a pipeline's method="auto" choice)
 
     def __post_init__(self):
         if self.profile and self.seconds is None:
@@ -107,6 +108,7 @@ class Stats:
             "wall_seconds": self.wall_seconds,
             **({} if self.seconds is None else {"seconds": dict(self.seconds)}),
             **({} if self.heads is None else self._head_dict()),
+            **self.extra,
         }
 
     def _head_dict(self) -> dict:
