@@ -129,9 +129,11 @@ def _side_by_side(kind: str, run, prompt, method, seed, guidance_scale, knob_val
         base = run(MODELS, [prompt], [seed], "none", {}, guidance_scale=cfg)[0]
         ours = base if method == "none" else run(MODELS, [prompt], [seed], method, knobs, guidance_scale=cfg)[0]
         quality = serve.class_confidence(MODELS, [base.image, ours.image], [prompt, prompt])
-    lossless = "lossless" if recipe.lossless else "**lossy**"
+    lossless = "lossless" if (recipe.lossless if recipe is not None else ours.extra["lossless"]) else "**lossy**"
     note = (f"{method}: {lossless}. Quality: classifier p(requested class) = {quality[1]:.3f} "
             f"(baseline {quality[0]:.3f})")
+    if "auto" in ours.stats:  # method="auto": what it chose and why
+        note += f"\n\n{ours.stats['auto']}"
     return base, ours, note
 
 
@@ -158,7 +160,7 @@ def _class_prompt_inputs(kind: str, prefix: str, default: str):
     """The input column of a class-prompt tab (AR image, continuous tokens): prompt, method of the
     registry's ``kind`` modality (``default`` first), seed, CFG scale, the method's knobs and the
     run button, with element ids ``{prefix}-prompt`` etc."""
-    names = methods.names(kind)
+    names = methods.auto.method_names(kind, methods.names(kind))  # "auto" first where the kind has it
     prompt = gr.Dropdown(list(serve.ar_prompts()), value=serve.ar_prompts()[0], label="class prompt",
                          elem_id=f"{prefix}-prompt")
     first = default if default in names else names[0]
@@ -282,11 +284,13 @@ def vlm_answer(image, question, method, max_new_tokens, *knob_values):
     ours_md = (f"**{method}** - {render.stats_line(ours.stats, base.stats)}\n\n"
                f"{drafted} of {len(pieces)} words came from accepted drafts (marked). "
                f"Greedy answer equal to the baseline's: {same}")
+    if "auto" in ours.stats:  # method="auto": what it chose and why
+        ours_md += f"\n\n{ours.stats['auto']}"
     yield pieces, base_md, ours_md, ""
 
 
 def vlm_tab():
-    names = methods.names("vlm")
+    names = methods.auto.method_names("vlm", methods.names("vlm"))
     with gr.Row():
         with gr.Column(scale=1):
             scene = gr.Dropdown(_scene_choices(), value="scene 0", label="bundled scene (or upload below)",

@@ -70,7 +70,9 @@ from .. import methods
 from ..core import LogitsPipeline, SpeculativeDecoder
 from ..core.decoder import DecodeOutput, DecodeState
 from ..core.errors import check, check_choice
+from ..core.gate import GatedDrafter, SpeedGate
 from ..core.shapes import forced_static_shapes
+from ..methods import auto
 from . import checks
 
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -238,14 +240,91 @@ class SpeculativePipeline(PipelineBase):
                             callback_on_step_end, callback_on_step_end_tensor_inputs) -> methods.Recipe:
         """The arguments every speculative pipeline takes, checked before any model runs;
         ``batch_size`` is the number of output rows (a generator list has one per row). Returns the
-        resolved recipe."""
-        recipe = self.check_method(method, method_knobs)
+        resolved recipe; ``method="auto"`` resolves to the method ``choose_method`` picks."""
+        self._auto = None
         checks.check_generator(generator, batch_size)
         checks.check_flag(return_dict, "return_dict")
         inputs = self.check_callback(callback_on_step_end, callback_on_step_end_tensor_inputs)
+        if method == "auto":
+            recipe = self.choose_method(method_knobs, batch_size, raster_only=bool(inputs))
+        else:
+            recipe = self.check_method(method, method_knobs)
         check(not inputs or recipe.part("schedule") is None, "callback_on_step_end_tensor_inputs",
               f"[] with method {method!r} (its schedule decodes several lanes per output)", inputs)
         return recipe
+
+    # -- method="auto" ----------------------------------------------------------------------------
+    def set_cost_profile(self, profile: "auto.CostProfile | str | None") -> None:
+        """The cost profile ``method="auto"`` chooses from: a ``CostProfile``, a path to one, or
+        None (the default: this pipeline's profile for this machine in ``auto.cache_dir()``, written
+        by ``mmspec bench cost --calibrate``)."""
+        if profile is not None and not isinstance(profile, auto.CostProfile):
+            profile = auto.CostProfile.load(profile)
+        check(profile is None or profile.modality == self.modality, "profile",
+              f"a cost profile of a {self.modality!r} pipeline", None if profile is None else profile.modality)
+        self._cost_profile = profile
+
+    def model_fingerprint(self) -> str:
+        """SHA-256 of what the pipeline computes with: each model component's class and config
+        (``mmspec.models.binding.target_fingerprint``: paths, dtype and versions left out) and a
+        digest of its first and last weights (a retrained head changes the profile's key), computed
+        once per pipeline object: heads that adapt while serving keep the key they were loaded with."""
+        from ..models.binding import target_fingerprint
+
+        cached = getattr(self, "_model_fingerprint", None)
+        if cached is not None:  # the weights at first use: heads adapting online keep their profile
+            return cached
+        parts = {}
+        for name in sorted(self.components):
+            module = getattr(self, name, None)
+            if module is None or not hasattr(module, "config") or not isinstance(module, torch.nn.Module):
+                continue
+            params = list(module.parameters())
+            digest = [float(p.detach().double().sum()) for p in (params[:1] + params[-1:])]
+            parts[name] = [target_fingerprint(module), sum(p.numel() for p in params), digest]
+        self._model_fingerprint = auto.fingerprint(parts)
+        return self._model_fingerprint
+
+    def cost_profile(self) -> "auto.CostProfile | None":
+        """The profile set with ``set_cost_profile``, else this pipeline's on this machine, or None."""
+        given = getattr(self, "_cost_profile", None)
+        if given is not None:
+            return given
+        target = getattr(self, self.component_attribute("target"))
+        dtype = str(next(target.parameters()).dtype).replace("torch.", "")
+        return auto.find_profile(self.modality, self.model_fingerprint(), auto.machine_id(self._execution_device.type),
+                                 dtype)
+
+    def choose_method(self, method_knobs, batch_size: int, raster_only: bool = False) -> methods.Recipe:
+        """``method="auto"``: the recipe of the candidate ``auto.choose`` picks for ``batch_size``
+        rows among those this pipeline holds the components for (raster-order ones only when
+        callback tensor inputs are asked for); the choice is kept for ``decode`` (its online gate)
+        and reported in the output's stats."""
+        knobs = auto.check_auto_knobs(self.modality, method_knobs)
+        available = []
+        for label, method, mknobs in auto.CANDIDATES[self.modality]:
+            recipe = methods.resolve(self.modality, method, mknobs)
+            held = all(getattr(self, self.component_attribute(need), None) is not None for need in recipe.requires)
+            if held and not (raster_only and recipe.part("schedule") is not None):
+                available.append(label)
+        b = knobs["auto_batch_size"] or batch_size
+        choice = auto.choose(self.cost_profile(), b, knobs["auto_quality"], available,
+                             hint=" (run `mmspec bench cost --calibrate`, or pipe.set_cost_profile(path))")
+        self._auto = (choice, knobs)
+        return self.check_method(choice.method, choice.knobs)
+
+    def auto_stats(self, gate: GatedDrafter | None) -> dict:
+        """What ``method="auto"`` chose and did, for the output's stats (empty for other methods)."""
+        if getattr(self, "_auto", None) is None:
+            return {}
+        choice, knobs = self._auto
+        out = {"auto": choice.reason, "auto_method": choice.label, "auto_predicted_x": round(choice.predicted_x, 4),
+               "auto_batch_size": choice.batch_size, "auto_lossless": choice.row is None or choice.row.lossless}
+        if gate is not None:
+            log = gate.log
+            out.update(auto_passes_on=log.passes_on, auto_passes_off=log.passes_off, auto_switches=log.switches,
+                       auto_decisions=[list(d) for d in log.decisions])
+        return out
 
     @property
     def guidance_scale(self) -> float | None:
@@ -362,7 +441,13 @@ class SpeculativePipeline(PipelineBase):
         components = self.method_components(recipe.requires)  # before the onload: a getter may fire a hook
         self.onload_models(recipe)
         parts = methods.build(recipe, components)
-        decoder = SpeculativeDecoder(components["target"], parts.drafter, rule=parts.rule, logits=logits,
+        drafter, gate = parts.drafter, None
+        chosen = getattr(self, "_auto", None)
+        settings = chosen[0].gate_settings() if chosen is not None and chosen[1]["auto_online"] else None
+        if settings is not None and drafter is not None:  # method="auto": speculation re-decided during the call
+            every = chosen[1]["auto_every"]
+            drafter = gate = GatedDrafter(drafter, SpeedGate(**settings, every=every, probe=4 * every))
+        decoder = SpeculativeDecoder(components["target"], drafter, rule=parts.rule, logits=logits,
                                      schedule=parts.schedule, device=self._execution_device)
         self._interrupt = False
         self._guidance_scale = guidance_scale
@@ -389,6 +474,7 @@ class SpeculativePipeline(PipelineBase):
             with forced_static_shapes() if self.compiled_steps else contextlib.nullcontext():
                 out = decoder.generate(input_ids, max_new_tokens, callback=step_end, **generate_kwargs)
             bar.update(max(0, max_new_tokens - seen) if not self.interrupt else 0)
+        out.stats.extra.update(self.auto_stats(gate))
         return out
 
     def callback_tensor_input(self, name: str, state: DecodeState) -> torch.Tensor:

@@ -21,6 +21,7 @@ from diffusers.utils import BaseOutput
 
 from ..adapters.vlm import VLMTarget
 from ..core import LogitsPipeline
+from ..methods import auto
 from . import checks
 from .base import SpeculativePipeline
 # diffusers loads components only from modules already imported: name them here
@@ -139,8 +140,12 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
                      return_dict, callback_on_step_end, callback_on_step_end_tensor_inputs, top_k=None,
                      streamer=None):
         """Every argument of ``__call__``, checked before any model runs (``pipelines.checks``):
-        ``ValueError`` naming the argument and the allowed values. Returns the resolved recipe."""
-        self.check_method(method, method_knobs)
+        ``ValueError`` naming the argument and the allowed values. Returns the resolved recipe
+        (``method="auto"``: the chosen method's)."""
+        if method == "auto":
+            auto.check_auto_knobs(self.modality, method_knobs)
+        else:
+            self.check_method(method, method_knobs)
         prompts = checks.check_prompts(prompts, "prompts")
         checks.check_images(images, len(prompts), "images")
         checks.check_int(max_new_tokens, "max_new_tokens", 1)

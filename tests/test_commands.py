@@ -29,7 +29,7 @@ def test_method_choices_come_from_the_registry(monkeypatch):
     vlm = methods.modality("vlm")
     monkeypatch.setitem(vlm.methods, "toy", methods.Method("toy", "sd"))  # what register_method adds
     parser = commands.build_parser()
-    assert _choices(parser, "generate", "vlm", "--method") == methods.names("vlm")
+    assert _choices(parser, "generate", "vlm", "--method") == ("auto",) + methods.names("vlm")
     assert "toy" in _choices(parser, "generate", "vlm", "--method")
     generate = next(a for a in parser._actions if a.dest == "command").choices["generate"]
     ar = next(a for a in generate._actions if a.dest == "kind").choices["ar-image"]

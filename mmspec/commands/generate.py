@@ -34,7 +34,9 @@ def _add_vlm(kinds) -> None:
     v.add_argument("--image", required=True, type=image_file, metavar="PATH",
                    help="an image file (PNG, JPEG, ...; converted to RGB)")
     v.add_argument("--prompt", required=True, type=non_empty, help='a question, e.g. "describe the image in detail ."')
-    v.add_argument("--method", default="none", choices=methods.names("vlm"), help="(default none)")
+    v.add_argument("--method", default="none", choices=methods.auto.method_names("vlm", methods.names("vlm")),
+                   help="(default none; auto: the fastest lossless method on this machine, from "
+                        "`mmspec bench cost --calibrate`)")
     v.add_argument("--knob", action="append", metavar="KEY=VALUE", help="a method knob, e.g. tree_depth=5")
     v.add_argument("--max-new-tokens", type=positive_int, default=128, help="(default 128)")
     v.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 is greedy (default 0)")
@@ -87,7 +89,8 @@ def _add_ar_image(kinds) -> None:
     p = kinds.add_parser("ar-image", help="AR image generation over VQ tokens")
     p.add_argument("--prompt", required=True, nargs="+", type=non_empty, help='class prompts, e.g. "a red circle"')
     p.add_argument("--method", default="none",
-                   help=f"none or a composition: {', '.join(methods.names('ar-image'))} (default none)")
+                   help=f"none or a composition: {', '.join(methods.names('ar-image'))}; or auto, the fastest on "
+                        "this machine from `mmspec bench cost --calibrate` (default none)")
     p.add_argument("--knob", action="append", metavar="KEY=VALUE", help="a method knob, e.g. sjd_window=16")
     p.add_argument("--out", required=True, type=output_dir, metavar="DIR", help="folder for the PNGs")
     p.add_argument("--model", default=str(ROOT / "assets" / "ar-image"),
@@ -133,7 +136,7 @@ def _knobs(items, modality: str, method: str) -> dict:
     (unknown methods and knobs, bad values: ``ValueError`` naming them) before any model loads."""
     from .. import methods
 
-    methods.resolve(modality, method)
+    methods.validate(modality, method)
     specs = methods.knobs(modality, method)
     knobs = {}
     for item in items or []:
@@ -143,7 +146,7 @@ def _knobs(items, modality: str, method: str) -> dict:
         if key in knobs:
             raise ValueError(f"--knob must name each knob once, got {key!r} twice")
         knobs[key] = _knob_value(text, specs.get(key))
-    methods.resolve(modality, method, knobs)
+    methods.validate(modality, method, knobs)
     return knobs
 
 
@@ -184,6 +187,8 @@ def run(args) -> int:
     s = out.stats
     print(f"{len(paths)} images in {args.out}: method {args.method}, {s['nfe']} target passes "
           f"({s['tau']:.2f} tokens per pass), {s['wall_seconds']:.2f} s")
+    if "auto" in s:
+        print(s["auto"])
     return 0
 
 
@@ -204,6 +209,8 @@ def _generate_vlm(args, knobs: dict) -> int:
     print(out.texts[0])
     print(f"-- method {args.method}: {len(out.tokens[0])} tokens, {s['nfe']} target passes "
           f"({s['tau']:.2f} tokens per pass), {s['wall_seconds']:.2f} s", file=sys.stderr)
+    if "auto" in s:
+        print(f"-- {s['auto']}", file=sys.stderr)
     return 0
 
 

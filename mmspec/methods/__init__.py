@@ -15,7 +15,9 @@ it needs and, for a trained drafter, its ``TrainingRecipe``: ``components(modali
 ``recipes()`` list them, ``recipe_for(modality, component)`` links them. ``modalities()``:
 ``"ar-image"`` (``methods.ar_image``), ``"vlm"`` (``methods.vlm``), ``"text"`` (``methods.text``),
 ``"continuous"`` (``methods.continuous``), ``"video"`` (``methods.video``: the streaming
-pipeline's cache modes).
+pipeline's cache modes). ``method="auto"`` (``methods.auto``) chooses among an image or VLM
+modality's methods from the machine's measured cost profile; ``validate`` checks any method name
+and knobs, ``"auto"`` included.
 """
 
 from .knobs import KnobSpec, check_config, knob
@@ -24,10 +26,12 @@ from .registry import (KINDS, REQUIRED, Component, Composition, Method, Modality
                        register_component, register_method, register_modality, register_part, register_recipe,
                        resolve)
 from . import ar_image, continuous, text, video, vlm  # noqa: E402,F401  (the built-in registrations)
+from . import auto  # noqa: E402  (method="auto": the choice from a machine's cost profile)
+from .auto import validate  # noqa: E402
 
 __all__ = [
     "KINDS", "REQUIRED", "Component", "Composition", "KnobSpec", "Method", "Modality", "Part", "Recipe",
     "TrainingRecipe", "build", "check_config", "components", "knob", "knobs", "modalities", "modality", "names",
     "option_name", "parts", "recipe_for", "recipes", "register_component", "register_method", "register_modality",
-    "register_part", "register_recipe", "resolve",
+    "register_part", "register_recipe", "resolve", "auto", "validate",
 ]

@@ -472,7 +472,13 @@ def resolve(modality_name: str, method: str, knobs: Mapping[str, Any] | None = N
 
 
 def knobs(modality_name: str, method: str) -> dict[str, KnobSpec]:
-    """``{knob: KnobSpec}`` of every knob ``method`` accepts, defaults as this modality uses them."""
+    """``{knob: KnobSpec}`` of every knob ``method`` accepts, defaults as this modality uses them
+    (``"auto"``: its own, ``mmspec.methods.auto``)."""
+    if method == "auto":
+        from .auto import CANDIDATES, knob_specs
+
+        if modality_name in CANDIDATES:
+            return knob_specs(modality_name)
     recipe = resolve(modality_name, method)
     mod = modality(modality_name)
     out = {}

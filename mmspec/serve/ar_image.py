@@ -50,7 +50,8 @@ def run_ar(models: Models, prompts: list[str], seeds: list[int], method: str = "
     check(isinstance(guidance_scale, (int, float)) and not isinstance(guidance_scale, bool) and guidance_scale >= 0,
           "guidance_scale", "a number >= 0", guidance_scale)
     pipe = models.pipeline("ar-image")
-    raster = recipe.part("schedule") is None  # ZipAR's lanes: the pipelines refuse tensor inputs
+    # ZipAR's lanes: the pipelines refuse tensor inputs; "auto" (recipe None) then chooses raster methods
+    raster = recipe is None or recipe.part("schedule") is None
     snapshots: list[torch.Tensor] = []
 
     def on_step(p, step, timestep, kwargs):
@@ -70,8 +71,9 @@ def run_ar(models: Models, prompts: list[str], seeds: list[int], method: str = "
     stats = plain_stats(out.stats, wall, len(prompts))
     finals = [t.flatten().tolist() for t in out.tokens]
     passes = passes_from_tokens(snapshots, finals) if raster else [None] * len(prompts)
+    lossless = recipe.lossless if recipe is not None else bool(out.stats["auto_lossless"])  # "auto": its choice's
     return [Result(stats=stats, image=img, tokens=finals[i], commit_pass=passes[i],
-                   extra={"lossless": recipe.lossless}) for i, img in enumerate(images)]
+                   extra={"lossless": lossless}) for i, img in enumerate(images)]
 
 
 @torch.no_grad()

@@ -152,15 +152,16 @@ def check_seed(seed) -> int:
 
 
 def resolve(kind: str, method: str, knobs: dict | None):
-    """The registry's validation of a method and its knobs (``ValueError`` naming the knob)."""
-    return methods.resolve(kind, method, knobs or {})
+    """The registry's validation of a method and its knobs (``ValueError`` naming the knob): the
+    method's ``Recipe``, or None for ``"auto"`` (chosen by the pipeline at the call's batch size)."""
+    return methods.validate(kind, method, knobs or {})
 
 
 def knob_specs(kind: str) -> dict[str, methods.KnobSpec]:
-    """Every knob any method of ``kind`` takes (first method's spec wins; defaults are per method,
-    see ``method_defaults``)."""
+    """Every knob any method of ``kind`` takes, ``"auto"``'s included (first method's spec wins;
+    defaults are per method, see ``method_defaults``)."""
     out: dict[str, methods.KnobSpec] = {}
-    for name in methods.names(kind):
+    for name in methods.auto.method_names(kind, methods.names(kind)):
         for spec in methods.knobs(kind, name).values():
             out.setdefault(spec.name, spec)
     return out
@@ -176,9 +177,11 @@ def generators(seeds: list[int]) -> list[torch.Generator]:
 
 
 def plain_stats(stats: dict, wall: float, batch: int) -> dict:
-    """A decode's numeric stats (floats rounded to 4 places), its ``wall_seconds`` and ``batch``."""
+    """A decode's numeric stats (floats rounded to 4 places), ``method="auto"``'s choice and reason
+    (``auto``, ``auto_method``), its ``wall_seconds`` and ``batch``."""
     out = {k: (round(float(v), 4) if isinstance(v, float) else v) for k, v in stats.items()
            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    out.update({k: stats[k] for k in ("auto", "auto_method") if k in stats})
     out["wall_seconds"] = round(wall, 4)
     out["batch"] = batch
     return out
