@@ -53,7 +53,7 @@ def test_unknown_bench_is_rejected(capsys):
         commands.main(["bench", "audio"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == ("mmspec bench: error: argument name: invalid choice: 'audio' "
-                                       "(choose from 'core', 'ar-image', 'vlm', 'adapt', 'video', 'kernels', 'continuous', 'cost', 'compile', 'glm-image')\n")
+                                       "(choose from 'core', 'ar-image', 'vlm', 'adapt', 'video', 'kernels', 'continuous', 'cost', 'auto', 'serve', 'compile', 'glm-image')\n")
 
 
 BAD_METHOD = ["generate", "ar-image", "--prompt", "a red circle", "--out", "pngs", "--method", "hydra"]
@@ -98,4 +98,5 @@ def test_generate_lists_the_registered_modalities_with_a_bundled_pipeline():
     assert set(methods.modalities()) - set(generate.MODALITIES) == {"text"}  # no bundled text pipeline
     for name, parser in kinds.items():  # where a modality takes --method, its choices are the registry's names
         method = next((a for a in parser._actions if "--method" in a.option_strings), None)
-        assert method is None or method.choices is None or tuple(method.choices) == methods.names(name)
+        assert method is None or method.choices is None or (
+            tuple(method.choices) == methods.auto.method_names(name, methods.names(name)))  # "auto" first where it applies

@@ -121,10 +121,47 @@ def _continuous(args):
 def _cost(args):
     from ..bench import cost
 
+    if args.calibrate:
+        return _calibrate(args)
     cfg = _config(cost.CostBenchConfig, args)
     cfg.gpu_curve = args.gpu_curve  # checked and loaded by check
     result = cost.public(cost.run(cfg, progress=_progress(args)))
     return result, cost.columns(result)
+
+
+def _calibrate(args):
+    """``bench cost --calibrate``: this machine's cost profile for ``method="auto"``, per target."""
+    from ..bench.cost import calibrate as cal
+
+    rows, profiles = [], []
+    for modality in args.target or ("ar-image", "vlm"):
+        cfg = cal.CalibrateConfig(modality=modality, folder=args.pipeline, quality=args.quality,
+                                  out=args.profile_out, prompts=2 if args.quick else 4)
+        say = _progress(args)
+        profile = cal.calibrate(cfg, progress=None if say is None else (lambda m, t=modality: say(f"{t}: {m}")))
+        profiles.append({"modality": modality, "path": profile.path, "key": profile.key, "machine": profile.machine,
+                         "setup": profile.setup, "quality": profile.quality})
+        rows += [{"modality": modality, **r} for r in cal.profile_table(profile)]
+    return {"bench": "cost-calibrate", "setup": {"profiles": profiles}, "rows": rows}, cal.PROFILE_COLUMNS
+
+
+@_bench("auto")
+def _auto(args):
+    from ..bench import auto
+
+    cfg = _config(auto.AutoBenchConfig, args)
+    if args.target:
+        cfg.modalities = tuple(args.target)
+    cfg.calibrate = bool(args.calibrate)
+    return auto.run(cfg, progress=_progress(args)), auto.AUTO_COLUMNS
+
+
+@_bench("serve")
+def _serve(args):
+    from ..bench import serve
+
+    cfg = _config(serve.ServeBenchConfig, args)
+    return serve.run(cfg, progress=_progress(args)), serve.SERVE_COLUMNS
 
 
 @_bench("compile")
@@ -150,8 +187,8 @@ def register_subcommand(subparsers) -> None:
     bench.add_argument("--json", type=output_file, metavar="PATH", help='write {"bench": name, "rows": [...]} here')
     bench.add_argument("--quick", action="store_true", help="smaller sample counts (the showcase's)")
     bench.add_argument("--pipeline", type=existing_dir, metavar="DIR",
-                       help="vlm, adapt and video only: the pipeline folder to bench (default assets/vlm, "
-                            "assets/video)")
+                       help="vlm, adapt, video and cost --calibrate only: the pipeline folder to bench (default "
+                            "assets/vlm, assets/video; for cost --calibrate the --target's bundled folder)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     bench.add_argument("--images", type=positive_int, metavar="N",
                        help="ar-image only: images per method (default 128, 16 with --quick); KID intervals "
@@ -170,16 +207,29 @@ def register_subcommand(subparsers) -> None:
                             "(default all)")
     bench.add_argument("--groups", nargs="+", choices=tuple(VIDEO_GROUPS), metavar="GROUP",
                        help=f"video only: the row groups to run, among {', '.join(VIDEO_GROUPS)} (default all)")
+    bench.add_argument("--calibrate", action="store_true",
+                       help="cost: measure this machine's cost profile for method='auto' (pass costs by batch size, "
+                            "acceptance; a minute or two per target) and save it under ~/.cache/mmspec/profiles; "
+                            "auto: calibrate first even when a profile exists")
+    bench.add_argument("--target", nargs="+", choices=("ar-image", "vlm"), metavar="TARGET",
+                       help="cost --calibrate and auto only: the targets, among ar-image, vlm (default both)")
+    bench.add_argument("--quality", type=existing_file, metavar="FILE",
+                       help="cost --calibrate only: a `mmspec bench ar-image --json` result; its permutation test "
+                            "marks the lossy methods auto_quality='kept' admits")
+    bench.add_argument("--profile-out", type=output_file, metavar="PATH",
+                       help="cost --calibrate only: save the profile here instead of the cache (one target)")
     bench.add_argument("--gpu-curve", type=existing_file, metavar="FILE",
                        help="cost only: a JSON cost curve of another machine (verify cost ratio by T, draft/target "
                             "cost ratios; see assets/cost_curves/); adds a projected column, labelled as not measured")
 
 
 # options that belong to some benches: (argument, attribute, the benches it is for)
-_ONLY = (("--pipeline", "pipeline", ("vlm", "video", "adapt")), ("--frames", "frames", ("video",)),
+_ONLY = (("--pipeline", "pipeline", ("vlm", "video", "adapt", "cost")), ("--frames", "frames", ("video",)),
          ("--prompts", "prompts", ("video",)), ("--groups", "groups", ("video",)),
          ("--videos-per-prompt", "videos_per_prompt", ("video",)), ("--methods", "methods", ("video",)),
-         ("--images", "images", ("ar-image",)), ("--gpu-curve", "gpu_curve", ("cost",)))
+         ("--images", "images", ("ar-image",)), ("--gpu-curve", "gpu_curve", ("cost",)),
+         ("--target", "target", ("cost", "auto")), ("--quality", "quality", ("cost",)),
+         ("--profile-out", "profile_out", ("cost",)))
 
 
 def check(args) -> None:
@@ -188,6 +238,17 @@ def check(args) -> None:
         if getattr(args, attr) is not None and args.name not in names:
             allowed = " and ".join(f"'bench {n}'" for n in names)
             raise ValueError(f"{option} is for {allowed} only, got 'bench {args.name}'")
+    if args.calibrate and args.name not in ("cost", "auto"):
+        raise ValueError(f"--calibrate is for 'bench cost' and 'bench auto' only, got 'bench {args.name}'")
+    if args.name == "cost":
+        for option, attr in (("--target", "target"), ("--quality", "quality"), ("--profile-out", "profile_out"),
+                             ("--pipeline", "pipeline")):
+            if getattr(args, attr) is not None and not args.calibrate:
+                raise ValueError(f"{option} is for 'bench cost --calibrate' only (a profile), got 'bench cost'")
+        if args.calibrate and args.gpu_curve is not None:
+            raise ValueError("--gpu-curve is for 'bench cost' without --calibrate (a projection, not a profile)")
+        if args.calibrate and (args.profile_out or args.pipeline) and len(args.target or ("ar-image", "vlm")) != 1:
+            raise ValueError("--profile-out and --pipeline name one pipeline: give one --target with them")
     if args.gpu_curve is not None:
         from ..bench import cost
 
@@ -204,7 +265,16 @@ def run(args) -> int:
     result.setdefault("setup", {})["machine"] = monitor.record()
     if args.json:
         report.write_json(args.json, result)
-    if args.name == "cost":  # a curve table per target, then the method table
+    if args.name == "cost" and args.calibrate:
+        print(report.format_table(result["rows"], columns))
+        for p in result["setup"]["profiles"]:
+            print(f"\n{p['modality']}: profile saved to {p['path']} ({p['machine']})")
+    elif args.name == "auto":
+        from ..bench import auto
+
+        print(report.format_table(result["rows"], columns))
+        print("\n" + report.format_table(result["summary"], auto.SUMMARY_COLUMNS))
+    elif args.name == "cost":  # a curve table per target, then the method table
         from ..bench import cost
 
         print(cost.format_report(result))
