@@ -86,3 +86,36 @@ def test_auto_bench_reports_fixed_rows_and_auto(tmp_path, monkeypatch):
         assert s["auto_vs_best"] == r["auto_vs_best"]
         assert s["within_5pct_of_best"] == (s["auto_vs_best"] >= 0.95)
         assert s["not_3pct_below_none"] == (s["auto_x_vs_none"] >= 0.97)
+
+
+def test_serve_bench_clock_and_batches(monkeypatch):
+    """The virtual clock: an idle server jumps to the next arrival, waiting jobs share a call up to
+    batch_size, and a job's finish time is its batch's (a stand-in runner that takes no time)."""
+    from mmspec.bench import serve as sb
+
+    calls = []
+
+    def fake_run_vlm(models, images, questions, seeds, method, knobs, max_new_tokens=64):
+        calls.append(list(seeds))
+        return [serve.Result(stats={"auto_method": "x"} if method == "auto" else {}, tokens=[s]) for s in seeds]
+
+    monkeypatch.setattr(serve, "run_vlm", fake_run_vlm)
+    cfg = sb.ServeBenchConfig(batch_size=2)
+    jobs = [sb.Job(i, None, "q", t) for i, t in enumerate([0.0, 0.0, 0.0, 10.0, 10.5])]
+    out = sb.serve_static(None, jobs, "none", cfg)
+    assert calls == [[0, 1], [2], [3], [4]] and out.occupancy == [2, 1, 1, 1]
+    assert out.finish[3] == pytest.approx(10.0, abs=0.05) and out.finish[4] == pytest.approx(10.5, abs=0.05)
+    assert out.tokens == {i: [i] for i in range(5)}
+    assert sb.arrivals(3, None, 0) == [0.0, 0.0, 0.0]
+    times = sb.arrivals(2000, 4.0, 0)
+    assert times[0] == 0.0 and all(b >= a for a, b in zip(times, times[1:]))
+    assert (len(times) - 1) / times[-1] == pytest.approx(4.0, rel=0.1)  # the rate asked for
+
+
+def test_serve_bench_runs_the_bundled_vlm():
+    from mmspec.bench import serve as sb
+
+    result = sb.run(sb.ServeBenchConfig(jobs=4, loads=("burst",), policies=("static",), methods=("none",)))
+    (row,) = result["rows"]
+    assert row["identical"] and row["occupancy"] == 4 and row["jobs_per_min"] > 0 and row["p95_s"] >= row["p50_s"]
+    assert result["setup"]["answer_tokens"]["max"] <= 64

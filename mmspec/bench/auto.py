@@ -5,9 +5,9 @@ best fixed method at each batch size, and never more than 3% below the target al
 Per modality: the machine's cost profile (``pipe.cost_profile()``; calibrated first, in the same
 run, when there is none or ``calibrate=True``, ``mmspec.bench.cost.calibrate``); the fixed rows are
 the profile's candidates the lossless budget admits, plus ``auto`` (its default knobs: lossless,
-re-decided every 16 passes). Per batch size B: one untimed warm-up call per row, then ``rounds``
-rounds of one call per row (rows interleaved within a round; round r asks for prompts r*B ..
-r*B + B - 1, seeds likewise). AR calls use the benches' settings (classifier-free guidance 2,
+re-decided every 16 passes). Per batch size B: one untimed warm-up call per row (cut after three
+passes), then ``rounds`` rounds of one call per row (rows interleaved within a round; round r
+asks for prompts r*B .. r*B + B - 1, seeds likewise). AR calls use the benches' settings (classifier-free guidance 2,
 temperature 1, 256 tokens an image); VLM calls answer held-out scenes greedily, 64 new tokens at
 most. Figures per row: mean wall seconds of a call, generated tokens per second, NFE and tau
 (``out.stats``), ``x_vs_none`` (none's wall / the row's, same B, same run); for ``auto`` also what
@@ -26,7 +26,7 @@ import torch
 
 from ..core.errors import check, check_choice
 from ..methods import auto
-from .cost.calibrate import CalibrateConfig, _ar_call, _load, _vlm_call, calibrate
+from .cost.calibrate import CalibrateConfig, _ar_call, _load, _stamps, _vlm_call, calibrate
 
 WITHIN_BEST = 0.05  # auto at most this much slower than the best fixed method
 BELOW_NONE = 0.03  # and never more than this much slower than the target alone
@@ -87,7 +87,7 @@ def run(cfg: AutoBenchConfig, progress=None, pipes: dict | None = None) -> dict:
             walls = {label: [] for label, _, _ in entries}
             outs = {label: [] for label, _, _ in entries}
             for label, method, knobs in entries:
-                call(method, knobs, b, 0, None)  # warm-up
+                call(method, knobs, b, 0, _stamps(pipe, 3)[1])  # warm-up, cut after three passes
             for r in range(cfg.rounds):
                 for label, method, knobs in entries:
                     t0 = time.perf_counter()
