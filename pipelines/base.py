@@ -359,14 +359,10 @@ class SpeculativePipeline(PipelineBase):
         float rounding), 0 gives the unconditional ones. A call that started without guidance
         has no unconditional rows, so a guiding scale is refused (``ValueError`` naming
         ``guidance_scale``)."""
-        components = self.method_components(recipe.requires)  # before the onload: a getter may fire a hook
-        self.onload_models(recipe)
-        parts = methods.build(recipe, components)
-        decoder = SpeculativeDecoder(components["target"], parts.drafter, rule=parts.rule, logits=logits,
-                                     schedule=parts.schedule, device=self._execution_device)
+        decoder = self.build_decoder(recipe, logits)
         self._interrupt = False
         self._guidance_scale = guidance_scale
-        vocab = getattr(components["target"], "vocab_size", None)
+        vocab = getattr(decoder.target, "vocab_size", None)
         with self.progress_bar(total=max_new_tokens) as bar:
             seen, applied = 0, guidance_scale
 
@@ -390,6 +386,30 @@ class SpeculativePipeline(PipelineBase):
                 out = decoder.generate(input_ids, max_new_tokens, callback=step_end, **generate_kwargs)
             bar.update(max(0, max_new_tokens - seen) if not self.interrupt else 0)
         return out
+
+    def build_decoder(self, recipe: methods.Recipe, logits: LogitsPipeline) -> SpeculativeDecoder:
+        """The ``SpeculativeDecoder`` of ``recipe``'s parts over this pipeline's models (onloaded):
+        what ``decode`` runs, and what continuous batching serves jobs through
+        (``serve_tokens``)."""
+        components = self.method_components(recipe.requires)  # before the onload: a getter may fire a hook
+        self.onload_models(recipe)
+        parts = methods.build(recipe, components)
+        return SpeculativeDecoder(components["target"], parts.drafter, rule=parts.rule, logits=logits,
+                                  schedule=parts.schedule, device=self._execution_device)
+
+    def serve_tokens(self, recipe: methods.Recipe, logits: LogitsPipeline, jobs, max_new_tokens: int, *,
+                     slots: int, **serve_kwargs):
+        """Continuous batching: ``SpeculativeDecoder.serve`` of ``jobs`` (``mmspec.core.Job``) with
+        ``recipe``'s parts, yielding each ``Served`` job as it finishes (``serve_kwargs``:
+        ``eos_token_id``, ...). No progress bar or callbacks: jobs finish out of order. Compiled
+        steps are refused (a refill's prefill has its own shapes)."""
+        check(not self.compiled_steps, "compiled steps", "off for continuous batching (disable_compiled_steps())",
+              self.compiled_steps)
+        decoder = self.build_decoder(recipe, logits)
+        try:
+            yield from decoder.serve(jobs, max_new_tokens, slots=slots, **serve_kwargs)
+        finally:
+            self.maybe_free_model_hooks()
 
     def callback_tensor_input(self, name: str, state: DecodeState) -> torch.Tensor:
         """The tensor input ``name`` (one of ``_callback_tensor_inputs``) a callback receives."""

@@ -13,7 +13,7 @@ The seams (``Target``, ``Drafter`` with ``DrafterBase``'s defaults, ``FeatureHea
 
 from .acceptance import GreedyMatch, SpeculativeSampling
 from .cache import SinkWindowCache, SlotKVCache, StaticKVCache
-from .decoder import DecodeOutput, DecodeState, SpeculativeDecoder
+from .decoder import DecodeOutput, DecodeState, Job, Served, SpeculativeDecoder
 from .distributions import DensityPipeline, Draw, HeadMeter, Residual, TokenDist
 from .lookup import PromptLookupDrafter
 from .drafters import (EagleTreeDrafter, JacobiDensityDrafter, JacobiDrafter, ModelChainDrafter, ModelTreeDrafter,
@@ -30,11 +30,11 @@ from .types import (Acceptance, AcceptanceRule, DecodingSchedule, Drafter, Draft
 __all__ = [
     "Acceptance", "AcceptanceRule", "DecodeOutput", "DecodeState", "DecodingSchedule", "DensityPipeline", "Draw",
     "DraftTree", "Drafter", "DrafterBase", "EagleTreeDrafter", "FeatureHead", "GreedyMatch", "HeadMeter",
-    "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDensityDrafter", "JacobiDrafter", "KVCache",
+    "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDensityDrafter", "JacobiDrafter", "Job", "KVCache",
     "LatentProximityAcceptance",
     "LatentProximityConfig", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter",
     "NextSetSchedule", "NullDrafter", "ParallelHeads", "ParallelHeadsDrafter", "PromptLookupDrafter",
-    "RasterSchedule", "Residual", "SchedulePlan",
+    "RasterSchedule", "Residual", "SchedulePlan", "Served",
     "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder",
     "SpeculativeSampling", "StaticKVCache", "Stats", "Target", "TokenDist", "TokenHead", "Tree", "dynamic_tree",
     "latent_neighbours", "sampled_tree",
