@@ -43,6 +43,11 @@ split_between_processes``), and every job draws from its own seed, so the files 
 any number of processes. Same-kind jobs share one pipeline call (up to ``batch_size``) only where
 that cannot change a job's output (``mmspec.serve.vlm_batchable`` / ``ar_batchable``; video and
 continuous jobs run one per call, ``video_batchable`` / ``continuous_batchable``).
+
+``--continuous`` (``run(continuous=True)``): those same-group jobs stream through continuous
+batching instead (``mmspec.serve.slots``): ``batch_size`` rows decode at once and a finished job's
+row takes the next job's prefill while the others keep decoding; each job's file and record are
+written as it finishes (resumable as above). Each group is one stream per process.
 """
 
 from __future__ import annotations
@@ -357,6 +362,56 @@ def make_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
     return batches
 
 
+def make_streams(jobs: list[Job], slots: int, parts: int = 1) -> list[list[Job]]:
+    """``--continuous``: ``make_batches``'s units, where every group of same-group jobs that may
+    share a call and whose kind has a slot runner (``serve.SLOT_RUNNERS``) is one *stream* per
+    process (the group cut into ``parts`` contiguous runs, so processes share it) instead of
+    batches of ``slots``; a stream runs through continuous batching with ``slots`` rows. Other jobs
+    are batched as ``make_batches`` does. In the order of each unit's first job."""
+    streams: dict[str, list[Job]] = {}
+    units: list[list[Job]] = []
+    rest: list[Job] = []
+    for job in jobs:
+        spec = KIND_SPECS[job.kind]
+        if job.kind in serve.SLOT_RUNNERS and spec.batchable(job.method, job.params.get("temperature", 0.0)):
+            group = streams.setdefault(job.group(), [])
+            if not group:
+                units.append(group)
+            group.append(job)
+        else:
+            rest.append(job)
+    out: list[list[Job]] = []
+    for group in units:
+        size = -(-len(group) // max(1, min(parts, len(group))))
+        out.extend(group[i:i + size] for i in range(0, len(group), size))
+    batches = make_batches(rest, slots)
+    order = {id(j): n for n, j in enumerate(jobs)}
+    return sorted(out + batches, key=lambda unit: order[id(unit[0])])
+
+
+def run_stream(models: serve.Models, stream: list[Job], out: Path, slots: int) -> list[dict]:
+    """Run one stream through continuous batching: each job's file and manifest record are
+    written as soon as it finishes. If the stream fails, the jobs it had not finished run again
+    one by one (``run_batch``), so a bad job fails alone and is recorded with its error."""
+    first = stream[0]
+    records: list[dict] = []
+    pending = set(range(len(stream)))
+    try:
+        results = serve.SLOT_RUNNERS[first.kind](models, [j.params for j in stream], [j.seed for j in stream],
+                                                 first.method, first.knobs, slots)
+        for index, result in results:
+            job = stream[index]
+            _write(out, job, result)
+            rec = _record(job, "ok", stats=result.stats)
+            append_record(out / MANIFEST, rec)
+            records.append(rec)
+            pending.discard(index)
+    except Exception:
+        for index in sorted(pending):
+            records.extend(run_batch(models, [stream[index]], out))
+    return records
+
+
 def _write(out: Path, job: Job, result: serve.Result) -> None:
     """The job's file, whole or not at all: images and answers written to a temporary file and
     renamed (``mmspec.utils.atomic``); videos through the pipeline's writer, which does the same."""
@@ -422,11 +477,16 @@ class Summary:
 
 
 def run(jobs_path: str | Path, out: str | Path, batch_size: int = 4, progress: bool = True,
-        models: serve.Models | None = None) -> Summary:
+        models: serve.Models | None = None, continuous: bool = False) -> Summary:
     """Run every unfinished job of ``jobs_path`` into ``out``, on this process and the others
-    accelerate started. Bad job lines raise ``ValueError`` before any folder is made."""
+    accelerate started. Bad job lines raise ``ValueError`` before any folder is made.
+
+    ``continuous``: same-group batchable jobs of a kind with a slot runner stream through
+    continuous batching with ``batch_size`` slots (``make_streams``, ``run_stream``): a finished
+    job's row is refilled at once, and its file and record are written as it ends."""
     check(isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1, "batch_size",
           "an int >= 1", batch_size)
+    check(isinstance(continuous, bool), "continuous", "True or False", continuous)
     jobs = load_jobs(jobs_path)
     out = Path(out)
     check(not out.exists() or out.is_dir(), "out", "a folder (or a path to create one at)", str(out))
@@ -442,7 +502,10 @@ def run(jobs_path: str | Path, out: str | Path, batch_size: int = 4, progress: b
     state.wait_for_everyone()
     done = finished(out, jobs)
     pending = [j for j in jobs if j.id not in done]
-    batches = make_batches(pending, batch_size)
+    if continuous:
+        batches = make_streams(pending, batch_size, state.num_processes)
+    else:
+        batches = make_batches(pending, batch_size)
     models = models or serve.Models()
     bar = None
     if progress and state.is_main_process:
@@ -453,7 +516,10 @@ def run(jobs_path: str | Path, out: str | Path, batch_size: int = 4, progress: b
     mine_records: list[dict] = []
     with state.split_between_processes(batches) as mine:
         for batch in mine:
-            mine_records.extend(run_batch(models, batch, out))
+            streamed = continuous and batch[0].kind in serve.SLOT_RUNNERS and KIND_SPECS[batch[0].kind].batchable(
+                batch[0].method, batch[0].params.get("temperature", 0.0))
+            mine_records.extend(run_stream(models, batch, out, batch_size) if streamed else
+                                run_batch(models, batch, out))
             if bar is not None:  # everyone's progress, read back from the shared manifest
                 records = read_manifest(out / MANIFEST)
                 now = [records[i] for i in ids if i in records]

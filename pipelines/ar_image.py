@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from diffusers.utils import BaseOutput
 
-from ..core import LogitsPipeline
+from ..core import Job, LogitsPipeline
 from ..core.errors import check
 from . import checks
 from .base import SpeculativePipeline
@@ -92,6 +92,38 @@ class SpeculativeARImagePipeline(ClassLabelsMixin, SpeculativePipeline):
                                  return_dict=return_dict, callback_on_step_end=callback_on_step_end,
                                  callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
         return labels, recipe
+
+    def serve(self, prompt: list[str] | None = None, class_labels: list[int] | None = None, *, slots: int,
+              method: str = "none", guidance_scale: float | None = 2.0, temperature: float = 1.0,
+              top_k: int | None = None, top_p: float | None = None,
+              generator: list[torch.Generator] | None = None, method_knobs: dict | None = None):
+        """Continuous batching (``SpeculativeDecoder.serve``): one image per prompt (or class
+        label) in a batch of ``slots`` rows (with guidance each row is a ``[cond; uncond]`` pair,
+        rows b and b + slots), a finished image's row refilled with the next prompt. Yields
+        ``(served, grid)`` per image as it ends: the ``mmspec.core.Served`` job (its ``index``,
+        ``tokens``, ``counts``) and its (h, w) token grid (decode it with ``vqvae``). Arguments as
+        in ``__call__`` (``generator``: None or one per image); each grid equals ``__call__`` on
+        its prompt alone with its generator (ZipAR's next-set schedule is refused: its lanes share
+        an image's cache)."""
+        checks.check_int(slots, "slots", 1)
+        if method == "auto":  # chosen for the slots decoded at once, not the number of jobs
+            method_knobs = {"auto_batch_size": slots, **(method_knobs or {})}
+        labels, recipe = self.check_inputs(
+            prompt, class_labels, method=method, method_knobs=method_knobs, guidance_scale=guidance_scale,
+            temperature=temperature, top_k=top_k, top_p=top_p, num_images_per_prompt=1, generator=generator,
+            output_type="latent", return_dict=True, callback_on_step_end=None, callback_on_step_end_tensor_inputs=())
+        check(generator is None or isinstance(generator, (list, tuple)), "generator",
+              "None or a list of one torch.Generator per image for continuous batching", type(generator).__name__)
+        guided = guidance_scale is not None and guidance_scale != 1.0
+        logits = LogitsPipeline(temperature=temperature, top_k=top_k, top_p=top_p,
+                                guidance_scale=guidance_scale if guided else None)
+        model = self.transformer
+        uncond = model.uncond_prompts(1)[0] if guided else None
+        jobs = [Job(ids, uncond_input_ids=uncond, generator=None if generator is None else generator[i])
+                for i, ids in enumerate(model.class_prompts(labels))]
+        g = model.config.grid_size
+        for served in self.serve_tokens(recipe, logits, jobs, model.num_image_tokens, slots=slots):
+            yield served, served.tokens.view(g, g)
 
     @torch.no_grad()
     def __call__(self, prompt: str | list[str] | None = None, class_labels: int | list[int] | None = None, *,

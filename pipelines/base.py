@@ -438,20 +438,11 @@ class SpeculativePipeline(PipelineBase):
         float rounding), 0 gives the unconditional ones. A call that started without guidance
         has no unconditional rows, so a guiding scale is refused (``ValueError`` naming
         ``guidance_scale``)."""
-        components = self.method_components(recipe.requires)  # before the onload: a getter may fire a hook
-        self.onload_models(recipe)
-        parts = methods.build(recipe, components)
-        drafter, gate = parts.drafter, None
-        chosen = getattr(self, "_auto", None)
-        settings = chosen[0].gate_settings() if chosen is not None and chosen[1]["auto_online"] else None
-        if settings is not None and drafter is not None:  # method="auto": speculation re-decided during the call
-            every = chosen[1]["auto_every"]
-            drafter = gate = GatedDrafter(drafter, SpeedGate(**settings, every=every, probe=4 * every))
-        decoder = SpeculativeDecoder(components["target"], drafter, rule=parts.rule, logits=logits,
-                                     schedule=parts.schedule, device=self._execution_device)
+        decoder = self.build_decoder(recipe, logits)
+        gate = decoder.drafter if isinstance(decoder.drafter, GatedDrafter) else None
         self._interrupt = False
         self._guidance_scale = guidance_scale
-        vocab = getattr(components["target"], "vocab_size", None)
+        vocab = getattr(decoder.target, "vocab_size", None)
         with self.progress_bar(total=max_new_tokens) as bar:
             seen, applied = 0, guidance_scale
 
@@ -476,6 +467,40 @@ class SpeculativePipeline(PipelineBase):
             bar.update(max(0, max_new_tokens - seen) if not self.interrupt else 0)
         out.stats.extra.update(self.auto_stats(gate))
         return out
+
+    def build_decoder(self, recipe: methods.Recipe, logits: LogitsPipeline) -> SpeculativeDecoder:
+        """The ``SpeculativeDecoder`` of ``recipe``'s parts over this pipeline's models (onloaded):
+        what ``decode`` runs, and what continuous batching serves jobs through
+        (``serve_tokens``). Under ``method="auto"`` (``auto_online``) its drafter is gated
+        (``mmspec.core.gate.GatedDrafter``)."""
+        components = self.method_components(recipe.requires)  # before the onload: a getter may fire a hook
+        self.onload_models(recipe)
+        parts = methods.build(recipe, components)
+        drafter = parts.drafter
+        chosen = getattr(self, "_auto", None)
+        settings = chosen[0].gate_settings() if chosen is not None and chosen[1]["auto_online"] else None
+        if settings is not None and drafter is not None:  # method="auto": speculation re-decided during the call
+            every = chosen[1]["auto_every"]
+            drafter = GatedDrafter(drafter, SpeedGate(**settings, every=every, probe=4 * every))
+        return SpeculativeDecoder(components["target"], drafter, rule=parts.rule, logits=logits,
+                                  schedule=parts.schedule, device=self._execution_device)
+
+    def serve_tokens(self, recipe: methods.Recipe, logits: LogitsPipeline, jobs, max_new_tokens: int, *,
+                     slots: int, **serve_kwargs):
+        """Continuous batching: ``SpeculativeDecoder.serve`` of ``jobs`` (``mmspec.core.Job``) with
+        ``recipe``'s parts, yielding each ``Served`` job as it finishes (``serve_kwargs``:
+        ``eos_token_id``, ...). No progress bar or callbacks: jobs finish out of order. Compiled
+        steps are refused (a refill's prefill has its own shapes)."""
+        check(not self.compiled_steps, "compiled steps", "off for continuous batching (disable_compiled_steps())",
+              self.compiled_steps)
+        decoder = self.build_decoder(recipe, logits)
+        gate = decoder.drafter if isinstance(decoder.drafter, GatedDrafter) else None
+        try:
+            for served in decoder.serve(jobs, max_new_tokens, slots=slots, **serve_kwargs):
+                served.stats.extra.update(self.auto_stats(gate))  # method="auto": its choice so far
+                yield served
+        finally:
+            self.maybe_free_model_hooks()
 
     def callback_tensor_input(self, name: str, state: DecodeState) -> torch.Tensor:
         """The tensor input ``name`` (one of ``_callback_tensor_inputs``) a callback receives."""

@@ -20,7 +20,8 @@ import torch
 from diffusers.utils import BaseOutput
 
 from ..adapters.vlm import VLMTarget
-from ..core import LogitsPipeline
+from ..core import Job, LogitsPipeline
+from ..core.errors import check
 from ..methods import auto
 from . import checks
 from .base import SpeculativePipeline
@@ -157,6 +158,43 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
                                         generator=generator, return_dict=return_dict,
                                         callback_on_step_end=callback_on_step_end,
                                         callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs)
+
+    def serve(self, images, prompts: list[str], *, slots: int, max_new_tokens: int = 128, method: str = "none",
+              temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+              generator: list[torch.Generator] | None = None, method_knobs: dict | None = None, admit=None):
+        """Continuous batching (``SpeculativeDecoder.serve``): answer each prompt about its image in
+        a batch of ``slots`` rows, a finished answer's row refilled with the next prompt (its
+        image prefilled alone). Yields ``(served, text)`` per prompt as its answer ends: the
+        ``mmspec.core.Served`` job (its ``index``, ``tokens``, ``counts``) and the answer's text.
+        Arguments as in ``__call__`` (``generator``: None or one per prompt; ``admit``: when the
+        next prompt may enter, ``SpeculativeDecoder.serve``'s); each answer equals
+        ``__call__`` on its prompt alone (greedy: the same tokens). LLaVA-family targets only
+        (Qwen2-VL's M-RoPE offsets are refused at the first refill); draft adaptation does not
+        see these answers."""
+        checks.check_int(slots, "slots", 1)
+        if method == "auto":  # chosen for the slots decoded at once, not the number of jobs
+            method_knobs = {"auto_batch_size": slots, **(method_knobs or {})}
+        recipe = self.check_inputs(
+            images, prompts, method=method, method_knobs=method_knobs, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_p=top_p, generator=generator, return_dict=True, callback_on_step_end=None,
+            callback_on_step_end_tensor_inputs=(), top_k=top_k)
+        check(generator is None or isinstance(generator, (list, tuple)), "generator",
+              "None or a list of one torch.Generator per prompt for continuous batching", type(generator).__name__)
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        self.onload_models(recipe)
+        target, _ = self.views()
+        jobs = []
+        for i, (image, prompt) in enumerate(zip(images, prompts)):
+            ids, vision = self.prepare_inputs([image], [prompt])  # each job's own prompt pass inputs
+            jobs.append(Job(ids[0], conditioning=target.vision_inputs(**vision),
+                            generator=None if generator is None else generator[i]))
+        sampling = sampling_from_generation_config(self.target.generation_config, temperature, top_k, top_p)
+        eos = sampling.pop("eos_token_id")
+        for served in self.serve_tokens(recipe, LogitsPipeline(**sampling), jobs, max_new_tokens, slots=slots,
+                                        eos_token_id=eos, admit=admit):
+            yield served, self.processor.tokenizer.decode(served.tokens.tolist(), skip_special_tokens=True)
 
     @torch.no_grad()
     def __call__(self, images=None, prompts: str | list[str] | None = None, *, max_new_tokens: int = 128,

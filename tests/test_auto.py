@@ -295,3 +295,24 @@ def test_serve_and_cli_accept_auto():
         kind, method, knob = "ar-image", "auto", ["auto_every=8", "auto_online=false"]
     generate.check(Args)
     assert Args.method_knobs == {"auto_every": 8, "auto_online": False}
+
+
+def test_auto_under_continuous_batching_chooses_for_the_slots():
+    """``pipe.serve(method="auto")`` chooses for the slots (2), not the 4 jobs; the gated drafter
+    restarts refilled rows, and every answer equals the call without continuous batching."""
+    from mmspec.bench.vlm import bench_prompts
+    from mmspec.pipelines import SpeculativeVLMPipeline
+
+    pipe = SpeculativeVLMPipeline.from_pretrained(str(serve.ASSETS / "vlm"))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.set_cost_profile(profile([row("none", "none", {1: 0.01, 2: 0.011, 4: 0.012}, [63]),
+                                   row("eagle", "eagle", {1: 0.02, 2: 0.03, 4: 0.2}, [9, 12])], modality="vlm"))
+    images, questions = bench_prompts(4)
+    base = pipe(images=images, prompts=questions, method="none", max_new_tokens=24)
+    served = list(pipe.serve(images, questions, slots=2, method="auto", max_new_tokens=24,
+                             method_knobs={"auto_every": 2}))
+    assert sorted(s.index for s, _ in served) == [0, 1, 2, 3]
+    for s, text in served:
+        assert text == base.texts[s.index]
+    extra = served[-1][0].stats.extra
+    assert extra["auto_method"] == "eagle" and extra["auto_batch_size"] == 2 and extra["auto_passes_on"] > 0

@@ -115,7 +115,12 @@ def test_serve_bench_clock_and_batches(monkeypatch):
 def test_serve_bench_runs_the_bundled_vlm():
     from mmspec.bench import serve as sb
 
-    result = sb.run(sb.ServeBenchConfig(jobs=4, loads=("burst",), policies=("static",), methods=("none",)))
-    (row,) = result["rows"]
-    assert row["identical"] and row["occupancy"] == 4 and row["jobs_per_min"] > 0 and row["p95_s"] >= row["p50_s"]
+    result = sb.run(sb.ServeBenchConfig(jobs=6, loads=("burst", 0.5), methods=("none",)))
+    assert [(r["load"], r["policy"]) for r in result["rows"]] == [("burst", "static"), ("burst", "continuous"),
+                                                                  ("0.5x", "static"), ("0.5x", "continuous")]
+    for row in result["rows"]:  # greedy: every policy and load gives each job its own answer
+        assert row["identical"] and row["jobs_per_min"] > 0 and row["p95_s"] >= row["p50_s"]
+    assert result["rows"][0]["occupancy"] == 3 and result["rows"][0]["x_static"] == 1.0  # batches of 4, then 2
+    assert result["rows"][1]["x_static"] == round(result["rows"][1]["jobs_per_min"] / result["rows"][0]["jobs_per_min"],
+                                                  3)
     assert result["setup"]["answer_tokens"]["max"] <= 64

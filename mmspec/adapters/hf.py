@@ -124,6 +124,16 @@ class HFCacheAdapter(StaticKVCache):
         _, k, v = self._update(self._block, layer, None, keys, values)
         return k, v
 
+    def load_row(self, row: int, other: "HFCacheAdapter", other_row: int) -> None:
+        """``StaticKVCache.load_row``; refused where a prompt pass set per-row state (``per_call``:
+        Qwen2-VL's M-RoPE offsets, Emu3's wrapper position, GLM-Image's rotary tables), which this
+        copy does not carry (continuous batching supports the families without it, e.g. LLaVA)."""
+        for name in self.per_call:
+            check(getattr(self, name) is None and getattr(other, name) is None, "the target",
+                  f"a model whose prompt pass sets no per-row state for continuous batching ({type(self).__name__}"
+                  f" keeps {name!r} from its prompt pass, not carried between caches)", name)
+        super().load_row(row, other, other_row)
+
     def reset(self) -> None:
         """Empty the cache for a new call, keeping its buffers (pooled by compiled steps)."""
         super().reset()

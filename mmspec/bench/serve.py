@@ -15,11 +15,12 @@ its arrival.
 
 **Policies.** ``static``: when the server is free it takes up to ``batch_size`` waiting jobs into
 one pipeline call (what ``mmspec batch`` does), and a finished row waits for its batch's slowest.
-``continuous``: ``slots`` rows decode together and a finished row's slot takes the next waiting
-job's prefill while the others keep decoding (``mmspec.serve.slots``; only where it exists).
+``continuous``: ``batch_size`` rows decode together and a finished row's slot takes the next
+waiting job's prefill while the others keep decoding (``mmspec.serve.slots``).
 
 **Figures per run:** jobs per minute over the makespan (first arrival to last finish), p50 / p95
-latency, the mean batch occupancy, the process's CPU use (CPU seconds / wall seconds, so at most
+latency, the mean batch occupancy (static: rows per call; continuous: rows decoding when each job
+ends), the process's CPU use (CPU seconds / wall seconds, so at most
 the torch threads; a GPU's utilisation where ``torch.cuda.utilization`` answers), and whether every
 answer equals the first run's (greedy: they must).
 """
@@ -131,9 +132,47 @@ def serve_static(models, jobs: list[Job], method: str, cfg: ServeBenchConfig) ->
     return out
 
 
-POLICIES: dict[str, Callable] = {"static": serve_static}
-"""How a policy serves a queue: ``fn(models, jobs, method, cfg) -> Served``; ``continuous`` is
-registered by ``mmspec.serve.slots`` where continuous batching exists."""
+def serve_continuous(models, jobs: list[Job], method: str, cfg: ServeBenchConfig) -> Served:
+    """Continuous batching (``mmspec.serve.slots``) on the same virtual clock: jobs enter in
+    arrival order when a row is free and they have arrived (``admit``); an idle server jumps the
+    clock to the next arrival. Occupancy: the rows decoding at each admission check."""
+    from .. import serve
+
+    out = Served()
+    order = sorted(jobs, key=lambda j: (j.arrival, j.index))
+    real0 = time.perf_counter()
+    offset = 0.0  # virtual = real elapsed + offset (the jumps of an idle server)
+    active = [0]
+
+    def now() -> float:
+        return time.perf_counter() - real0 + offset
+
+    def admit(j: int, idle: bool) -> bool:
+        nonlocal offset
+        t = now()
+        if order[j].arrival > t:
+            if not idle:
+                return False
+            offset += order[j].arrival - t  # nothing to decode: wait for it
+        active[0] += 1
+        return True
+
+    cpu0 = time.process_time()
+    results = serve.run_vlm_continuous(models, [j.image for j in order], [j.question for j in order],
+                                       [j.index for j in order], method, {}, max_new_tokens=cfg.max_new_tokens,
+                                       slots=cfg.batch_size, admit=admit)
+    for i, result in results:
+        job = order[i]
+        out.tokens[job.index], out.finish[job.index] = result.tokens, now()
+        out.occupancy.append(active[0])
+        active[0] -= 1
+        out.stats.append(result.stats)
+    out.cpu_s, out.wall_s = time.process_time() - cpu0, time.perf_counter() - real0
+    return out
+
+
+POLICIES: dict[str, Callable] = {"static": serve_static, "continuous": serve_continuous}
+"""How a policy serves a queue: ``fn(models, jobs, method, cfg) -> Served``."""
 
 
 def _figures(jobs: list[Job], served: Served, reference: dict | None) -> dict:

@@ -19,6 +19,9 @@ def register_subcommand(subparsers) -> None:
                        help="output folder (created; reruns resume it)")
     batch.add_argument("--batch-size", type=positive_int, default=4,
                        help="same-kind jobs per pipeline call where outputs cannot change (default 4)")
+    batch.add_argument("--continuous", action="store_true",
+                       help="continuous batching: same-kind jobs that may share a call stream through --batch-size "
+                            "slots, a finished job's slot refilled at once (its file written as it ends)")
     batch.add_argument("--threads", type=positive_int, default=1, help="torch intra-op threads (default 1)")
     batch.add_argument("--quiet", action="store_true", help="no progress bar")
     batch.add_argument("--adapt-drafts", action="store_true",
@@ -39,7 +42,8 @@ def run(args) -> int:
         from .. import serve
 
         models = serve.Models(adapt_drafts=dict(lr=args.adapt_lr, every=args.adapt_every))
-    summary = run_jobs(args.jobs, args.out, batch_size=args.batch_size, progress=not args.quiet, models=models)
+    summary = run_jobs(args.jobs, args.out, batch_size=args.batch_size, progress=not args.quiet, models=models,
+                       continuous=args.continuous)
     if summary.failed:
         print(f"mmspec batch: {summary.failed} of {summary.total} jobs failed; their errors are in "
               f"{Path(args.out) / 'manifest.jsonl'}", file=sys.stderr)

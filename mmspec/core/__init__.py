@@ -13,7 +13,7 @@ The seams (``Target``, ``Drafter`` with ``DrafterBase``'s defaults, ``FeatureHea
 
 from .acceptance import GreedyMatch, SpeculativeSampling
 from .cache import SinkWindowCache, SlotKVCache, StaticKVCache
-from .decoder import DecodeOutput, DecodeState, SpeculativeDecoder
+from .decoder import DecodeOutput, DecodeState, Job, Served, SpeculativeDecoder
 from .distributions import DensityPipeline, Draw, HeadMeter, Residual, TokenDist
 from .lookup import PromptLookupDrafter
 from .gate import GatedDrafter, SpeedGate
@@ -30,12 +30,12 @@ from .types import (Acceptance, AcceptanceRule, DecodingSchedule, Drafter, Draft
 
 __all__ = [
     "Acceptance", "AcceptanceRule", "DecodeOutput", "DecodeState", "DecodingSchedule", "DensityPipeline", "Draw",
-    "DraftTree", "Drafter", "DrafterBase", "EagleTreeDrafter", "FeatureHead", "GatedDrafter", "GreedyMatch", "HeadMeter",
-    "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDensityDrafter", "JacobiDrafter", "KVCache",
-    "LatentProximityAcceptance",
+    "DraftTree", "Drafter", "DrafterBase", "EagleTreeDrafter", "FeatureHead", "GatedDrafter", "GreedyMatch",
+    "HeadMeter", "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDensityDrafter", "JacobiDrafter", "Job",
+    "KVCache", "LatentProximityAcceptance",
     "LatentProximityConfig", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter",
     "NextSetSchedule", "NullDrafter", "ParallelHeads", "ParallelHeadsDrafter", "PromptLookupDrafter",
-    "RasterSchedule", "Residual", "SchedulePlan",
+    "RasterSchedule", "Residual", "SchedulePlan", "Served",
     "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder", "SpeedGate",
     "SpeculativeSampling", "StaticKVCache", "Stats", "Target", "TokenDist", "TokenHead", "Tree", "dynamic_tree",
     "latent_neighbours", "sampled_tree",

@@ -205,6 +205,26 @@ class StaticKVCache:
         if bool(self.overflowed):
             raise ValueError(f"cache overflow: a block needed more than max_len={self.max_len} slots")
 
+    def load_row(self, row: int, other: "StaticKVCache", other_row: int) -> None:
+        """Make row ``row`` a copy of ``other``'s row ``other_row``: its keys, values and length
+        (continuous batching: a job prefilled alone, in a cache of the same kind, enters a slot of
+        the batch's cache; ``SpeculativeDecoder.serve``). ``other`` holds at most as many slots
+        as this cache (a batch-1 cache sized to the prompt), and the same layers, heads and head
+        size; slots past its length are copied too (never visible)."""
+        check(type(other) is type(self), "other", f"a {type(self).__name__} (the same kind of cache)",
+              type(other).__name__)
+        check(other.k.shape[0] == self.k.shape[0] and other.k.shape[2:3] + other.k.shape[4:]
+              == self.k.shape[2:3] + self.k.shape[4:] and other.k.shape[3] <= self.k.shape[3], "other",
+              f"a cache of {self.k.shape[0]} layers, {self.k.shape[2]} heads of {self.k.shape[4]} and at most "
+              f"{self.max_len} slots", tuple(other.k.shape))
+        check(0 <= row < self.batch_size and 0 <= other_row < other.batch_size, "row",
+              f"a row < {self.batch_size} (and other_row < {other.batch_size})", (row, other_row))
+        W = other.k.shape[3]
+        self.k[:, row, :, :W] = other.k[:, other_row]
+        self.v[:, row, :, :W] = other.v[:, other_row]
+        self.lengths = self.lengths.clone()
+        self.lengths[row] = other.lengths[other_row]
+
     # -- decoder-facing -------------------------------------------------------------------------
     def truncate(self, lengths: torch.Tensor) -> None:
         """Forget everything at or past ``lengths[b]`` (rejected drafts, prompt padding)."""
@@ -552,6 +572,10 @@ class SinkWindowCache(StaticKVCache):
             self.latents[:, :cap_f] = self.latents.gather(1, index)
         self.lengths = self.lengths.clamp(max=cap)
 
+    def load_row(self, row: int, other: "StaticKVCache", other_row: int) -> None:
+        raise ValueError("SinkWindowCache cannot load a row from another cache (its entries roll by position): "
+                         "continuous batching needs a StaticKVCache")
+
     def truncate(self, lengths: torch.Tensor) -> None:
         self._check_closed("truncate")
         if self.frame_size > 1:
@@ -600,6 +624,10 @@ class SlotKVCache(StaticKVCache):
         L = self.k.shape[0]
         self._pending = (positions, [None] * L, [None] * L)
         return CacheStep(self, positions, positions, mask, None)
+
+    def load_row(self, row: int, other: "StaticKVCache", other_row: int) -> None:
+        raise ValueError("SlotKVCache cannot load a row from another cache (next-set lanes share an image's "
+                         "slots): continuous batching needs the raster schedule")
 
     def reset(self) -> None:
         super().reset()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -25,9 +25,10 @@ from .schedule import RasterSchedule
 from .stats import Stats
 from .tokens import gather_tokens, scatter_tokens_
 from .tree import DraftTree, Tree
-from .types import Acceptance, AcceptanceRule, DecodeState, DecodingSchedule, Drafter, ModelOutput, Target
+from .types import (Acceptance, AcceptanceRule, DecodeState, DecodingSchedule, Drafter, ModelOutput, SchedulePlan,
+                    Target)
 
-__all__ = ["DecodeOutput", "DecodeState", "SpeculativeDecoder", "pad_prompts"]
+__all__ = ["DecodeOutput", "DecodeState", "Job", "Served", "SpeculativeDecoder", "pad_prompts"]
 
 
 @dataclass
@@ -35,6 +36,60 @@ class DecodeOutput:
     sequences: torch.Tensor  # (B, max_new_tokens[, *token_shape]) generated tokens, pad_token_id after the end
     lengths: torch.Tensor  # (B,) generated tokens per row (EOS included)
     stats: Stats
+
+
+@dataclass
+class Job:
+    """One prompt of a continuous batch (``SpeculativeDecoder.serve``).
+
+    Attributes:
+        input_ids: its prompt, 1-D token ids (a sequence or a tensor).
+        conditioning: keyword inputs of its prompt pass (a VLM's ``pixel_values`` for its own
+            images), as ``generate(conditioning=...)`` takes them for a batch of one.
+        uncond_input_ids: its unconditional prompt; required exactly when the logits pipeline
+            has a guidance scale.
+        generator: its randomness (``generate(generator=...)`` of the job alone); None: torch's
+            global generator. Every job of a call has one, or none has.
+    """
+
+    input_ids: Any
+    conditioning: Mapping[str, Any] | None = None
+    uncond_input_ids: Any = None
+    generator: torch.Generator | None = None
+
+
+@dataclass
+class Served:
+    """A finished job of ``SpeculativeDecoder.serve``.
+
+    Attributes:
+        index: the job's index in ``jobs``.
+        tokens: (n,) its generated tokens (EOS included when emitted), what ``generate`` of the job
+            alone returns as ``sequences[0, :lengths[0]]``.
+        counts: its generated-token count (at most ``len(tokens)``) after its prefill and after
+            each pass it was decoded in (``counts[0] == 1``): the pass that committed each token
+            (``mmspec.serve.passes.commit_passes``).
+        target_forwards: its prefill plus the batch passes it was decoded in.
+        stats: the call's running counters (all jobs; complete once the last job is served).
+    """
+
+    index: int
+    tokens: torch.Tensor
+    counts: list[int]
+    target_forwards: int
+    stats: Stats
+
+
+@dataclass
+class _Run:
+    """What every pass of one call reads: its state, schedule plan, target view and cache."""
+
+    state: DecodeState
+    plan: SchedulePlan
+    target: Target
+    cache: Any
+    stats: Stats
+    device: torch.device
 
 
 def pad_prompts(prompts, pad: int = 0, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -207,80 +262,18 @@ class SpeculativeDecoder:
 
         # 1. prefill the prompts; the first token comes from the target alone
         with stats.timed("prefill", device):
-            positions = torch.arange(ids.shape[1], device=device).expand(ids.shape[:2])
-            out = target(ids, positions, cache, **conditioning)
-            cache.truncate(lens)
-            rows, at = torch.arange(state.rows, device=device), (lens - 1).clamp(min=0)
-            if continuous:  # the (B,) distributions after each prompt's last position
-                last = ModelOutput(logits=None, cond=out.cond[rows, at][:, None], heads=out.heads)
-                probs = state.distribution(last, at[:, None], meters["target"])[:, 0]
-            else:
-                last = out.logits[rows, at]  # (R, V)
-                probs = self.logits(last)  # (B, V)
-            sel = plan.prefill_rows(state)
-            first = history.new_zeros((B,) + self.token_shape)
-            count = torch.ones(B, dtype=torch.long, device=device)
-            if sel is None:
-                first = self.rule.sample(probs, generator)
-            else:
-                first[sel] = self.rule.sample(probs[sel], select_rows(generator, sel))
-                count = torch.zeros_like(count).index_fill_(0, sel, 1)
+            state.prefill = self._prefill(state, target, cache, ids, lens, conditioning, plan)
             stats.target_forwards += 1
-            self._emit(state, first[:, None], count)
-            state.prefill = out
             self.drafter.start(state)
             state.prefill = None
 
+        run = _Run(state, plan, target, cache, stats, device)
         done = plan.finished(state)
         finished = _host_read(state, done)
         step = 0
         while not finished:
-            fed, emitting = plan.step(state, done)
-            # 2. draft a chain or tree from every row's root
-            with stats.timed("draft", device):
-                draft = self.drafter.propose(state)
-                tree = draft.tree
-                tokens = torch.cat([state.roots[:, None], draft.tokens], 1)  # (B, T)
-                T = tokens.shape[1]
-                positions = cache.next_positions()[:, None] + state.expand(tree.depths)
-                mask = None if tree.is_chain else state.expand(tree.ancestor_mask)
-            # 3. verify every drafted token in one target pass
-            with stats.timed("verify", device):
-                out = target(state.expand(tokens), positions, cache, mask)
-                # (B, T) distributions; token ids' (B, T, V) probabilities are built when read
-                probs = state.distribution(out, positions, meters["target"]) if continuous else None
-                stats.target_forwards += 1
-            # 4. accept
-            with stats.timed("accept", device):
-                sel = plan.emitting_rows(emitting)
-                if sel is None:
-                    acc, probs = self._accept(state, draft, probs, out.logits, generator)
-                else:  # only lanes that emit draw randomness
-                    acc, probs = self._accept(state, _select(draft, sel), probs, out.logits,
-                                              select_rows(generator, sel), sel)
-                    acc = _scatter(acc, sel, B, tree.max_depth)
-            # 5. commit caches and emit the accepted tokens plus the next token
-            with stats.timed("commit", device):
-                # the root and the accepted drafts enter the cache; finished rows stop growing
-                keep = torch.where(fed, torch.where(emitting, acc.num_accepted + 1, 1), 0)
-                idx = None if tree.is_chain else state.expand(acc.path.clamp(min=0))
-                cache.keep_block(T, idx, state.expand(keep))
-                if probs is None and getattr(self.drafter, "reads_target_probs", True):
-                    probs = state.logits(out.logits)  # (B, T, V)
-                self.drafter.update(state, draft, acc, probs, out)
-                if acc.tokens is not None:  # the rule emits other tokens than the drafts on the path
-                    path_tokens = acc.tokens.to(tokens.dtype)  # (B, D, *token_shape)
-                else:
-                    path_tokens = gather_tokens(tokens, acc.path[:, 1:].clamp(min=0))  # (B, D)
-                new = torch.cat([path_tokens, path_tokens.new_zeros((B, 1) + self.token_shape)], 1)
-                scatter_tokens_(new, acc.num_accepted[:, None], acc.next_token[:, None].to(new.dtype))
-                emitted = torch.where(emitting, keep, 0)
-                stats.record_step(plan.per_output(emitted))
-                if continuous:
-                    stats.record_tests(draft.tokens.shape[1], acc.num_accepted[emitting])
-                self._emit(state, new, emitted)
-                done = plan.finished(state)
-                finished = _host_read(state, done)
+            done = self._pass(run, done)
+            finished = _host_read(state, done)
             step += 1
             if callback is not None:
                 logits = state.logits
@@ -299,6 +292,256 @@ class SpeculativeDecoder:
             torch.cuda.synchronize(device)
         stats.wall_seconds = time.perf_counter() - t0
         return DecodeOutput(sequences, out_lens, stats)
+
+    @torch.inference_mode()
+    def serve(self, jobs: Sequence[Job], max_new_tokens: int, *, slots: int,
+              eos_token_id: int | Sequence[int] | None = None, pad_token_id: int = 0,
+              profile: bool = False, admit: Callable[[int, bool], bool] | None = None) -> Iterator[Served]:
+        """Continuous batching: decode ``jobs`` in a batch of ``slots`` rows, yielding each job
+        (``Served``) as soon as it finishes; its row is then refilled with the next job's prompt
+        while the other rows keep decoding.
+
+        The batch is this loop's (``generate``'s passes, shared line for line): between passes,
+        every row that is done is handed back and, while jobs remain, a new job enters it. The
+        job's prompt is prefilled alone (its own conditioning, a target pass into a cache of its
+        size, its first token sampled from the target alone with its generator, as ``generate``
+        does) and its keys/values copied into the row of the batch cache (``load_row``); its
+        history row, lengths and generator are reset and the drafter is told
+        (``Drafter.restart_rows``). So each job's tokens are those of ``generate`` on the job
+        alone (greedy: the same tokens; sampled: the same draws from its generator, up to the
+        floating-point differences of batched arithmetic).
+
+        Args:
+            jobs: the prompts (``Job``), in the order they enter.
+            max_new_tokens: tokens per job at most (one limit for every job).
+            slots: rows decoded at once (the batch; with guidance 2 * slots target rows).
+            eos_token_id, pad_token_id, profile: as in ``generate``.
+            admit: ``admit(j, idle) -> bool``, asked before job ``j`` (the next in order) enters a
+                free row: whether it may enter now (a server whose jobs arrive over time; None:
+                always). ``idle`` says no row is decoding; then it must answer True (nothing
+                else could make progress), else ``ValueError`` naming ``admit``.
+
+        Needs a raster schedule, token ids and a drafter that restarts rows (``restarts_rows``);
+        the target's cache must load rows (``StaticKVCache.load_row``: refused for caches that
+        keep per-row prompt state, e.g. Qwen2-VL's M-RoPE offsets). The batch cache holds the
+        longest prompt + ``max_new_tokens`` + two blocks per row. ``Served.stats`` counts every
+        prefill (one per job, plus one for the idle batch) and every batch pass.
+        """
+        t0 = time.perf_counter()
+        check(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1,
+              "max_new_tokens", "an int >= 1", max_new_tokens)
+        check(isinstance(slots, int) and not isinstance(slots, bool) and slots >= 1, "slots", "an int >= 1", slots)
+        check(isinstance(profile, bool), "profile", "True or False", profile)
+        check(isinstance(pad_token_id, int) and not isinstance(pad_token_id, bool), "pad_token_id", "an int",
+              pad_token_id)
+        jobs = list(jobs)
+        check(len(jobs) > 0 and all(isinstance(j, Job) for j in jobs), "jobs", "a non-empty sequence of Job",
+              [type(j).__name__ for j in jobs][:4])
+        check(getattr(self.drafter, "restarts_rows", False), "drafter",
+              "a drafter that restarts rows for continuous batching (restarts_rows = True: NullDrafter, "
+              "JacobiDrafter, ModelChainDrafter, ModelTreeDrafter, EagleTreeDrafter, ParallelHeadsDrafter, "
+              "PromptLookupDrafter)", type(self.drafter).__name__)
+        check(isinstance(self.schedule, RasterSchedule), "schedule",
+              "RasterSchedule for continuous batching (a next-set image's lanes share one cache)",
+              type(self.schedule).__name__)
+        check(not self.token_shape, "target", "a token-id target for continuous batching", self.token_shape)
+        eos = _eos_ids(eos_token_id)
+        guided = self.logits.uses_guidance
+        for i, job in enumerate(jobs):
+            check((job.uncond_input_ids is not None) == guided, f"jobs[{i}].uncond_input_ids",
+                  "given exactly when guidance_scale is set", job.uncond_input_ids is not None)
+            check(job.conditioning is None or isinstance(job.conditioning, Mapping), f"jobs[{i}].conditioning",
+                  "None or a mapping of keyword inputs for its prompt pass", type(job.conditioning).__name__)
+            check(job.generator is None or isinstance(job.generator, torch.Generator), f"jobs[{i}].generator",
+                  "None or a torch.Generator", type(job.generator).__name__)
+        seeded = [j.generator is not None for j in jobs]
+        check(all(seeded) or not any(seeded), "jobs", "a generator for every job or for none", seeded)
+        device = self.device if self.device is not None else _device_of(self.target)
+        prompts = [pad_prompts([j.input_ids] + ([j.uncond_input_ids] if guided else []), 0, device) for j in jobs]
+        B = min(slots, len(jobs))
+        R = 2 * B if guided else B
+        capacity = max(ids.shape[1] for ids, _ in prompts) + max_new_tokens + 2 * self.drafter.max_block + 1
+
+        # 0. the batch starts as B idle rows (a one-token prompt each, prefilled together) so that
+        # the drafter starts on the batch's shape; every job then enters through the same admission
+        ids = torch.zeros((R, 1), dtype=torch.long, device=device)
+        lens = torch.ones(R, dtype=torch.long, device=device)
+        plan = self.schedule.start(ids, lens, max_new_tokens, eos)
+        history = torch.zeros((R, capacity), dtype=torch.long, device=device)
+        generator = tuple(torch.Generator() for _ in range(B)) if all(seeded) else None
+        state = DecodeState(history, lens.clone(), B, self.logits, generator, capacity, prompt_lengths=lens.clone(),
+                            conditioning={}, new_tokens=max_new_tokens)
+        stats = Stats(profile=profile)
+        draft_forwards_before = self.drafter.forwards
+        target, cache = plan.bind(self.target, state)
+        with stats.timed("prefill", device):
+            state.prefill = self._prefill(state, target, cache, ids, lens, {}, plan)
+            stats.target_forwards += 1
+            self.drafter.start(state)
+            state.prefill = None
+        run = _Run(state, plan, target, cache, stats, device)
+
+        nxt = 0  # the next job to enter
+        job_of: list[int | None] = [None] * B  # the job each row decodes (None: idle)
+        counts: list[list[int]] = [[] for _ in range(B)]
+        after_pass = False
+        while True:
+            idle = torch.tensor([j is None for j in job_of], device=device)
+            done = plan.finished(state) | idle
+            values = torch.cat([done.long(), state.lengths[:B] - state.prompt_lengths[:B]]).tolist()
+            state.generated = values[B:]
+            finished = [b for b in range(B) if job_of[b] is not None and values[b]]
+            if after_pass:
+                for b in range(B):
+                    if job_of[b] is not None:
+                        counts[b].append(state.generated[b])
+            if finished:
+                check_overflow = getattr(cache, "check_overflow", None)
+                if check_overflow is not None:  # static shapes: the bound check before a row is handed back
+                    check_overflow()
+                stats.draft_forwards = self.drafter.forwards - draft_forwards_before
+                stats.wall_seconds = time.perf_counter() - t0
+                sequences, out_lens = plan.collect(state, pad_token_id)
+                for b in finished:
+                    n = int(out_lens[b])
+                    yield Served(job_of[b], sequences[b, :n].clone(), [min(c, n) for c in counts[b]],
+                                 len(counts[b]), stats)
+                    job_of[b] = None
+            admitted = False
+            for b in range(B):
+                if job_of[b] is None:
+                    if nxt == len(jobs):
+                        break
+                    if admit is not None:
+                        idle = all(x is None for x in job_of)
+                        may = admit(nxt, idle)
+                        check(may is True or (may is False and not idle), "admit",
+                              "a callable returning True or False, True when no row is decoding", may)
+                        if not may:
+                            break
+                    j, nxt = nxt, nxt + 1
+                    with stats.timed("prefill", device):
+                        self._admit(run, b, jobs[j], *prompts[j])
+                    stats.target_forwards += 1
+                    job_of[b], counts[b], admitted = j, [1], True
+            if admitted:  # a job may end at its prefill: check before the next pass
+                after_pass = False
+                continue
+            if all(j is None for j in job_of):
+                break
+            self._pass(run, done)
+            after_pass = True
+        stats.draft_forwards = self.drafter.forwards - draft_forwards_before
+        stats.wall_seconds = time.perf_counter() - t0
+
+    def _admit(self, run: _Run, b: int, job: Job, ids: torch.Tensor, lens: torch.Tensor) -> None:
+        """Job ``job`` (its prompts ``ids`` (R1, S), ``lens`` (R1,): cond, then uncond with
+        guidance) enters batch row ``b``: prefilled alone, copied into the row, drafter told."""
+        state, plan, cache = run.state, run.plan, run.cache
+        generator = None if job.generator is None else (job.generator,)
+        sub = DecodeState(torch.zeros((ids.shape[0], state.tokens.shape[1]), dtype=state.tokens.dtype,
+                                      device=ids.device), lens.clone(), 1, state.logits, generator, state.max_len,
+                          prompt_lengths=lens.clone(), conditioning=dict(job.conditioning or {}),
+                          new_tokens=state.new_tokens)
+        sub.tokens[:, : ids.shape[1]] = ids
+        # a cache of the batch's kind sized to the prompt: the prefill alone, as generate runs it
+        one = run.target.new_cache(ids.shape[0], ids.shape[1])
+        out = self._prefill(sub, run.target, one, ids, lens, sub.conditioning)
+        rows = state.target_rows(b)
+        index = torch.tensor(rows, device=ids.device)
+        for i, r in enumerate(rows):
+            cache.load_row(r, one, i)
+        state.tokens[index] = sub.tokens
+        state.lengths = state.lengths.index_copy(0, index, sub.lengths)
+        state.prompt_lengths = state.prompt_lengths.index_copy(0, index, lens)
+        plan.restart_rows(index, lens)
+        if isinstance(state.generator, tuple):
+            state.generator = state.generator[:b] + (job.generator,) + state.generator[b + 1:]
+        state.generated = list(state.generated or [0] * state.batch_size)
+        state.generated[b] = 1  # host counts (catch-up feeds read them): the prefill's token
+        sub.generated = [1]
+        sub.prefill = out
+        self.drafter.restart_rows(state, [b], [sub])
+
+    def _prefill(self, state: DecodeState, target: Target, cache, ids: torch.Tensor, lens: torch.Tensor,
+                 conditioning: Mapping[str, Any], plan: SchedulePlan | None = None) -> ModelOutput:
+        """The prompt pass of ``state``'s rows (``ids`` (R, S), ``lens`` (R,)) into ``cache``, and
+        each row's first token sampled from the target alone and emitted (``plan.prefill_rows``
+        picks the lanes that sample one; every row without a plan). Returns the pass's output."""
+        device = ids.device
+        positions = torch.arange(ids.shape[1], device=device).expand(ids.shape[:2])
+        out = target(ids, positions, cache, **conditioning)
+        cache.truncate(lens)
+        rows, at = torch.arange(state.rows, device=device), (lens - 1).clamp(min=0)
+        if state.continuous:  # the (B,) distributions after each prompt's last position
+            last = ModelOutput(logits=None, cond=out.cond[rows, at][:, None], heads=out.heads)
+            probs = state.distribution(last, at[:, None], state.meters["target"])[:, 0]
+        else:
+            last = out.logits[rows, at]  # (R, V)
+            probs = state.logits(last)  # (B, V)
+        sel = None if plan is None else plan.prefill_rows(state)
+        B, generator = state.batch_size, state.generator
+        first = state.tokens.new_zeros((B,) + state.token_shape)
+        count = torch.ones(B, dtype=torch.long, device=device)
+        if sel is None:
+            first = self.rule.sample(probs, generator)
+        else:
+            first[sel] = self.rule.sample(probs[sel], select_rows(generator, sel))
+            count = torch.zeros_like(count).index_fill_(0, sel, 1)
+        self._emit(state, first[:, None], count)
+        return out
+
+    def _pass(self, run: "_Run", done: torch.Tensor) -> torch.Tensor:
+        """One decode pass over every row not ``done`` (B,): draft, verify in one target pass,
+        accept, commit, emit. Returns the rows done after it (the plan's ``finished``)."""
+        state, plan, target, cache, stats, device = run.state, run.plan, run.target, run.cache, run.stats, run.device
+        B, generator, meters = state.batch_size, state.generator, state.meters
+        continuous = state.continuous
+        fed, emitting = plan.step(state, done)
+        # 2. draft a chain or tree from every row's root
+        with stats.timed("draft", device):
+            draft = self.drafter.propose(state)
+            tree = draft.tree
+            tokens = torch.cat([state.roots[:, None], draft.tokens], 1)  # (B, T)
+            T = tokens.shape[1]
+            positions = cache.next_positions()[:, None] + state.expand(tree.depths)
+            mask = None if tree.is_chain else state.expand(tree.ancestor_mask)
+        # 3. verify every drafted token in one target pass
+        with stats.timed("verify", device):
+            out = target(state.expand(tokens), positions, cache, mask)
+            # (B, T) distributions; token ids' (B, T, V) probabilities are built when read
+            probs = state.distribution(out, positions, meters["target"]) if continuous else None
+            stats.target_forwards += 1
+        # 4. accept
+        with stats.timed("accept", device):
+            sel = plan.emitting_rows(emitting)
+            if sel is None:
+                acc, probs = self._accept(state, draft, probs, out.logits, generator)
+            else:  # only lanes that emit draw randomness
+                acc, probs = self._accept(state, _select(draft, sel), probs, out.logits,
+                                          select_rows(generator, sel), sel)
+                acc = _scatter(acc, sel, B, tree.max_depth)
+        # 5. commit caches and emit the accepted tokens plus the next token
+        with stats.timed("commit", device):
+            # the root and the accepted drafts enter the cache; finished rows stop growing
+            keep = torch.where(fed, torch.where(emitting, acc.num_accepted + 1, 1), 0)
+            idx = None if tree.is_chain else state.expand(acc.path.clamp(min=0))
+            cache.keep_block(T, idx, state.expand(keep))
+            if probs is None and getattr(self.drafter, "reads_target_probs", True):
+                probs = state.logits(out.logits)  # (B, T, V)
+            self.drafter.update(state, draft, acc, probs, out)
+            if acc.tokens is not None:  # the rule emits other tokens than the drafts on the path
+                path_tokens = acc.tokens.to(tokens.dtype)  # (B, D, *token_shape)
+            else:
+                path_tokens = gather_tokens(tokens, acc.path[:, 1:].clamp(min=0))  # (B, D)
+            new = torch.cat([path_tokens, path_tokens.new_zeros((B, 1) + self.token_shape)], 1)
+            scatter_tokens_(new, acc.num_accepted[:, None], acc.next_token[:, None].to(new.dtype))
+            emitted = torch.where(emitting, keep, 0)
+            stats.record_step(plan.per_output(emitted))
+            if continuous:
+                stats.record_tests(draft.tokens.shape[1], acc.num_accepted[emitting])
+            self._emit(state, new, emitted)
+            return plan.finished(state)
 
     def _accept(self, state: DecodeState, draft: DraftTree, probs, logits: torch.Tensor | None,
                 generator: Generators, rows: torch.Tensor | None = None):

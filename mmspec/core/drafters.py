@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable
 
@@ -40,6 +41,10 @@ class NullDrafter(DrafterBase):
     reads_target_probs = False  # update reads features, or nothing
 
     lane_safe = True  # works under any schedule
+    restarts_rows = True  # keeps nothing per row
+
+    def restart_rows(self, state: DecodeState, rows, alone) -> None:
+        pass
 
     def propose(self, state: DecodeState) -> DraftTree:
         return _empty_draft(state)
@@ -82,6 +87,27 @@ class _DraftModelRunner:
         self.cache = self.model.new_cache(state.rows, state.max_len + self.tree_slots)
         self.exact = torch.zeros_like(state.lengths)
         self.fed_at = None  # host: each row's generated count at the last feed (None: nothing fed yet)
+
+    def restart_rows(self, state: DecodeState, rows: list[int], alone: list[DecodeState]) -> None:
+        """``Drafter.restart_rows``: each row's prompt pass alone (``_prompt_pass`` on its batch-1
+        state, with its own conditioning where ``conditioned``) into a cache of the prompt's size,
+        copied into the row's slot of the draft cache; the next feed then starts at its root."""
+        for b, sub in zip(rows, alone):
+            prompts = sub.prompt_lengths  # (R1,)
+            S = int(prompts.max())
+            cache = self.model.new_cache(sub.rows, S)
+            positions = torch.arange(S, device=prompts.device).expand(sub.rows, S)
+            ids = sub.tokens[:, :S].clone()
+            ids[positions >= prompts[:, None]] = 0
+            self.model(ids, positions, cache, **(sub.conditioning if self.conditioned else {}))
+            self.forwards += 1
+            cache.truncate(prompts)
+            for i, r in enumerate(state.target_rows(b)):
+                self.cache.load_row(r, cache, i)
+                self.exact[r] = prompts[i]
+            if self.fed_at is not None:  # the feed's host counts: the row has fed nothing it generated
+                self.fed_at = list(self.fed_at)
+                self.fed_at[b] = 0
 
     def _feed_history(self, state: DecodeState):
         """Feed the history the cache lacks (at least the root): (output (R, W, ...), (R,) the
@@ -175,8 +201,14 @@ class _ModelDrafter(DrafterBase):
     def forwards(self) -> int:
         return self.runner.forwards
 
+    restarts_rows = True
+
     def start(self, state: DecodeState) -> None:
         self.runner.start(state)  # ``update`` stays a no-op: the runner re-syncs at the next proposal
+
+    def restart_rows(self, state: DecodeState, rows: list[int], alone: list[DecodeState]) -> None:
+        check(not state.continuous, "drafter", "a token-id draft model for continuous batching", "continuous")
+        self.runner.restart_rows(state, rows, alone)
 
 
 class ModelChainDrafter(_ModelDrafter):
@@ -358,6 +390,29 @@ class EagleTreeDrafter(DrafterBase):
         self.fed = torch.zeros_like(state.lengths)  # head entries at positions 1 .. fed are committed
         self.fed_at = None  # host: each row's generated count at the last feed (None: nothing fed yet)
 
+    restarts_rows = True
+
+    def restart_rows(self, state: DecodeState, rows: list[int], alone: list[DecodeState]) -> None:
+        """``Drafter.restart_rows``: each row started alone (``start`` on its batch-1 state: its
+        features, the head's plan of its prompt, e.g. its images) and fed once (the first feed,
+        which consumes the plan), then copied into the row: features, head cache row, fed count.
+        A batch not fed yet is fed first, so that what ``head.start`` prepared for the batch's
+        first feed is consumed before rows are replaced."""
+        if self.fed_at is None:
+            self.root_output(state)
+        for b, sub in zip(rows, alone):
+            fresh = copy.copy(self)  # the same head and knobs; start gives it its own cache and features
+            fresh.start(sub)
+            fresh.root_output(sub)
+            self.forwards = fresh.forwards
+            for i, r in enumerate(state.target_rows(b)):
+                self.features[r] = fresh.features[i]
+                self.cache.load_row(r, fresh.cache, i)
+                self.fed[r] = fresh.fed[i]
+            if self.fed_at is not None:
+                self.fed_at = list(self.fed_at)
+                self.fed_at[b] = fresh.fed_at[0]
+
     def root_output(self, state: DecodeState) -> ModelOutput:
         """The head's entry at each row's root (position L - 1): its predicted feature (R, H) and
         the draft logits of the root's children (R, V). Feeds the committed history the head's
@@ -456,6 +511,22 @@ class ParallelHeadsDrafter(DrafterBase):
         self.features = out.hidden[rows, state.lengths - 2]  # (R, H): the root came from this feature
         self.inputs = self.heads.start(state)
 
+    restarts_rows = True
+
+    def restart_rows(self, state: DecodeState, rows: list[int], alone: list[DecodeState]) -> None:
+        """``Drafter.restart_rows``: each row's ``start`` alone (its root's feature and the heads'
+        per-generation inputs, e.g. its image feature), copied into the row."""
+        for b, sub in zip(rows, alone):
+            fresh = copy.copy(self)
+            fresh.start(sub)
+            check(fresh.inputs is None or (isinstance(fresh.inputs, torch.Tensor) and isinstance(
+                self.inputs, torch.Tensor)), "heads", "heads whose start returns None or a per-row tensor "
+                  "(continuous batching copies it row by row)", type(fresh.inputs).__name__)
+            for i, r in enumerate(state.target_rows(b)):
+                self.features[r] = fresh.features[i]
+                if fresh.inputs is not None:
+                    self.inputs[r] = fresh.inputs[i]
+
     def propose(self, state: DecodeState) -> DraftTree:
         root = state.tokens.gather(1, (state.lengths - 1)[:, None]).squeeze(1)  # (R,)
         inputs = self.heads.step_inputs(state, self.inputs)
@@ -551,6 +622,14 @@ class JacobiDrafter(DrafterBase):
         self.q = torch.zeros(B, self.window - 1, self.vocab_size, device=device)
         self.count = torch.zeros(B, dtype=torch.long, device=device)
         self.before = torch.zeros(B, dtype=torch.long, device=device)  # tokens generated before the last pass
+
+    restarts_rows = True
+
+    def restart_rows(self, state: DecodeState, rows: list[int], alone: list[DecodeState]) -> None:
+        """``Drafter.restart_rows``: the rows' windows as ``start`` leaves them (no drafts yet)."""
+        index = torch.tensor(rows, dtype=torch.long, device=self.drafts.device)
+        for buf in (self.drafts, self.q, self.count, self.before):
+            buf[index] = 0
 
     def propose(self, state: DecodeState) -> DraftTree:
         B, n = state.batch_size, self.window - 1

@@ -123,6 +123,18 @@ class GatedDrafter(DrafterBase):
     def forwards(self) -> int:
         return self.inner.forwards
 
+    @property
+    def restarts_rows(self) -> bool:
+        return getattr(self.inner, "restarts_rows", False)
+
+    def restart_rows(self, state: DecodeState, rows: list[int], alone: list[DecodeState]) -> None:
+        """Continuous batching: the drafter restarts the rows; their last pass's count starts from
+        their new length (a refilled row emitted nothing of the new job in it)."""
+        self.inner.restart_rows(state, rows, alone)
+        if self.before is not None:
+            index = torch.tensor(rows, dtype=torch.long, device=self.before.device)
+            self.before[index] = state.lengths[index]
+
     def start(self, state: DecodeState) -> None:
         self.log = GateLog()
         self._reset(self.initial)

@@ -61,6 +61,11 @@ class PromptLookupDrafter(DrafterBase):
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.max_block = num_tokens + 1
 
+    restarts_rows = True  # reads only each row's history: nothing to forget
+
+    def restart_rows(self, state: DecodeState, rows, alone) -> None:
+        pass
+
     def propose(self, state: DecodeState) -> DraftTree:
         B = state.batch_size
         lengths = state.lengths[:B].tolist()

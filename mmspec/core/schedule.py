@@ -49,6 +49,12 @@ class RasterPlan:
     def prefill_rows(self, state):
         return None
 
+    def restart_rows(self, rows: torch.Tensor, lengths: torch.Tensor) -> None:
+        """Continuous batching (``SpeculativeDecoder.serve``): target rows ``rows`` now hold new
+        prompts of ``lengths``; their generated tokens are counted from there."""
+        self.prompt_lens = self.prompt_lens.clone()
+        self.prompt_lens[rows] = lengths.to(self.prompt_lens)
+
     def step(self, state, done):
         """(fed, emitting) lanes for this pass; finished lanes are fed but keep nothing."""
         return ~done, ~done

@@ -134,6 +134,10 @@ class DecodeState:
         B = self.batch_size
         return self.tokens[torch.arange(B, device=self.tokens.device), self.lengths[:B] - 1]
 
+    def target_rows(self, b: int) -> list[int]:
+        """The target rows of batch row ``b``: ``[b]``, or ``[b, b + B]`` with guidance."""
+        return [b] if self.rows == self.batch_size else [b, b + self.batch_size]
+
     def expand(self, x: torch.Tensor) -> torch.Tensor:
         """(B, ...) -> (R, ...): the uncond half of a guided batch mirrors the cond half."""
         return x if self.rows == self.batch_size else torch.cat([x, x], 0)
@@ -185,6 +189,9 @@ class Drafter(Protocol):
         forwards: the draft model's passes so far (0 for model-free drafters).
         lane_safe: True when the drafter reads nothing but each row's own root and its own state,
             so a schedule may run it on lanes (ZipAR's rows) instead of raster sequences.
+
+    Optional, for continuous batching (``SpeculativeDecoder.serve``): ``restarts_rows = True`` and
+    ``restart_rows(state, rows, alone)`` (``DrafterBase`` documents it; its default refuses).
     """
 
     vocab_size: int | None
@@ -217,8 +224,24 @@ class DrafterBase:
     when a rule or ``update`` reads them (the fused acceptance kernel reads raw logits); a drafter
     that sets False may get ``target_probs=None``."""
 
+    restarts_rows: bool = False
+    """Whether ``restart_rows`` is implemented: ``SpeculativeDecoder.serve`` refuses drafters
+    without it (``ValueError`` naming ``drafter``)."""
+
     def start(self, state: DecodeState) -> None:
         pass
+
+    def restart_rows(self, state: DecodeState, rows: list[int], alone: list[DecodeState]) -> None:
+        """Continuous batching: rows ``rows`` (batch rows b < ``state.batch_size``; with guidance
+        b + B is b's uncond row) now hold new prompts. ``state`` already has their history (prompt
+        and first token), lengths, prompt lengths and generators; the drafter forgets what it kept
+        of the old rows and starts them afresh. ``alone[i]`` is row ``rows[i]`` as it would be
+        decoded alone right after its prefill: a batch-1 ``DecodeState`` of the same capacity
+        whose ``prefill`` is its prompt pass's output and ``conditioning`` its own (a VLM's
+        pixels), so that a drafter can run its ``start`` on it and copy the row in. Called between
+        passes, after ``start``. The default refuses (``restarts_rows`` is False)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot restart rows (continuous batching): "
+                                  "implement restart_rows and set restarts_rows = True")
 
     def propose(self, state: DecodeState) -> DraftTree:
         raise NotImplementedError(f"{type(self).__name__} must implement propose(state)")

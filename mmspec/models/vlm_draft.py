@@ -144,6 +144,19 @@ class _DraftCache(StaticKVCache):
     def truncate(self, lengths: torch.Tensor) -> None:
         super().truncate((lengths.to(self.lengths) - self.offset).clamp(min=0))
 
+    def load_row(self, row: int, other: "_DraftCache", other_row: int) -> None:
+        """``StaticKVCache.load_row`` plus the row's slot offset and global image feature (the
+        plan's, consumed by the first feed: ``other`` is fed already)."""
+        check(other.plan is None and self.plan is None, "other", "a head cache whose first feed has run, as this "
+              "one's (their plans consumed)", "planned")
+        super().load_row(row, other, other_row)
+        self.offset = self.offset.clone()
+        self.offset[row] = other.offset[other_row]
+        if getattr(other, "g", None) is not None:
+            g = getattr(self, "g", None)
+            self.g = other.g.new_zeros(self.batch_size, other.g.shape[-1]) if g is None else g.clone()
+            self.g[row] = other.g[other_row]
+
 
 class VLMDraftHead(EagleHead):
     """EAGLE draft head for a ``VLMTarget`` (see the module docstring for ``method``).

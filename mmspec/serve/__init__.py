@@ -18,22 +18,27 @@ Batches: every row gets its own ``torch.Generator`` from its job's seed (a gener
 row of a batched call equals that job run alone wherever the pipelines keep their promise (row r
 of a batch equals that prompt alone with g_r); each runner's ``batchable`` says where it is
 measured to hold, and ``tests/test_batch.py`` checks batched files against batch-size-1 files.
+
+Continuous batching (``slots.py``: ``run_vlm_continuous``, ``run_ar_continuous``, ``SLOT_RUNNERS``
+for ``mmspec batch --continuous``): jobs stream through a batch of slots, a finished job's row
+refilled by the next job's prefill, each job yielded as it ends.
 """
 
-from . import ar_image, continuous, video, vlm
+from . import ar_image, continuous, slots, video, vlm
 from .ar_image import AR_BATCHABLE, ar_batchable, ar_prompts, check_ar_prompt, class_confidence, run_ar
 from .continuous import continuous_batchable, run_continuous
 from .base import (ASSETS, GAUGE, RUNNERS, ActivityGauge, Models, Result, Runner, check_seed, knob_specs,
                      method_defaults, resolve, runner)
 from .video import (VIDEO_MAX_FRAMES, VideoPiece, check_video_knobs, run_video, stream_video, video_batchable,
                     video_config, video_schedule, video_stats, write_video)
+from .slots import SLOT_RUNNERS, run_ar_continuous, run_vlm_continuous
 from .vlm import Partial, as_rgb, open_image, run_vlm, scene, stream_vlm, vlm_batchable
 
 __all__ = [
-    "ASSETS", "AR_BATCHABLE", "GAUGE", "RUNNERS", "VIDEO_MAX_FRAMES", "ActivityGauge", "Models", "Partial",
-    "Result", "Runner", "VideoPiece", "ar_batchable", "ar_image", "ar_prompts", "as_rgb", "check_ar_prompt",
-    "check_seed", "check_video_knobs", "class_confidence", "continuous", "continuous_batchable", "knob_specs",
-    "method_defaults", "open_image", "resolve", "run_ar", "run_continuous", "run_video", "run_vlm", "runner", "scene",
-    "stream_video", "stream_vlm", "video", "video_batchable", "video_config", "video_schedule", "video_stats",
-    "vlm", "vlm_batchable", "write_video",
+    "ASSETS", "AR_BATCHABLE", "GAUGE", "RUNNERS", "SLOT_RUNNERS", "VIDEO_MAX_FRAMES", "ActivityGauge", "Models",
+    "Partial", "Result", "Runner", "VideoPiece", "ar_batchable", "ar_image", "ar_prompts", "as_rgb",
+    "check_ar_prompt", "check_seed", "check_video_knobs", "class_confidence", "continuous", "continuous_batchable",
+    "knob_specs", "method_defaults", "open_image", "resolve", "run_ar", "run_ar_continuous", "run_continuous",
+    "run_video", "run_vlm", "run_vlm_continuous", "runner", "scene", "slots", "stream_video", "stream_vlm", "video",
+    "video_batchable", "video_config", "video_schedule", "video_stats", "vlm", "vlm_batchable", "write_video",
 ]
