@@ -285,15 +285,18 @@ class SpeculativePipeline(PipelineBase):
         self._model_fingerprint = auto.fingerprint(parts)
         return self._model_fingerprint
 
+    def profile_identity(self) -> tuple[str, str, str]:
+        """``(model fingerprint, machine, dtype)``: what a cost profile of this pipeline is keyed by
+        (the machine of the device the target's weights are on, ``auto.machine_id``)."""
+        weight = next(getattr(self, self.component_attribute("target")).parameters())
+        return self.model_fingerprint(), auto.machine_id(weight.device.type), str(weight.dtype).replace("torch.", "")
+
     def cost_profile(self) -> "auto.CostProfile | None":
         """The profile set with ``set_cost_profile``, else this pipeline's on this machine, or None."""
         given = getattr(self, "_cost_profile", None)
         if given is not None:
             return given
-        target = getattr(self, self.component_attribute("target"))
-        dtype = str(next(target.parameters()).dtype).replace("torch.", "")
-        return auto.find_profile(self.modality, self.model_fingerprint(), auto.machine_id(self._execution_device.type),
-                                 dtype)
+        return auto.find_profile(self.modality, *self.profile_identity())
 
     def choose_method(self, method_knobs, batch_size: int, raster_only: bool = False) -> methods.Recipe:
         """``method="auto"``: the recipe of the candidate ``auto.choose`` picks for ``batch_size``
@@ -301,14 +304,18 @@ class SpeculativePipeline(PipelineBase):
         callback tensor inputs are asked for); the choice is kept for ``decode`` (its online gate)
         and reported in the output's stats."""
         knobs = auto.check_auto_knobs(self.modality, method_knobs)
-        available = []
-        for label, method, mknobs in auto.CANDIDATES[self.modality]:
-            recipe = methods.resolve(self.modality, method, mknobs)
-            held = all(getattr(self, self.component_attribute(need), None) is not None for need in recipe.requires)
-            if held and not (raster_only and recipe.part("schedule") is not None):
-                available.append(label)
+        profile = self.cost_profile()
+        available = None
+        if profile is not None:
+            available = []
+            for label, row in profile.rows.items():
+                recipe = auto.recipe(self.modality, row.method, row.knobs)
+                held = all(getattr(self, self.component_attribute(need), None) is not None
+                           for need in recipe.requires)
+                if held and not (raster_only and recipe.part("schedule") is not None):
+                    available.append(label)
         b = knobs["auto_batch_size"] or batch_size
-        choice = auto.choose(self.cost_profile(), b, knobs["auto_quality"], available,
+        choice = auto.choose(profile, b, knobs["auto_quality"], available,
                              hint=" (run `mmspec bench cost --calibrate`, or pipe.set_cost_profile(path))")
         self._auto = (choice, knobs)
         return self.check_method(choice.method, choice.knobs)

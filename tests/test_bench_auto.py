@@ -115,7 +115,7 @@ def test_serve_bench_clock_and_batches(monkeypatch):
 def test_serve_bench_runs_the_bundled_vlm():
     from mmspec.bench import serve as sb
 
-    result = sb.run(sb.ServeBenchConfig(jobs=6, loads=("burst", 0.5), methods=("none",)))
+    result = sb.run(sb.ServeBenchConfig(jobs=6, loads=("burst", 0.5), methods=("none",), rounds=1))
     assert [(r["load"], r["policy"]) for r in result["rows"]] == [("burst", "static"), ("burst", "continuous"),
                                                                   ("0.5x", "static"), ("0.5x", "continuous")]
     for row in result["rows"]:  # greedy: every policy and load gives each job its own answer

@@ -36,9 +36,9 @@ BELOW_NONE = 0.03  # and never more than this much slower than the target alone
 class AutoBenchConfig:
     modalities: tuple = ("ar-image", "vlm")
     batch_sizes: tuple = (1, 4, 8)
-    rounds: int = 2
+    rounds: int = 3
     calibrate: bool = False  # calibrate first even when a profile exists
-    calibration_prompts: int = 4
+    calibration_prompts: int = 6
     seed: int = 0
 
     @classmethod

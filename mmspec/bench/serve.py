@@ -18,8 +18,11 @@ one pipeline call (what ``mmspec batch`` does), and a finished row waits for its
 ``continuous``: ``batch_size`` rows decode together and a finished row's slot takes the next
 waiting job's prefill while the others keep decoding (``mmspec.serve.slots``).
 
-**Figures per run:** jobs per minute over the makespan (first arrival to last finish), p50 / p95
-latency, the mean batch occupancy (static: rows per call; continuous: rows decoding when each job
+**Runs.** After a warm-up (every policy and method serving the first ``2 * batch_size`` jobs at
+once), each (load, policy, method) is run ``rounds`` times, rounds outer and runs interleaved.
+
+**Figures per row:** jobs per minute over the makespan (first arrival to last finish; the mean
+over rounds), p50 / p95 latency (every round's jobs pooled), the mean batch occupancy (static: rows per call; continuous: rows decoding when each job
 ends), the process's CPU use (CPU seconds / wall seconds, so at most
 the torch threads; a GPU's utilisation where ``torch.cuda.utilization`` answers), and whether every
 answer equals the first run's (greedy: they must).
@@ -45,13 +48,14 @@ class ServeBenchConfig:
     policies: tuple = ("static", "continuous")
     methods: tuple = ("none", "medusa", "auto")
     batch_size: int = 4  # static batches; continuous slots
+    rounds: int = 2  # runs of each (load, policy, method), interleaved
     max_new_tokens: int = 64
     describe_prob: float = 0.5
     arrival_seed: int = 0
 
     @classmethod
     def quick(cls, **kw) -> "ServeBenchConfig":
-        return cls(**{"jobs": 12, "loads": ("burst",), **kw})
+        return cls(**{"jobs": 12, "loads": ("burst",), "rounds": 1, **kw})
 
     def check(self) -> None:
         check(isinstance(self.jobs, int) and self.jobs >= 2, "jobs", "an int >= 2", self.jobs)
@@ -61,6 +65,7 @@ class ServeBenchConfig:
         for p in self.policies:
             check_choice("policies", p, ("static", "continuous"))
         check(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", "an int >= 1", self.batch_size)
+        check(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "an int >= 1", self.rounds)
 
 
 @dataclass
@@ -175,20 +180,25 @@ POLICIES: dict[str, Callable] = {"static": serve_static, "continuous": serve_con
 """How a policy serves a queue: ``fn(models, jobs, method, cfg) -> Served``."""
 
 
-def _figures(jobs: list[Job], served: Served, reference: dict | None) -> dict:
-    lat = [served.finish[j.index] - j.arrival for j in jobs]
-    makespan = max(served.finish.values()) - min(j.arrival for j in jobs)
+def _figures(jobs: list[Job], runs: list[Served], reference: dict | None) -> dict:
+    """A row's figures over its ``runs`` (rounds of the same queue): jobs per minute and makespan
+    averaged, latencies pooled for the percentiles."""
+    lat = [r.finish[j.index] - j.arrival for r in runs for j in jobs]
+    spans = [max(r.finish.values()) - min(j.arrival for j in jobs) for r in runs]
     gpu = None
     if torch.cuda.is_available():
         try:
             gpu = torch.cuda.utilization()
         except Exception:  # pynvml missing: not available
             gpu = None
-    return {"jobs_per_min": round(60 * len(jobs) / makespan, 2), "p50_s": round(float(np.percentile(lat, 50)), 3),
-            "p95_s": round(float(np.percentile(lat, 95)), 3), "makespan_s": round(makespan, 3),
-            "occupancy": round(statistics.fmean(served.occupancy), 2),
-            "cpu_cores": round(served.cpu_s / served.wall_s, 2) if served.wall_s else None, "gpu_util": gpu,
-            "identical": None if reference is None else all(served.tokens[i] == reference[i] for i in reference)}
+    cpu, wall = sum(r.cpu_s for r in runs), sum(r.wall_s for r in runs)
+    return {"jobs_per_min": round(statistics.fmean(60 * len(jobs) / m for m in spans), 2),
+            "p50_s": round(float(np.percentile(lat, 50)), 3), "p95_s": round(float(np.percentile(lat, 95)), 3),
+            "makespan_s": round(statistics.fmean(spans), 3),
+            "occupancy": round(statistics.fmean(o for r in runs for o in r.occupancy), 2),
+            "cpu_cores": round(cpu / wall, 2) if wall else None, "gpu_util": gpu,
+            "identical": None if reference is None else all(r.tokens[i] == reference[i] for r in runs
+                                                            for i in reference)}
 
 
 @torch.no_grad()
@@ -200,10 +210,10 @@ def run(cfg: ServeBenchConfig, progress=None, models=None) -> dict:
     models = models or serve.Models()
     jobs = queue(cfg)
     policies = [p for p in cfg.policies if p in POLICIES]
-    missing = [p for p in cfg.policies if p not in POLICIES]
-    serve.run_vlm(models, [jobs[0].image], [jobs[0].question], [0], "none", {}, max_new_tokens=4)  # load + warm
-    for method in cfg.methods:  # warm every method once
-        serve.run_vlm(models, [jobs[0].image], [jobs[0].question], [0], method, {}, max_new_tokens=8)
+    warm = jobs[: 2 * cfg.batch_size]
+    for policy in policies:  # warm every policy and method on a short burst
+        for method in cfg.methods:
+            POLICIES[policy](models, warm, method, cfg)
     say("capacity: static none, every job waiting at 0")
     base = serve_static(models, jobs, "none", cfg)
     capacity = len(jobs) / max(base.finish.values())
@@ -213,29 +223,32 @@ def run(cfg: ServeBenchConfig, progress=None, models=None) -> dict:
         rate = None if load == "burst" else load * capacity
         times = arrivals(len(jobs), rate, cfg.arrival_seed)
         queued = [Job(j.index, j.image, j.question, t) for j, t in zip(jobs, times)]
-        for policy in policies:
-            for method in cfg.methods:
-                served = POLICIES[policy](models, queued, method, cfg)
-                row = {"load": load if load == "burst" else f"{load:g}x", "rate_per_s": None if rate is None
-                       else round(rate, 3), "policy": policy, "method": method,
-                       **_figures(queued, served, reference)}
-                chosen = sorted({s["auto_method"] for s in served.stats if "auto_method" in s})
-                if chosen:
-                    row["auto_chose"] = "/".join(chosen)
-                rows.append(row)
-                say(f"load {row['load']} {policy} {method}: {row['jobs_per_min']} jobs/min, p50 {row['p50_s']} s")
+        runs = {(p, m): [] for p in policies for m in cfg.methods}
+        for r in range(cfg.rounds):  # rounds outer, runs interleaved inside
+            for policy in policies:
+                for method in cfg.methods:
+                    served = POLICIES[policy](models, queued, method, cfg)
+                    runs[policy, method].append(served)
+                    say(f"load {load} round {r + 1}/{cfg.rounds} {policy} {method}: "
+                        f"{60 * len(jobs) / (max(served.finish.values()) - times[0]):.1f} jobs/min")
+        for (policy, method), done in runs.items():
+            row = {"load": load if load == "burst" else f"{load:g}x", "rate_per_s": None if rate is None
+                   else round(rate, 3), "policy": policy, "method": method, **_figures(queued, done, reference)}
+            chosen = sorted({s["auto_method"] for d in done for s in d.stats if "auto_method" in s})
+            if chosen:
+                row["auto_chose"] = "/".join(chosen)
+            rows.append(row)
     for row in rows:  # continuous over static, same load and method
         twin = next((r for r in rows if r["load"] == row["load"] and r["method"] == row["method"]
                      and r["policy"] == "static"), None)
         row["x_static"] = round(row["jobs_per_min"] / twin["jobs_per_min"], 3) if twin else None
-    setup = {"jobs": cfg.jobs, "loads": list(cfg.loads), "policies": policies, "methods": list(cfg.methods),
-             "batch_size": cfg.batch_size, "max_new_tokens": cfg.max_new_tokens, "describe_prob": cfg.describe_prob,
-             "arrival_seed": cfg.arrival_seed, "capacity_jobs_per_s": round(capacity, 3),
-             "threads": torch.get_num_threads(),
+    setup = {"jobs": cfg.jobs, "loads": list(cfg.loads), "rounds": cfg.rounds, "policies": policies,
+             "methods": list(cfg.methods), "batch_size": cfg.batch_size, "max_new_tokens": cfg.max_new_tokens,
+             "describe_prob": cfg.describe_prob, "arrival_seed": cfg.arrival_seed,
+             "capacity_jobs_per_s": round(capacity, 3), "threads": torch.get_num_threads(),
              "answer_tokens": {"mean": statistics.fmean(len(t) for t in reference.values()),
                                "min": min(len(t) for t in reference.values()),
-                               "max": max(len(t) for t in reference.values())},
-             "not_available": missing}
+                               "max": max(len(t) for t in reference.values())}}
     return {"bench": "serve", "setup": setup, "rows": rows}
 
 

@@ -136,7 +136,7 @@ def _calibrate(args):
     rows, profiles = [], []
     for modality in args.target or ("ar-image", "vlm"):
         cfg = cal.CalibrateConfig(modality=modality, folder=args.pipeline, quality=args.quality,
-                                  out=args.profile_out, prompts=2 if args.quick else 4)
+                                  out=args.profile_out, **({"prompts": 2} if args.quick else {}))
         say = _progress(args)
         profile = cal.calibrate(cfg, progress=None if say is None else (lambda m, t=modality: say(f"{t}: {m}")))
         profiles.append({"modality": modality, "path": profile.path, "key": profile.key, "machine": profile.machine,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
 
 from .drafters import _empty_draft
 from .errors import check
@@ -115,8 +114,8 @@ class GatedDrafter(DrafterBase):
     def _reset(self, on: bool) -> None:
         self.on = on
         self.since = 0  # passes since the last decision (or the switch off)
-        self.window = None  # (emitted tokens, live passes) per row over speculating passes
-        self.before = None  # each row's length at the last proposal
+        self.emitted = self.passes = None  # per row: tokens and live passes over speculating passes (decayed)
+        self.prev = None  # each row's generated count at the last proposal (host ints)
         self.drafted = False  # whether the last proposal drafted anything
 
     @property
@@ -128,12 +127,13 @@ class GatedDrafter(DrafterBase):
         return getattr(self.inner, "restarts_rows", False)
 
     def restart_rows(self, state: DecodeState, rows: list[int], alone: list[DecodeState]) -> None:
-        """Continuous batching: the drafter restarts the rows; their last pass's count starts from
-        their new length (a refilled row emitted nothing of the new job in it)."""
+        """Continuous batching: the drafter restarts the rows; their counts start from the new
+        job's (a refilled row emitted nothing of the new job in the last pass)."""
         self.inner.restart_rows(state, rows, alone)
-        if self.before is not None:
-            index = torch.tensor(rows, dtype=torch.long, device=self.before.device)
-            self.before[index] = state.lengths[index]
+        if self.prev is not None:
+            counts = _generated(state)
+            for b in rows:
+                self.prev[b] = counts[b]
 
     def start(self, state: DecodeState) -> None:
         self.log = GateLog()
@@ -141,13 +141,16 @@ class GatedDrafter(DrafterBase):
         self.inner.start(state)
 
     def propose(self, state: DecodeState) -> DraftTree:
-        B = state.batch_size
-        if self.drafted:  # the last pass speculated: count what each row emitted in it
-            emitted = state.lengths[:B] - self.before  # (B,) tokens; 0 for a finished row
-            step = torch.stack([emitted, (emitted > 0).long()]).float()
-            self.window = step if self.window is None else self.window + step
-        self._decide(state)
-        self.before = state.lengths[:B].clone()
+        counts = _generated(state)  # host ints the loop read with its stop flag: no device read
+        if self.drafted:  # the last pass speculated: what each live row emitted in it
+            if self.emitted is None:
+                self.emitted, self.passes = [0.0] * len(counts), [0.0] * len(counts)
+            for r, (now, then) in enumerate(zip(counts, self.prev)):
+                if now > then:  # a finished row stops growing
+                    self.emitted[r] += now - then
+                    self.passes[r] += 1
+        self._decide(state, counts)
+        self.prev = list(counts)
         if self.on:
             self.log.passes_on += 1
             draft = self.inner.propose(state)
@@ -161,28 +164,27 @@ class GatedDrafter(DrafterBase):
         self.inner.update(state, draft, acceptance, target_probs, target_out)
         self.since += 1
 
-    def _decide(self, state: DecodeState) -> None:
-        """Every ``every`` passes on, or after ``probe`` passes off: decide (one host read)."""
+    def _decide(self, state: DecodeState, counts: list[int]) -> None:
+        """Every ``every`` passes on, or after ``probe`` passes off: decide (host ints only)."""
         g = self.gate
         if not self.on:
             if self.since >= g.probe:  # probe: speculate again for a window
                 self._switch(True, state, None)
             return
-        if self.since < g.every or self.window is None:
+        if self.since < g.every or self.emitted is None:
             return
-        B = state.batch_size
-        emitted, live = self.window.tolist()
-        generated = (state.lengths[:B] - state.prompt_lengths[:B]).tolist()
         remaining, tau = [], []
-        for r in range(B):
-            left = state.new_tokens - generated[r]
-            if live[r] > 0 and left > 0:
+        for r, now in enumerate(counts):
+            left = state.new_tokens - now
+            grew = self.prev is not None and now > self.prev[r]  # still decoding at the last pass
+            if grew and left > 0 and self.passes[r] > 0:
                 remaining.append(left)
-                tau.append(g.tau(emitted[r], live[r]))
+                tau.append(g.tau(self.emitted[r], self.passes[r]))
         ratio = g.ratio(remaining, tau)
         self.log.decisions.append((self.log.passes_on + self.log.passes_off, True, round(ratio, 4)))
         self.since = 0
-        self.window = self.window * g.decay
+        self.emitted = [e * g.decay for e in self.emitted]
+        self.passes = [p * g.decay for p in self.passes]
         if not g.keep_on(ratio, True):
             self._switch(False, state, ratio)
 
@@ -193,3 +195,11 @@ class GatedDrafter(DrafterBase):
         else:
             self.log.decisions[-1] = (self.log.decisions[-1][0], on, self.log.decisions[-1][2])
         self.on, self.since = on, 0
+
+
+def _generated(state: DecodeState) -> list[int]:
+    """Each row's generated-token count: the loop's host copy (``state.generated``), else read."""
+    if state.generated is not None:
+        return list(state.generated)
+    B = state.batch_size
+    return (state.lengths[:B] - state.prompt_lengths[:B]).tolist()

@@ -29,6 +29,7 @@ acceptance (switching speculation off, and back on after a probe).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -106,16 +107,21 @@ def machine_id(device: str = "cpu", threads: int | None = None) -> str:
 
     if str(device).startswith("cuda") and torch.cuda.is_available():
         return f"cuda {torch.cuda.get_device_name(torch.device(device))}"
-    name = platform.processor() or platform.machine()
+    threads = torch.get_num_threads() if threads is None else threads
+    return f"{platform.machine()} {_cpu_name()} threads={threads}"
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_name() -> str:
+    """The CPU model from ``/proc/cpuinfo`` (read once: a pipeline asks at every call), else the
+    architecture (``platform.processor()`` would start a subprocess on Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
+                return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    threads = torch.get_num_threads() if threads is None else threads
-    return f"{platform.machine()} {name} threads={threads}"
+    return platform.machine()
 
 
 def fingerprint(configs: Mapping[str, Any]) -> str:
@@ -241,9 +247,19 @@ class CostProfile:
 
 
 def find_profile(modality: str, model_hash: str, machine: str, dtype: str) -> CostProfile | None:
-    """This pipeline's profile on this machine from ``cache_dir()``, or None."""
+    """This pipeline's profile on this machine from ``cache_dir()``, or None. A file is read once
+    and again only when it changes (its modification time and size)."""
     path = cache_dir() / "profiles" / profile_key(modality, model_hash, machine, dtype)
-    return CostProfile.load(path) if path.is_file() else None
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return _load_cached(str(path), st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=16)
+def _load_cached(path: str, mtime_ns: int, size: int) -> CostProfile:
+    return CostProfile.load(path)
 
 
 # ---------------------------------------------------------------- prediction
@@ -364,6 +380,18 @@ def knob_specs(modality: str) -> dict[str, Any]:
         "auto_batch_size": KnobSpec("auto_batch_size", int, None, AUTO_KNOBS["auto_batch_size"], min=1,
                                     optional=True),
     }
+
+
+def recipe(modality: str, method: str, knobs: Mapping[str, Any]):
+    """``mmspec.methods.resolve`` of a profile row's method, kept (a pipeline asks at every call)."""
+    return _recipe(modality, method, json.dumps(dict(knobs), sort_keys=True))
+
+
+@functools.lru_cache(maxsize=256)
+def _recipe(modality: str, method: str, knobs: str):
+    from .registry import resolve
+
+    return resolve(modality, method, json.loads(knobs))
 
 
 def validate(modality: str, method: str, knobs: Mapping[str, Any] | None = None):

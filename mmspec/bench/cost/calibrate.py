@@ -2,7 +2,8 @@
 (``mmspec.methods.auto``), a minute or two per pipeline.
 
 For one pipeline (the bundled ``assets/ar-image`` or ``assets/vlm``, or a folder of the same kind)
-and every candidate method it holds the components for (``auto.CANDIDATES``):
+and every candidate method it holds the components for (``auto.CANDIDATES``), after one untimed
+whole call of the first candidate at the largest batch size:
 
 1. **Pass costs by batch size.** For B in ``batch_sizes``: one untimed warm-up call cut after two
    passes (``pipe._interrupt``), then whole calls of B prompts until ``min_gaps`` pass gaps (or
@@ -48,7 +49,7 @@ class CalibrateConfig:
     modality: str = "ar-image"
     folder: str | None = None
     batch_sizes: tuple = auto.BATCH_SIZES
-    prompts: int = 4
+    prompts: int = 6
     min_gaps: int = 48  # pass gaps per (candidate, B): calls are repeated until there are this many ...
     max_calls: int = 4  # ... or this many calls
     labels: tuple | None = None
@@ -180,6 +181,8 @@ def calibrate(cfg: CalibrateConfig, progress: Callable[[str], None] | None = Non
         passes[label].append(float(out.stats["decode_steps"]))
         taus[label].append(max(1.0, float(out.stats["tau"])))
 
+    if rows:  # the allocator and kernels at the largest batch, before anything is timed
+        call(rows[0][1], rows[0][2], max(cfg.batch_sizes), 0, None)
     for label, method, knobs, _ in rows:
         for b in cfg.batch_sizes:
             call(method, knobs, b, 0, _stamps(pipe, 2)[1])  # warm-up, cut after two passes
@@ -204,16 +207,13 @@ def calibrate(cfg: CalibrateConfig, progress: Callable[[str], None] | None = Non
     profile_rows = {label: auto.Row(label, method, dict(knobs), lossless, pass_s[label], prefill_s[label],
                                     passes[label], taus[label], n)
                     for label, method, knobs, lossless in rows}
-    target = getattr(pipe, pipe.component_attribute("target"))
-    dtype = str(next(target.parameters()).dtype).replace("torch.", "")
     setup = {"batch_sizes": list(cfg.batch_sizes), "prompts": cfg.prompts,
              "threads": torch.get_num_threads(), "guidance_scale": cfg.guidance_scale if cfg.modality == "ar-image"
              else None, "temperature": cfg.temperature if cfg.modality == "ar-image" else 0.0,
              "max_new_tokens": cfg.max_new_tokens if cfg.modality == "vlm" else None, "seed": cfg.seed,
              "folder": cfg.folder or str(ASSETS / cfg.modality), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                       time.gmtime())}
-    profile = auto.CostProfile(cfg.modality, pipe.model_fingerprint(), auto.machine_id(pipe._execution_device.type),
-                               dtype, profile_rows, quality, setup)
+    profile = auto.CostProfile(cfg.modality, *pipe.profile_identity(), profile_rows, quality, setup)
     if cfg.save:
         path = profile.save(cfg.out)
         say(f"saved {path}")
