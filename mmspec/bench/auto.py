@@ -6,8 +6,8 @@ Per modality: the machine's cost profile (``pipe.cost_profile()``; calibrated fi
 run, when there is none or ``calibrate=True``, ``mmspec.bench.cost.calibrate``); the fixed rows are
 the profile's candidates the lossless budget admits, plus ``auto`` (its default knobs: lossless,
 re-decided every 16 passes). Per batch size B: one untimed warm-up call per row (cut after three
-passes), then ``rounds`` rounds of one call per row (rows interleaved within a round; round r
-asks for prompts r*B .. r*B + B - 1, seeds likewise). AR calls use the benches' settings (classifier-free guidance 2,
+passes), then ``rounds`` rounds of one call per row (rows interleaved within a round, their order
+rotated by one each round; round r asks for prompts r*B .. r*B + B - 1, seeds likewise). AR calls use the benches' settings (classifier-free guidance 2,
 temperature 1, 256 tokens an image); VLM calls answer held-out scenes greedily, 64 new tokens at
 most. Figures per row: mean wall seconds of a call, generated tokens per second, NFE and tau
 (``out.stats``), ``x_vs_none`` (none's wall / the row's, same B, same run); for ``auto`` also what
@@ -36,7 +36,7 @@ BELOW_NONE = 0.03  # and never more than this much slower than the target alone
 class AutoBenchConfig:
     modalities: tuple = ("ar-image", "vlm")
     batch_sizes: tuple = (1, 4, 8)
-    rounds: int = 3
+    rounds: int = 4
     calibrate: bool = False  # calibrate first even when a profile exists
     calibration_prompts: int = 6
     seed: int = 0
@@ -89,7 +89,8 @@ def run(cfg: AutoBenchConfig, progress=None, pipes: dict | None = None) -> dict:
             for label, method, knobs in entries:
                 call(method, knobs, b, 0, _stamps(pipe, 3)[1])  # warm-up, cut after three passes
             for r in range(cfg.rounds):
-                for label, method, knobs in entries:
+                k = r % len(entries)  # the order rotates each round: no row always follows the same one
+                for label, method, knobs in entries[k:] + entries[:k]:
                     t0 = time.perf_counter()
                     out = call(method, knobs, b, r * b, None)
                     walls[label].append(time.perf_counter() - t0)

@@ -6,12 +6,13 @@ and every candidate method it holds the components for (``auto.CANDIDATES``), af
 whole call of the first candidate at the largest batch size:
 
 1. **Pass costs by batch size.** For B in ``batch_sizes``: one untimed warm-up call cut after two
-   passes (``pipe._interrupt``), then whole calls of B prompts until ``min_gaps`` pass gaps (or
-   ``max_calls`` calls). A callback stamps the clock after every pass: ``pass_s[B]`` is the median
+   passes (``pipe._interrupt``), then ``rounds`` rounds over the candidates, each round whole
+   calls of B prompts until ``min_gaps / rounds`` pass gaps (or ``max_calls / rounds`` calls). A callback stamps the clock after every pass: ``pass_s[B]`` is the median
    gap between passes (the pass's target verify, its draft passes and the loop's own work, at
    every prefix length the calls reached), ``prefill_s[B]`` the median time from a call to its
-   first stamp less one pass (input checks, encoding, the prefill). Batch sizes run inside candidates, candidates in the
-   registry's order.
+   first stamp less one pass (input checks, encoding, the prefill). Candidates (in the
+   registry's order) run inside batch sizes, so that what one batch size compares is measured
+   close together in time.
 2. **Acceptance.** At B = 1, ``prompts`` whole calls per candidate (the first is step 1's B = 1
    call; then prompts outer, candidates inner): each prompt's decode passes and tokens per pass
    (``out.stats``).
@@ -51,7 +52,8 @@ class CalibrateConfig:
     batch_sizes: tuple = auto.BATCH_SIZES
     prompts: int = 6
     min_gaps: int = 48  # pass gaps per (candidate, B): calls are repeated until there are this many ...
-    max_calls: int = 4  # ... or this many calls
+    max_calls: int = 4  # ... or this many calls, split over ``rounds``
+    rounds: int = 2  # rounds over the candidates at each batch size
     labels: tuple | None = None
     quality: str | None = None  # a `mmspec bench ar-image --json` file
     guidance_scale: float = 2.0
@@ -68,7 +70,7 @@ class CalibrateConfig:
         check(isinstance(bs, tuple) and len(bs) > 0 and bs[0] == 1 and list(bs) == sorted(set(bs))
               and all(isinstance(b, int) and b >= 1 for b in bs), "batch_sizes",
               "increasing ints >= 1 starting at 1", bs)
-        for name, low in (("prompts", 1),):
+        for name, low in (("prompts", 1), ("rounds", 1), ("min_gaps", 1), ("max_calls", 1)):
             value = getattr(self, name)
             check(isinstance(value, int) and not isinstance(value, bool) and value >= low, name, f"an int >= {low}",
                   value)
@@ -183,23 +185,30 @@ def calibrate(cfg: CalibrateConfig, progress: Callable[[str], None] | None = Non
 
     if rows:  # the allocator and kernels at the largest batch, before anything is timed
         call(rows[0][1], rows[0][2], max(cfg.batch_sizes), 0, None)
-    for label, method, knobs, _ in rows:
-        for b in cfg.batch_sizes:
+    per_round = -(-cfg.min_gaps // cfg.rounds), max(1, cfg.max_calls // cfg.rounds)
+    for b in cfg.batch_sizes:  # batch sizes outer: a batch size's candidates are timed close together
+        gaps = {r[0]: [] for r in rows}
+        firsts = {r[0]: [] for r in rows}
+        for label, method, knobs, _ in rows:
             call(method, knobs, b, 0, _stamps(pipe, 2)[1])  # warm-up, cut after two passes
-            gaps, firsts = [], []
-            while len(gaps) < cfg.min_gaps and len(firsts) < cfg.max_calls:
-                stamps, stamp = _stamps(pipe, None)
-                t0 = time.perf_counter()
-                out = call(method, knobs, b, len(firsts) * b, stamp)
-                gaps += [b2 - a for a, b2 in zip(stamps, stamps[1:])]
-                firsts.append(stamps[0] - t0)
-                if b == 1 and len(firsts) == 1:
-                    record(label, out)  # prompt 0's acceptance
-            per = statistics.median(gaps) if gaps else statistics.median(firsts)
+        for _ in range(cfg.rounds):  # rounds outer, candidates inner: a slow spell hits them all
+            for label, method, knobs, _ in rows:
+                mine, calls = 0, 0
+                while mine < per_round[0] and calls < per_round[1]:
+                    stamps, stamp = _stamps(pipe, None)
+                    t0 = time.perf_counter()
+                    out = call(method, knobs, b, len(firsts[label]) * b, stamp)
+                    if b == 1 and not firsts[label]:
+                        record(label, out)  # prompt 0's acceptance
+                    gaps[label] += [b2 - a for a, b2 in zip(stamps, stamps[1:])]
+                    firsts[label].append(stamps[0] - t0)
+                    mine, calls = mine + len(stamps) - 1, calls + 1
+        for label, *_ in rows:
+            per = statistics.median(gaps[label]) if gaps[label] else statistics.median(firsts[label])
             pass_s[label][b] = per
-            prefill_s[label][b] = max(1e-6, statistics.median(firsts) - per)
-            say(f"{label} B={b}: {1000 * per:.2f} ms per pass (median of {len(gaps)} over {len(firsts)} calls), "
-                f"{1000 * prefill_s[label][b]:.1f} ms before the first")
+            prefill_s[label][b] = max(1e-6, statistics.median(firsts[label]) - per)
+            say(f"{label} B={b}: {1000 * per:.2f} ms per pass (median of {len(gaps[label])} over "
+                f"{len(firsts[label])} calls), {1000 * prefill_s[label][b]:.1f} ms before the first")
     for i in range(1, cfg.prompts):
         for label, method, knobs, _ in rows:
             record(label, call(method, knobs, 1, i, None))
