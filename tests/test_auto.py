@@ -316,3 +316,27 @@ def test_auto_under_continuous_batching_chooses_for_the_slots():
         assert text == base.texts[s.index]
     extra = served[-1][0].stats.extra
     assert extra["auto_method"] == "eagle" and extra["auto_batch_size"] == 2 and extra["auto_passes_on"] > 0
+
+
+def test_profile_key_changes_with_threads_and_weights(ar_pipe):
+    """A profile is not used at another thread count, nor for a retrained head (the key's model
+    fingerprint digests the weights)."""
+    from mmspec.pipelines import SpeculativeARImagePipeline
+
+    assert auto.machine_id("cpu", 1) != auto.machine_id("cpu", 4)
+    other = SpeculativeARImagePipeline.from_pretrained(str(serve.ASSETS / "ar-image"))
+    assert other.model_fingerprint() == ar_pipe.model_fingerprint()
+    retrained = SpeculativeARImagePipeline.from_pretrained(str(serve.ASSETS / "ar-image"))
+    with torch.no_grad():
+        list(retrained.medusa_head.parameters())[-1].add_(0.01)
+    assert retrained.model_fingerprint() != ar_pipe.model_fingerprint()
+
+
+def test_gate_evidence_decays_at_each_decision(small_vocab_pair):
+    """Older passes count less: after k decisions the evidence holds fewer passes than were run."""
+    target, _ = small_vocab_pair
+    gated = GatedDrafter(ModelChainDrafter(target, gamma=3), SpeedGate(c_on=1.0, c_off=1.0, every=2, decay=0.5))
+    SpeculativeDecoder(target, gated, logits=LogitsPipeline(temperature=0.0)).generate(torch.tensor([[3, 1, 4]]), 40)
+    decisions = len(gated.log.decisions)
+    assert decisions >= 3 and gated.passes[0] < 2 / (1 - 0.5) + 2  # a geometric sum, not the passes run
+    assert gated.log.passes_on > gated.passes[0] + 2

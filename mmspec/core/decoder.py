@@ -315,7 +315,9 @@ class SpeculativeDecoder:
             jobs: the prompts (``Job``), in the order they enter.
             max_new_tokens: tokens per job at most (one limit for every job).
             slots: rows decoded at once (the batch; with guidance 2 * slots target rows).
-            eos_token_id, pad_token_id, profile: as in ``generate``.
+            eos_token_id: as in ``generate``.
+            pad_token_id: as in ``generate``.
+            profile: as in ``generate``.
             admit: ``admit(j, idle) -> bool``, asked before job ``j`` (the next in order) enters a
                 free row: whether it may enter now (a server whose jobs arrive over time; None:
                 always). ``idle`` says no row is decoding; then it must answer True (nothing
