@@ -302,12 +302,7 @@ def test_csv_jobs_and_their_errors(tmp_path):
 
 
 def test_batches_only_where_outputs_cannot_change():
-    def job(i, kind="vlm", temperature=0.0, method="vispec"):
-        params = {"image": "x", "question": f"q{i}", "max_new_tokens": 8, "temperature": temperature}
-        if kind == "ar-image":
-            params = {"prompt": "a red circle", "guidance_scale": 2.0, "temperature": 1.0, "top_k": None,
-                      "top_p": None}
-        return batch.Job(i, f"j{i}", kind, method, i, params)
+    from batch_jobs import job
 
     video = [batch.Job(7 + i, f"v{i}", "video", "rolling", 0, {"prompt": "a red circle moving right", "frames": 24,
                                                                 "switches": [], "format": "mp4", "fps": 16, "scale": 8})

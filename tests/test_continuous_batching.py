@@ -175,7 +175,8 @@ def test_text_drafters_restart_rows_with_eos_and_unequal_prompts(drafter, events
         logits = LogitsPipeline(temperature=temperature)
         alone = []
         for i, p in enumerate(prompts):
-            out = SpeculativeDecoder(target, make(), logits=logits).generate([p], 12, eos_token_id=7, generator=[gen(i)])
+            out = SpeculativeDecoder(target, make(), logits=logits).generate([p], 12, eos_token_id=7,
+                                                                             generator=[gen(i)])
             alone.append(out.sequences[0, : int(out.lengths[0])].tolist())
         events.clear()
         served = {s.index: s.tokens.tolist() for s in SpeculativeDecoder(target, make(), logits=logits).serve(
@@ -292,14 +293,12 @@ def test_batch_continuous_writes_the_static_files_as_jobs_finish_and_resumes(tmp
 
 
 def test_make_streams_keeps_one_stream_per_group_and_process():
+    from batch_jobs import job as any_job
+
     from mmspec import batch
 
     def job(i, method="eagle", temperature=0.0, kind="vlm"):
-        params = {"image": "x.png", "question": f"q{i}", "max_new_tokens": 8, "temperature": temperature}
-        if kind == "ar-image":
-            params = {"prompt": "a red circle", "guidance_scale": 2.0, "temperature": 1.0, "top_k": None,
-                      "top_p": None}
-        return batch.Job(i, f"j{i}", kind, method, i, params)
+        return any_job(i, kind, temperature, method)
 
     jobs = [job(0), job(1), job(2, "sd"), job(3), job(4, temperature=0.5), job(5, kind="ar-image", method="sjd"),
             job(6)]

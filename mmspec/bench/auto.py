@@ -7,13 +7,14 @@ run, when there is none or ``calibrate=True``, ``mmspec.bench.cost.calibrate``);
 the profile's candidates the lossless budget admits, plus ``auto`` (its default knobs: lossless,
 re-decided every 16 passes). Per batch size B: one untimed warm-up call per row (cut after three
 passes), then ``rounds`` rounds of one call per row (rows interleaved within a round, their order
-rotated by one each round; round r asks for prompts r*B .. r*B + B - 1, seeds likewise). AR calls use the benches' settings (classifier-free guidance 2,
-temperature 1, 256 tokens an image); VLM calls answer held-out scenes greedily, 64 new tokens at
-most. Figures per row: mean wall seconds of a call, generated tokens per second, NFE and tau
-(``out.stats``), ``x_vs_none`` (none's wall / the row's, same B, same run); for ``auto`` also what
-it chose, its predicted speed-up, its passes with and without drafting, ``auto_vs_best`` (the best
-fixed row's wall / auto's) and, for the VLM, whether its answers equal ``none``'s (greedy: they
-must). The summary rows say whether each target holds.
+rotated by one each round; round r asks for prompts r*B .. r*B + B - 1, seeds likewise). AR calls
+use the benches' settings (classifier-free guidance 2, temperature 1, 256 tokens an image); VLM
+calls answer held-out scenes greedily, 64 new tokens at most. Figures per row: mean wall seconds of
+a call, generated tokens per second, NFE and tau (``out.stats``), ``x_vs_none`` (none's wall / the
+row's, same B, same run); for ``auto`` also what it chose, its predicted speed-up, its passes with
+and without drafting, ``auto_vs_best`` (the best fixed row's wall / auto's) and, for the VLM,
+whether its answers equal ``none``'s (greedy: they must). The summary rows say whether each target
+holds.
 """
 
 from __future__ import annotations

@@ -21,11 +21,11 @@ waiting job's prefill while the others keep decoding (``mmspec.serve.slots``).
 **Runs.** After a warm-up (every policy and method serving the first ``2 * batch_size`` jobs at
 once), each (load, policy, method) is run ``rounds`` times, rounds outer and runs interleaved.
 
-**Figures per row:** jobs per minute over the makespan (first arrival to last finish; the mean
-over rounds), p50 / p95 latency (every round's jobs pooled), the mean batch occupancy (static: rows per call; continuous: rows decoding when each job
-ends), the process's CPU use (CPU seconds / wall seconds, so at most
-the torch threads; a GPU's utilisation where ``torch.cuda.utilization`` answers), and whether every
-answer equals the first run's (greedy: they must).
+**Figures per row:** jobs per minute over the makespan (first arrival to last finish; the mean over
+rounds), p50 / p95 latency (every round's jobs pooled), the mean batch occupancy (static: rows per
+call; continuous: rows decoding when each job ends), the process's CPU use (CPU seconds / wall
+seconds, so at most the torch threads; a GPU's utilisation where ``torch.cuda.utilization``
+answers), and whether every answer equals the first run's (greedy: they must).
 """
 
 from __future__ import annotations

@@ -209,7 +209,7 @@ def register_subcommand(subparsers) -> None:
                        help=f"video only: the row groups to run, among {', '.join(VIDEO_GROUPS)} (default all)")
     bench.add_argument("--calibrate", action="store_true",
                        help="cost: measure this machine's cost profile for method='auto' (pass costs by batch size, "
-                            "acceptance; a minute or two per target) and save it under ~/.cache/mmspec/profiles; "
+                            "acceptance; here about 5.5 minutes for both bundled targets) and save it under ~/.cache/mmspec/profiles; "
                             "auto: calibrate first even when a profile exists")
     bench.add_argument("--target", nargs="+", choices=("ar-image", "vlm"), metavar="TARGET",
                        help="cost --calibrate and auto only: the targets, among ar-image, vlm (default both)")

@@ -10,13 +10,14 @@ pass. Every decision depends only on passes already decoded, and verification is
 lossless method stays lossless: greedy outputs equal the target alone, sampled ones keep its law.
 
 The decision (``SpeedGate``), every ``every`` passes: with ``n_r`` each row's tokens still to
-generate (``state.new_tokens`` minus its generated tokens: an upper bound where rows may stop at
-an end token) and ``tau_r`` its tokens per speculating pass so far (the evidence halved at each
-decision, and the calibration's tau counted as ``prior_passes`` passes: one early window of a
-Jacobi drafter, still converging, does not switch a good method off), the rest of a static batch takes about ``max_r(n_r / tau_r) * c_on`` speculating and ``max_r(n_r) * c_off``
-not (``c_on``, ``c_off``: the measured seconds of a pass at this batch size with and without the
-drafter, its draft passes included). Speculation stays on while the first is smaller by the
-``margin``; once off, it is probed again (``every`` passes on) after ``probe`` passes off.
+generate (``state.new_tokens`` minus its generated tokens: an upper bound where rows may stop at an
+end token) and ``tau_r`` its tokens per speculating pass so far (the evidence halved at each
+decision, and the calibration's tau counted as ``prior_passes`` passes: one early window of a Jacobi
+drafter, still converging, does not switch a good method off), the rest of a static batch takes
+about ``max_r(n_r / tau_r) * c_on`` speculating and ``max_r(n_r) * c_off`` not (``c_on``, ``c_off``:
+the measured seconds of a pass at this batch size with and without the drafter, its draft passes
+included). Speculation stays on while the first is smaller by the ``margin``; once off, it is probed
+again (``every`` passes on) after ``probe`` passes off.
 """
 
 from __future__ import annotations

@@ -3,12 +3,12 @@ cost profile and acceptance statistics, under a quality budget.
 
 **The profile** (``CostProfile``; ``mmspec bench cost --calibrate`` writes it, ``mmspec.bench.cost.
 calibrate``) holds, for one pipeline (its models' fingerprint) on one machine (CPU or GPU model,
-threads, dtype): per candidate method (``CANDIDATES``) and batch size B (1, 2, 4, 8 by default)
-the seconds of one decode pass ``pass_s[B]`` (target verify plus the draft passes, the loop's own
-work included: the median over a call's passes) and of everything before the first pass
-``prefill_s[B]``; and at B = 1 each calibration prompt's decode passes ``passes`` and tokens per
-decode pass ``tau``, with the call's new-token budget ``n``. It is a small JSON under ``cache_dir()`` (``MMSPEC_CACHE``, else
-``$XDG_CACHE_HOME/mmspec``, else ``~/.cache/mmspec``), named by ``profile_key``.
+threads, dtype): per candidate method (``CANDIDATES``) and batch size B (1, 2, 4, 8 by default) the
+seconds of one decode pass ``pass_s[B]`` (target verify plus the draft passes, the loop's own work
+included: the median over a call's passes) and of everything before the first pass ``prefill_s[B]``;
+and at B = 1 each calibration prompt's decode passes ``passes`` and tokens per decode pass ``tau``,
+with the call's new-token budget ``n``. It is a small JSON under ``cache_dir()`` (``MMSPEC_CACHE``,
+else ``$XDG_CACHE_HOME/mmspec``, else ``~/.cache/mmspec``), named by ``profile_key``.
 
 **The prediction** (``predict_seconds``): a static batch of B rows takes its slowest row's passes,
 so a call's seconds are ``prefill_s[B] + pass_s[B] * E[max of B draws of a prompt's passes]`` (exact
@@ -319,8 +319,8 @@ class Choice:
         if self.row is None or self.base is None or self.method == "none":
             return None
         prior = len(self.row.tau) / sum(1.0 / t for t in self.row.tau)
-        return {"c_on": at_batch(self.row.pass_s, self.batch_size), "c_off": at_batch(self.base.pass_s, self.batch_size),
-                "prior_tau": prior}
+        b = self.batch_size
+        return {"c_on": at_batch(self.row.pass_s, b), "c_off": at_batch(self.base.pass_s, b), "prior_tau": prior}
 
 
 def admitted(profile: CostProfile, row: Row, quality: str) -> bool:

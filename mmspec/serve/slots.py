@@ -22,7 +22,7 @@ from ..core.errors import check
 from .ar_image import check_ar_prompt
 from .base import Models, Result, generators, plain_stats, resolve
 from .passes import commit_passes
-from .vlm import as_rgb, open_image
+from .vlm import check_requests, open_image
 
 
 def _check_slots(slots) -> int:
@@ -43,13 +43,7 @@ def run_vlm_continuous(models: Models, images: list, questions: list[str], seeds
     """Answer each question about its image (``run_vlm``'s inputs and checks), ``slots`` answers
     in flight at once; yields ``(index, Result)`` as each answer ends. ``admit(j, idle)``: whether
     job j (the next, in order) may enter a free row now (``SpeculativeDecoder.serve``)."""
-    images = [as_rgb(im) for im in images]
-    check(len(questions) == len(images) and all(isinstance(q, str) and q.strip() for q in questions), "question",
-          "a non-empty question per image", questions)
-    check(len(seeds) == len(images), "seeds", f"one seed per image ({len(images)})", seeds)
-    resolve("vlm", method, knobs)
-    check(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and 1 <= max_new_tokens <= 512,
-          "max_new_tokens", "an int in [1, 512]", max_new_tokens)
+    images = check_requests(images, questions, seeds, method, knobs, max_new_tokens)
     _check_slots(slots)
     pipe = models.pipeline("vlm")
     t0 = time.perf_counter()

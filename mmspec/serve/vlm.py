@@ -64,11 +64,10 @@ def vlm_batchable(method: str, temperature: float) -> bool:
     return temperature == 0
 
 
-def run_vlm(models: Models, images: list, questions: list[str], seeds: list[int], method: str = "none",
-            knobs: dict | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
-            on_pass: Callable[[int, list[int]], None] | None = None) -> list[Result]:
-    """Answer each question about its image. ``on_pass(step, tokens)`` is called after every
-    target pass with the first answer's tokens so far (its text as it is decoded)."""
+def check_requests(images: list, questions: list[str], seeds: list[int], method: str, knobs: dict | None,
+                   max_new_tokens: int) -> list[np.ndarray]:
+    """VLM requests checked before any model runs (``ValueError`` naming the argument); returns the
+    images as (H, W, 3) uint8 arrays."""
     images = [as_rgb(im) for im in images]
     check(len(questions) == len(images) and all(isinstance(q, str) and q.strip() for q in questions), "question",
           "a non-empty question per image", questions)
@@ -76,6 +75,15 @@ def run_vlm(models: Models, images: list, questions: list[str], seeds: list[int]
     resolve("vlm", method, knobs)
     check(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and 1 <= max_new_tokens <= 512,
           "max_new_tokens", "an int in [1, 512]", max_new_tokens)
+    return images
+
+
+def run_vlm(models: Models, images: list, questions: list[str], seeds: list[int], method: str = "none",
+            knobs: dict | None = None, max_new_tokens: int = 64, temperature: float = 0.0,
+            on_pass: Callable[[int, list[int]], None] | None = None) -> list[Result]:
+    """Answer each question about its image. ``on_pass(step, tokens)`` is called after every
+    target pass with the first answer's tokens so far (its text as it is decoded)."""
+    images = check_requests(images, questions, seeds, method, knobs, max_new_tokens)
     pipe = models.pipeline("vlm")
     snapshots: list[torch.Tensor] = []
 

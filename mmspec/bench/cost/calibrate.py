@@ -1,18 +1,18 @@
 """``mmspec bench cost --calibrate``: this machine's cost profile for ``method="auto"``
-(``mmspec.methods.auto``), a minute or two per pipeline.
+(``mmspec.methods.auto``) (here about 5.5 minutes for both bundled pipelines).
 
 For one pipeline (the bundled ``assets/ar-image`` or ``assets/vlm``, or a folder of the same kind)
 and every candidate method it holds the components for (``auto.CANDIDATES``), after one untimed
 whole call of the first candidate at the largest batch size:
 
 1. **Pass costs by batch size.** For B in ``batch_sizes``: one untimed warm-up call cut after two
-   passes (``pipe._interrupt``), then ``rounds`` rounds over the candidates, each round whole
-   calls of B prompts until ``min_gaps / rounds`` pass gaps (or ``max_calls / rounds`` calls). A callback stamps the clock after every pass: ``pass_s[B]`` is the median
-   gap between passes (the pass's target verify, its draft passes and the loop's own work, at
-   every prefix length the calls reached), ``prefill_s[B]`` the median time from a call to its
-   first stamp less one pass (input checks, encoding, the prefill). Candidates (in the
-   registry's order) run inside batch sizes, so that what one batch size compares is measured
-   close together in time.
+   passes (``pipe._interrupt``), then ``rounds`` rounds over the candidates, each round whole calls
+   of B prompts until ``min_gaps / rounds`` pass gaps (or ``max_calls / rounds`` calls). A callback
+   stamps the clock after every pass: ``pass_s[B]`` is the median gap between passes (the pass's
+   target verify, its draft passes and the loop's own work, at every prefix length the calls
+   reached), ``prefill_s[B]`` the median time from a call to its first stamp less one pass (input
+   checks, encoding, the prefill). Candidates (in the registry's order) run inside batch sizes, so
+   that what one batch size compares is measured close together in time.
 2. **Acceptance.** At B = 1, ``prompts`` whole calls per candidate (the first is step 1's B = 1
    call; then prompts outer, candidates inner): each prompt's decode passes and tokens per pass
    (``out.stats``).
