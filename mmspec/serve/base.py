@@ -69,7 +69,7 @@ def register(runner: Runner) -> Runner:
 
 def runner(kind: str) -> Runner:
     """The runner of job kind ``kind``, or ``ValueError`` listing the kinds."""
-    check(kind in RUNNERS, "kind", "one of " + ", ".join(repr(k) for k in RUNNERS), kind)
+    check(kind in RUNNERS, "kind", "one of " + ", ".join(repr(k) for k in sorted(RUNNERS)), kind)
     return RUNNERS[kind]
 
 
