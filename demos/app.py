@@ -7,7 +7,9 @@ tabs share the class prompts and the classifier's quality figure.
 
 The module defines ``demo`` (a ``gr.Blocks``) and does not launch at import. Models load from
 ``assets/`` on the first request, once, and every user shares them (``mmspec.serve.Models``);
-model events go through one queue that runs at most ``CONCURRENCY`` of them at a time. The
+model events go through one queue that runs at most ``CONCURRENCY`` of them at a time. The VLM
+tab's "Answer in a shared batch" sends the request to ``SHARED`` (``serve.SharedQueue``), where the
+requests of every user waiting at that moment are decoded together by continuous batching. The
 server listens on 127.0.0.1 unless ``--host`` says otherwise.
 
 Method dropdowns and knob inputs come from the method registry (``mmspec.methods``), so a new
@@ -40,6 +42,9 @@ log = logging.getLogger("mmspec.demo")
 CONCURRENCY = int(os.environ.get("MMSPEC_DEMO_CONCURRENCY", "2"))
 QUEUE_SIZE = 64  # waiting requests beyond this are refused with a message, not queued forever
 MODELS = serve.Models()
+# the VLM tab's "Answer in a shared batch": users' requests decoded together (continuous batching)
+SHARED = serve.SharedQueue(MODELS, slots=int(os.environ.get("MMSPEC_DEMO_SLOTS", "4")), window_s=0.1)
+SHARED_WAITERS = 16  # shared-batch events waiting at once (they wait on SHARED's one worker, not on a core)
 SCENES = 8  # bundled procedural scenes offered in the VLM tab
 VIDEO_MAX_FRAMES = 960  # per demo request (320 chunks of the bundled model); batch takes longer ones
 VIDEO_UPDATE_SECONDS = 0.25  # streamed video updates at most this often (the last chunk always shows)
@@ -252,15 +257,8 @@ def pick_scene(choice):
 
 def vlm_answer(image, question, method, max_new_tokens, *knob_values):
     """Streams (answer pieces, baseline stats, method stats, error) as the method decodes."""
-    names = list(serve.knob_specs("vlm"))
     try:
-        image = serve.as_rgb(image)
-        knobs = _collect_knobs("vlm", method, names, knob_values)
-        serve.resolve("vlm", method, knobs)
-        max_new = _int(max_new_tokens, "max_new_tokens")
-        question = question if isinstance(question, str) else ""
-        if not question.strip():
-            raise ValueError("question must be a non-empty question about the image, got an empty box")
+        image, question, knobs, max_new = _check_vlm_inputs(image, question, method, max_new_tokens, knob_values)
     except Exception as err:
         yield None, "", "", _error(err)
         return
@@ -289,6 +287,41 @@ def vlm_answer(image, question, method, max_new_tokens, *knob_values):
     yield pieces, base_md, ours_md, ""
 
 
+def _check_vlm_inputs(image, question, method, max_new_tokens, knob_values):
+    """The VLM tab's inputs checked -> (image, question, knobs, max_new_tokens); raises ValueError."""
+    image = serve.as_rgb(image)
+    knobs = _collect_knobs("vlm", method, list(serve.knob_specs("vlm")), knob_values)
+    serve.resolve("vlm", method, knobs)
+    max_new = _int(max_new_tokens, "max_new_tokens")
+    question = question if isinstance(question, str) else ""
+    if not question.strip():
+        raise ValueError("question must be a non-empty question about the image, got an empty box")
+    return image, question, knobs, max_new
+
+
+def vlm_shared(image, question, method, max_new_tokens, *knob_values):
+    """The answer decoded in a batch shared with other users' requests (``serve.SharedQueue``:
+    continuous batching, no token streaming) -> (answer pieces, baseline stats, method stats, error).
+    The baseline goes through the same queue (batched with other users' baselines)."""
+    try:
+        image, question, knobs, max_new = _check_vlm_inputs(image, question, method, max_new_tokens, knob_values)
+        ours_f = SHARED.submit(image, question, 0, method, knobs, max_new)
+        base_f = ours_f if method == "none" else SHARED.submit(image, question, 0, "none", {}, max_new)
+        ours, base = ours_f.result(), base_f.result()
+    except Exception as err:
+        return None, "", "", _error(err)
+    pieces = render.vlm_pieces(MODELS, ours.tokens, ours.commit_pass)
+    same = "yes, token for token" if ours.tokens == base.tokens else "**NO: the answers differ**"
+    base_md = f"**baseline (none)** - {render.stats_line(base.stats)}"
+    ours_md = (f"**{method}** - {render.stats_line(ours.stats, base.stats)}\n\n"
+               f"Decoded in a shared batch of {ours.stats['group']} requests ({ours.stats['batch']} rows at once, "
+               f"a finished answer's row refilled by the next request); waited {ours.stats['queued_seconds']:.2f} s "
+               f"for its batch. Greedy answer equal to the baseline's: {same}")
+    if "auto" in ours.stats:
+        ours_md += f"\n\n{ours.stats['auto']}"
+    return pieces, base_md, ours_md, ""
+
+
 def vlm_tab():
     names = methods.auto.method_names("vlm", methods.names("vlm"))
     with gr.Row():
@@ -303,7 +336,9 @@ def vlm_tab():
             max_new = gr.Number(value=64, precision=0, label="max new tokens", elem_id="vlm-max-new")
             with gr.Accordion("method knobs", open=False):
                 knobs = _knob_inputs("vlm", "vlm", first)
-            run = gr.Button("Answer", variant="primary", elem_id="vlm-run")
+            with gr.Row():
+                run = gr.Button("Answer", variant="primary", elem_id="vlm-run")
+                shared = gr.Button("Answer in a shared batch", elem_id="vlm-shared")
         with gr.Column(scale=2):
             error = gr.Markdown("", elem_id="vlm-error")
             answer = gr.HighlightedText(label="answer (highlighted: tokens from accepted drafts)",
@@ -316,6 +351,10 @@ def vlm_tab():
     run.click(vlm_answer, inputs=[image, question, method, max_new, *knob_list],
               outputs=[answer, base_stats, ours_stats, error], api_name="vlm_answer",
               concurrency_limit=CONCURRENCY, concurrency_id="models")
+    # decoded by SHARED's one worker with other users' requests: these events only wait on it
+    shared.click(vlm_shared, inputs=[image, question, method, max_new, *knob_list],
+                 outputs=[answer, base_stats, ours_stats, error], api_name="vlm_shared",
+                 concurrency_limit=SHARED_WAITERS, concurrency_id="shared")
 
 
 # ---------------------------------------------------------------- streaming video

@@ -21,24 +21,26 @@ measured to hold, and ``tests/test_batch.py`` checks batched files against batch
 
 Continuous batching (``slots.py``: ``run_vlm_continuous``, ``run_ar_continuous``, ``SLOT_RUNNERS``
 for ``mmspec batch --continuous``): jobs stream through a batch of slots, a finished job's row
-refilled by the next job's prefill, each job yielded as it ends.
+refilled by the next job's prefill, each job yielded as it ends. ``SharedQueue`` (``shared.py``):
+requests from many threads (the demo's users) decoded together that way, a future per request.
 """
 
-from . import ar_image, continuous, slots, video, vlm
+from . import ar_image, continuous, shared, slots, video, vlm
 from .ar_image import AR_BATCHABLE, ar_batchable, ar_prompts, check_ar_prompt, class_confidence, run_ar
 from .continuous import continuous_batchable, run_continuous
 from .base import (ASSETS, GAUGE, RUNNERS, ActivityGauge, Models, Result, Runner, check_seed, knob_specs,
                      method_defaults, resolve, runner)
 from .video import (VIDEO_MAX_FRAMES, VideoPiece, check_video_knobs, run_video, stream_video, video_batchable,
                     video_config, video_schedule, video_stats, write_video)
+from .shared import SharedQueue
 from .slots import SLOT_RUNNERS, run_ar_continuous, run_vlm_continuous
 from .vlm import Partial, as_rgb, open_image, run_vlm, scene, stream_vlm, vlm_batchable
 
 __all__ = [
     "ASSETS", "AR_BATCHABLE", "GAUGE", "RUNNERS", "SLOT_RUNNERS", "VIDEO_MAX_FRAMES", "ActivityGauge", "Models",
-    "Partial", "Result", "Runner", "VideoPiece", "ar_batchable", "ar_image", "ar_prompts", "as_rgb",
+    "Partial", "Result", "Runner", "SharedQueue", "VideoPiece", "ar_batchable", "ar_image", "ar_prompts", "as_rgb",
     "check_ar_prompt", "check_seed", "check_video_knobs", "class_confidence", "continuous", "continuous_batchable",
     "knob_specs", "method_defaults", "open_image", "resolve", "run_ar", "run_ar_continuous", "run_continuous",
-    "run_video", "run_vlm", "run_vlm_continuous", "runner", "scene", "slots", "stream_video", "stream_vlm", "video",
-    "video_batchable", "video_config", "video_schedule", "video_stats", "vlm", "vlm_batchable", "write_video",
+    "run_video", "run_vlm", "run_vlm_continuous", "runner", "scene", "shared", "slots", "stream_video", "stream_vlm",
+    "video", "video_batchable", "video_config", "video_schedule", "video_stats", "vlm", "vlm_batchable", "write_video",
 ]
