@@ -48,6 +48,10 @@ SHARED_WAITERS = 16  # shared-batch events waiting at once (they wait on SHARED'
 SCENES = 8  # bundled procedural scenes offered in the VLM tab
 VIDEO_MAX_FRAMES = 960  # per demo request (320 chunks of the bundled model); batch takes longer ones
 VIDEO_UPDATE_SECONDS = 0.25  # streamed video updates at most this often (the last chunk always shows)
+# every image fills its box, pixels scaled nearest-neighbour (the bundled models draw 32-64 pixels)
+PIXELS = ["mmspec-pixels"]
+PIXELS_CSS = (".mmspec-pixels img { width: 100% !important; height: 100% !important; "
+              "object-fit: contain !important; image-rendering: pixelated; }")
 CLIP_DIR = Path(tempfile.gettempdir()) / "mmspec-demo"  # a finished clip, until gradio has copied it to its cache
 
 
@@ -186,11 +190,11 @@ def ar_tab():
         with gr.Column(scale=2):
             error = gr.Markdown("", elem_id="ar-error")
             with gr.Row():
-                base_img = gr.Image(label="baseline", format="png", height=192, interactive=False,
+                base_img = gr.Image(label="baseline", format="png", height=192, elem_classes=PIXELS, interactive=False,
                                     elem_id="ar-base-img")
-                ours_img = gr.Image(label="method", format="png", height=192, interactive=False,
+                ours_img = gr.Image(label="method", format="png", height=192, elem_classes=PIXELS, interactive=False,
                                     elem_id="ar-ours-img")
-                grid_img = gr.Image(label="pass per token", format="png", height=192,
+                grid_img = gr.Image(label="pass per token", format="png", height=192, elem_classes=PIXELS,
                                     interactive=False, elem_id="ar-grid-img")
             base_stats = gr.Markdown("", elem_id="ar-base-stats")
             ours_stats = gr.Markdown("", elem_id="ar-ours-stats")
@@ -229,9 +233,9 @@ def continuous_tab():
         with gr.Column(scale=2):
             error = gr.Markdown("", elem_id="cont-error")
             with gr.Row():
-                base_img = gr.Image(label="baseline", format="png", height=192, interactive=False,
+                base_img = gr.Image(label="baseline", format="png", height=192, elem_classes=PIXELS, interactive=False,
                                     elem_id="cont-base-img")
-                ours_img = gr.Image(label="method", format="png", height=192, interactive=False,
+                ours_img = gr.Image(label="method", format="png", height=192, elem_classes=PIXELS, interactive=False,
                                     elem_id="cont-ours-img")
             base_stats = gr.Markdown("", elem_id="cont-base-stats")
             ours_stats = gr.Markdown("", elem_id="cont-ours-stats")
@@ -329,7 +333,7 @@ def vlm_tab():
             scene = gr.Dropdown(_scene_choices(), value="scene 0", label="bundled scene (or upload below)",
                                 elem_id="vlm-scene")
             image = gr.Image(value=serve.scene(0), label="image", format="png", type="numpy", height=192,
-                             elem_id="vlm-image")
+                             elem_classes=PIXELS, elem_id="vlm-image")
             question = gr.Textbox("describe the image in detail .", label="question", elem_id="vlm-question")
             first = "vispec" if "vispec" in names else names[0]
             method = gr.Dropdown(list(names), value=first, label="method", elem_id="vlm-method")
@@ -435,8 +439,8 @@ def video_tab():
             error = gr.Markdown("", elem_id="video-error")
             progress = gr.Markdown("", elem_id="video-progress")
             with gr.Row():
-                latest = gr.Image(label="latest frame", format="png", height=256, interactive=False,
-                                  elem_id="video-latest")
+                latest = gr.Image(label="latest frame", format="png", height=256, elem_classes=PIXELS,
+                                  interactive=False, elem_id="video-latest")
                 clip = gr.Video(label="clip (MP4)", height=256, interactive=False, elem_id="video-clip")
             strip = gr.Image(label="one frame per chunk", format="png", interactive=False, elem_id="video-strip")
             stats = gr.Markdown("", elem_id="video-stats")
@@ -455,6 +459,7 @@ TABS = (("AR image", ar_tab), ("VLM", vlm_tab), ("Streaming video", video_tab),
 
 def build() -> gr.Blocks:
     with gr.Blocks(title="mmspec: speculative decoding for multimodal generation") as blocks:
+        gr.HTML(f"<style>{PIXELS_CSS}</style>", padding=False)  # here, not launch(css=): tests launch `demo`
         gr.Markdown("# mmspec\nSpeculative decoding for multimodal generation, on the bundled tiny models "
                     "(CPU). The AR image, VLM and continuous-token tabs run the baseline and the chosen method on the "
                     "same seed; the streaming video tab shows chunks as they are decoded.")

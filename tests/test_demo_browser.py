@@ -86,6 +86,20 @@ def _image_width(page, selector: str) -> int:
     return img.evaluate("el => el.naturalWidth")
 
 
+def _drawn_width(page, selector: str) -> float:
+    """The width in CSS pixels the page draws the image of ``selector`` at (its element's box,
+    the picture scaled into it keeping its aspect: object-fit contain)."""
+    img = page.wait_for_selector(f"{selector} img", state="visible", timeout=TIMEOUT)
+    page.wait_for_function("el => el.complete && el.naturalWidth > 0", arg=img, timeout=TIMEOUT)
+    return img.evaluate("""el => { const r = el.getBoundingClientRect(), s = getComputedStyle(el);
+        const k = s.objectFit === 'contain' ? Math.min(r.width / el.naturalWidth, r.height / el.naturalHeight)
+                : Math.min(1, r.width / el.naturalWidth, r.height / el.naturalHeight);
+        return s.imageRendering === 'pixelated' ? k * el.naturalWidth : -1; }""")
+
+
+FILLED = 140  # CSS px: a 64-pixel image drawn nearest-neighbour over most of its 192-pixel box (150 measured)
+
+
 def _bad_input(page, tab: str, field: str, value: str, message: str, shot) -> None:
     """Fill ``field`` (a CSS selector) with ``value``, run ``tab``: ``message`` shows in the tab's
     error box, the page stays alive (no traceback); screenshot to ``shot``."""
@@ -103,6 +117,8 @@ def test_ar_tab(page, tmp_path):
     assert _image_width(page, "#ar-base-img") == 64  # the generated images, decoded in the page
     assert _image_width(page, "#ar-ours-img") == 64
     assert _image_width(page, "#ar-grid-img") == 256  # the 16 x 16 per-token picture
+    for box in ("#ar-base-img", "#ar-ours-img", "#ar-grid-img"):  # drawn to fill the box, not as thumbnails
+        assert _drawn_width(page, box) >= FILLED, box
     base, ours = _text(page, "#ar-base-stats"), _text(page, "#ar-ours-stats")
     assert "NFE 256" in base and "tau 1.00" in base
     assert "gsd" in ours and "NFE" in ours and "tau" in ours
@@ -127,6 +143,7 @@ def test_ar_tab(page, tmp_path):
 def test_vlm_tab(page, tmp_path):
     page.get_by_role("tab", name="VLM").click()
     page.wait_for_selector("#vlm-run", state="visible", timeout=TIMEOUT)
+    assert _image_width(page, "#vlm-image") == 64 and _drawn_width(page, "#vlm-image") >= FILLED  # the scene
     # record every text the answer box shows while it streams
     page.evaluate("""() => { window.seen = []; const el = document.querySelector('#vlm-answer');
         new MutationObserver(() => window.seen.push(el.innerText)).observe(el, {subtree: true, childList: true,
@@ -167,6 +184,7 @@ def test_continuous_tab(page, tmp_path):
     _wait_text(page, "#cont-ours-stats", "speed-up")
     assert _image_width(page, "#cont-base-img") == 64
     assert _image_width(page, "#cont-ours-img") == 64
+    assert min(_drawn_width(page, "#cont-base-img"), _drawn_width(page, "#cont-ours-img")) >= FILLED
     base, ours = _text(page, "#cont-base-stats"), _text(page, "#cont-ours-stats")
     assert "NFE 64" in base and "tau 1.00" in base  # 8 x 8 tokens, one per target pass
     assert "sjd: lossless" in ours and "p(requested class)" in ours
@@ -193,6 +211,7 @@ def test_video_tab(page, tmp_path):
     stats = _text(page, "#video-stats")
     assert "rolling" in stats and "60 frames, 20 chunks" in stats and "fps" in stats and "cache 12 frames" in stats
     assert _image_width(page, "#video-latest") == 256  # the last frame, 8x
+    assert _drawn_width(page, "#video-latest") >= 200  # filling its 256-pixel box
     assert _image_width(page, "#video-strip") == 16 * 64  # one frame per chunk, 2x, 16 per row
     # the MP4 plays in Chromium: its metadata loads and it has the clip's size
     video = page.wait_for_selector("#video-clip video", state="attached", timeout=TIMEOUT)
