@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.mmspec-installed
 
-.PHONY: run test test-fast install docs demo bench bench-ar-image bench-vlm bench-kernels bench-video assets clean gpu-check gpu-wheels
+.PHONY: run test test-slow test-all test-fast install docs demo bench bench-ar-image bench-vlm bench-kernels bench-video assets clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -17,9 +17,17 @@ install: $(STAMP)
 run: $(STAMP)
 	$(BIN)/mmspec showcase
 
-# the whole suite on two pytest-xdist workers (each test runs torch on one thread: tests/conftest.py)
+# the fast tier on two pytest-xdist workers (each test runs torch on one thread: tests/conftest.py);
+# the slow tier (tests/slow_tier.txt and @pytest.mark.slow: statistical laws, trainings, child
+# processes, timing, memory) is `make test-slow`; CI (.ci/run) runs both, `make test-all` too
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -n 2
+	$(BIN)/python -m pytest -q -n 2 -m "not slow"
+
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m slow
+
+test-all: $(STAMP)
+	$(BIN)/python -m pytest -q -n 2 -m ""
 
 # everything but the slow, statistical, browser and GPU tests (markers in pyproject.toml), on two workers
 test-fast: $(STAMP)
