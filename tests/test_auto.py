@@ -340,3 +340,51 @@ def test_gate_evidence_decays_at_each_decision(small_vocab_pair):
     decisions = len(gated.log.decisions)
     assert decisions >= 3 and gated.passes[0] < 2 / (1 - 0.5) + 2  # a geometric sum, not the passes run
     assert gated.log.passes_on > gated.passes[0] + 2
+
+
+# ---------------------------------------------------------------- the continuous-token pipeline
+
+CONTINUOUS_SHAPE = [
+    row("none", "none", {1: 0.010, 4: 0.012}, [63] * 4, n=64),  # the bundled model's 8 x 8 latents
+    row("sjd-mc", "sjd-mc", {1: 0.012, 4: 0.030}, [36, 40, 42, 45], n=64),
+    row("sd", "sd", {1: 0.020, 4: 0.060}, [36, 40, 42, 45], n=64),
+]
+
+
+def test_continuous_auto_chooses_and_equals_the_chosen_method(tmp_path, monkeypatch):
+    """On the bundled continuous-token pipeline: without ``auto_online`` the output is the chosen
+    method's, latent for latent (same generators); online, the gate reports its passes; B = 4
+    chooses ``none`` from this profile; the serve layer reports the chosen method's head."""
+    from mmspec.pipelines import SpeculativeContinuousARPipeline
+
+    pipe = SpeculativeContinuousARPipeline.from_pretrained(str(serve.ASSETS / "continuous"))
+    pipe.set_progress_bar_config(disable=True)
+    pipe.set_cost_profile(profile(CONTINUOUS_SHAPE, modality="continuous"))
+    gens = lambda b: [torch.Generator().manual_seed(i) for i in range(b)]  # noqa: E731
+    kw = dict(prompt=["a red circle"], output_type="latent")
+    out = pipe(method="auto", method_knobs={"auto_online": False}, generator=gens(1), **kw)
+    assert out.stats["auto_method"] == "sjd-mc" and out.stats["auto_lossless"]
+    fixed = pipe(method="sjd-mc", generator=gens(1), **kw)
+    assert torch.equal(out.latents, fixed.latents)
+    online = pipe(method="auto", method_knobs={"auto_every": 4}, generator=gens(1), **kw)
+    assert online.stats["auto_passes_on"] + online.stats["auto_passes_off"] == online.stats["nfe"] - 1
+    four = pipe(method="auto", prompt=["a red circle"] * 4, output_type="latent", generator=gens(4))
+    assert four.stats["auto_method"] == "none"
+    assert "auto" in methods.auto.method_names("continuous", methods.names("continuous"))
+    models = serve.Models()
+    models._loaded["continuous"] = pipe
+    result = serve.run_continuous(models, ["a red circle"], [0], "auto", {"auto_online": False})[0]
+    assert result.stats["auto_method"] == "sjd-mc" and result.extra == {"lossless": True, "head": "mixture"}
+
+
+def test_continuous_calibration_measures_every_candidate(tmp_path):
+    from mmspec.bench.cost import calibrate as cal
+
+    cfg = cal.CalibrateConfig(modality="continuous", batch_sizes=(1, 2), prompts=2, min_gaps=4, max_calls=2,
+                              rounds=1, labels=("none", "sjd-mc"), out=str(tmp_path / "p.json"))
+    prof = cal.calibrate(cfg)
+    assert set(prof.rows) == {"none", "sjd-mc"} and prof.modality == "continuous"
+    for r in prof.rows.values():
+        assert set(r.pass_s) == {1, 2} and len(r.passes) == 2 and r.n == 64  # 8 x 8 latents
+    assert prof.rows["sjd-mc"].passes[0] < prof.rows["none"].passes[0]  # Jacobi drafts were accepted
+    assert auto.CostProfile.load(tmp_path / "p.json").rows.keys() == prof.rows.keys()

@@ -21,6 +21,7 @@ import torch
 from mmspec import methods
 from mmspec.core import DensityPipeline, Draw, JacobiDensityDrafter, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, grid_chisquare_pvalue, ks_uniform_pvalue
+from mmspec.core.gate import GatedDrafter, SpeedGate
 from mmspec.core.types import Acceptance
 
 from test_continuous_core import GUIDED, N_PIT, PLAIN, generate, rosenblatt, toy_target
@@ -248,3 +249,31 @@ def test_a_mixture_draw_is_a_function_of_its_noise(target):
     torch.testing.assert_close(b.log_prob, q.log_prob(b), rtol=0, atol=0)
     with pytest.raises(NotImplementedError, match="has no noise/from_noise"):
         TokenDist.noise(q)
+
+
+# -- method="auto"'s gate on densities -----------------------------------------------------------
+class PeekingDensityGate(GatedDrafter):
+    """Broken: decides from its own drafts, as ``tests/test_auto.py``'s token gate does: a draft
+    with a positive first coordinate is handed to the rule mirrored (its q left as it was)."""
+
+    def propose(self, state):
+        draft = super().propose(state)
+        if draft.tokens.shape[1]:
+            first = draft.tokens[:, :, :, 0]  # both rows (state, latent) of each drafted token
+            first.copy_(-first.abs())
+        return draft
+
+
+@pytest.mark.statistical
+@pytest.mark.parametrize("gate_cls, lossless", [(GatedDrafter, True), (PeekingDensityGate, False)])
+def test_gated_jacobi_on_densities_keeps_the_law(target, gate_cls, lossless):
+    """``method="auto"``'s gate (``GatedDrafter``) around MC-SJD on densities flips drafting every
+    pass (c_on >> c_off, margin 0, probe 1), so tokens come from passes with and without drafts:
+    the Rosenblatt test above (seed 0, N = 20,000, p >= 1e-3) passes; the peeking gate fails it."""
+    gate = gate_cls(jacobi(target, "maximal"), SpeedGate(c_on=1e3, c_off=1.0, every=1, probe=1))
+    capped = dataclasses.replace(PLAIN, residual_max_tries=1000)  # the peeking gate's residuals can take forever
+    p, stats = pit(target, gate, capped)
+    if lossless:
+        assert gate.log.passes_on > 0 and gate.log.passes_off > 0
+        assert stats.heads["target"].residual_fallbacks == 0 and stats.heads["draft"].residual_fallbacks == 0
+    assert (p >= P_THRESHOLD) == lossless, f"p={p:.2e}"

@@ -27,7 +27,7 @@ import torch
 
 from ..core.errors import check, check_choice
 from ..methods import auto
-from .cost.calibrate import CalibrateConfig, _ar_call, _load, _stamps, _vlm_call, calibrate
+from .cost.calibrate import CalibrateConfig, _load, _stamps, calibrate, call_for
 
 WITHIN_BEST = 0.05  # auto at most this much slower than the best fixed method
 BELOW_NONE = 0.03  # and never more than this much slower than the target alone
@@ -58,6 +58,8 @@ class AutoBenchConfig:
 
 
 def _tokens(modality: str, out) -> int:
+    if modality == "continuous":
+        return int(out.latents.shape[0] * out.latents.shape[1])
     return sum(len(t) for t in out.tokens) if modality == "vlm" else int(out.tokens.numel())
 
 
@@ -80,7 +82,7 @@ def run(cfg: AutoBenchConfig, progress=None, pipes: dict | None = None) -> dict:
         pipe.set_cost_profile(profile)
         profiles[modality] = {"path": profile.path, "key": profile.key, "calibrated_in_this_run": calibrated,
                               "machine": profile.machine, "setup": profile.setup}
-        call, _ = (_ar_call if modality == "ar-image" else _vlm_call)(pipe, ccfg)
+        call, _ = call_for(modality)(pipe, ccfg)
         labels = [label for label, row in profile.rows.items() if row.lossless]
         entries = [(label, profile.rows[label].method, profile.rows[label].knobs) for label in labels]
         entries.append(("auto", "auto", {}))

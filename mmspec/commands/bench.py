@@ -211,8 +211,9 @@ def register_subcommand(subparsers) -> None:
                        help="cost: measure this machine's cost profile for method='auto' (pass costs by batch size, "
                             "acceptance; here about 5.5 minutes for both bundled targets) and save it under ~/.cache/mmspec/profiles; "
                             "auto: calibrate first even when a profile exists")
-    bench.add_argument("--target", nargs="+", choices=("ar-image", "vlm"), metavar="TARGET",
-                       help="cost --calibrate and auto only: the targets, among ar-image, vlm (default both)")
+    bench.add_argument("--target", nargs="+", choices=("ar-image", "vlm", "continuous"), metavar="TARGET",
+                       help="cost --calibrate and auto only: the targets, among ar-image, vlm, continuous "
+                            "(default ar-image and vlm)")
     bench.add_argument("--quality", type=existing_file, metavar="FILE",
                        help="cost --calibrate only: a `mmspec bench ar-image --json` result; its permutation test "
                             "marks the lossy methods auto_quality='kept' admits")

@@ -106,7 +106,9 @@ def _add_continuous(kinds) -> None:
 
     c = kinds.add_parser("continuous", help="AR image generation over continuous tokens (mixture / diffusion heads)")
     c.add_argument("--prompt", required=True, nargs="+", type=non_empty, help='class prompts, e.g. "a red circle"')
-    c.add_argument("--method", default="none", help=f"one of {', '.join(methods.names('continuous'))} (default none)")
+    c.add_argument("--method", default="none",
+                   help=f"one of {', '.join(methods.names('continuous'))}; or auto, the fastest lossless one on this "
+                        "machine from `mmspec bench cost --calibrate --target continuous` (default none)")
     c.add_argument("--knob", action="append", metavar="KEY=VALUE", help="a method knob, e.g. cspd_inner_temperature=10")
     c.add_argument("--out", required=True, type=output_dir, metavar="DIR", help="folder for the PNGs")
     c.add_argument("--model", default=str(ROOT / "assets" / "continuous"),

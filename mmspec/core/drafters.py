@@ -817,13 +817,16 @@ class JacobiDensityDrafter(DrafterBase):
 
     def update(self, state, draft, acceptance, target_probs, target_out):
         B, n = state.batch_size, self.window - 1
-        G = draft.tokens.shape[1]  # == n
+        G = draft.tokens.shape[1]  # n, or 0 after a pass without a draft (GatedDrafter off)
         device = acceptance.num_accepted.device
         # slot k of the next window is old draft a + 1 + k; the target scored it at index a + 1 + k
         # of target_probs (root first), and nothing past index G (the bonus position)
         pos = acceptance.num_accepted[:, None] + 1 + torch.arange(n, device=device)  # (B, n)
         src = pos.clamp(max=G)
-        if self.coupling == "independent":
+        if G == 0 and self.coupling == "noise":  # no draft this pass (a gate held drafting off): all fresh
+            self._noise_draws(state, target_probs, src)
+            return
+        if self.coupling == "independent" or G == 0:
             self.q, self.draws = self._fresh(state, target_probs, src)
             return
         if self.coupling == "noise":  # held slots keep their position's noise, the others get fresh noise

@@ -59,6 +59,10 @@ CANDIDATES: dict[str, tuple[tuple[str, str, dict], ...]] = {
         ("none", "none", {}), ("lookup", "lookup", {}), ("sd", "sd", {}), ("eagle", "eagle", {}),
         ("specvlm", "specvlm", {}), ("vispec", "vispec", {}), ("medusa", "medusa", {}),
     ),
+    "continuous": (  # the mixture head's law (none's); path and none-diffusion sample the diffusion head's
+        ("none", "none", {}), ("sd", "sd", {}), ("sd-warmup", "sd-warmup", {}), ("sjd", "sjd", {}),
+        ("sjd-mc", "sjd-mc", {}), ("sjd-independent", "sjd-independent", {}),
+    ),
 }
 AUTO_KNOBS = {
     "auto_quality": "'lossless' (default) or 'kept'",

@@ -44,7 +44,7 @@ from .config import ASSETS
 
 @dataclass
 class CalibrateConfig:
-    """One calibration: ``modality`` (``"ar-image"`` or ``"vlm"``) of the pipeline in ``folder``
+    """One calibration: ``modality`` (``"ar-image"``, ``"vlm"`` or ``"continuous"``) of the pipeline in ``folder``
     (default the bundled one); ``labels`` the candidates to measure (default all it can run)."""
 
     modality: str = "ar-image"
@@ -57,7 +57,7 @@ class CalibrateConfig:
     labels: tuple | None = None
     quality: str | None = None  # a `mmspec bench ar-image --json` file
     guidance_scale: float = 2.0
-    temperature: float = 1.0  # AR; the VLM decodes greedily
+    temperature: float = 1.0  # AR and continuous; the VLM decodes greedily
     max_new_tokens: int = 64  # VLM
     seed: int = 0
     out: str | None = None  # where to save (default auto.cache_dir()/profiles/<key>)
@@ -99,6 +99,18 @@ def _ar_call(pipe, cfg: CalibrateConfig):
     return call, pipe.transformer.num_image_tokens
 
 
+def _continuous_call(pipe, cfg: CalibrateConfig):
+    classes = pipe.num_classes
+
+    def call(method, knobs, b, start, callback):
+        return pipe(class_labels=[(start + i) % classes for i in range(b)], method=method, method_knobs=knobs,
+                    guidance_scale=cfg.guidance_scale, temperature=cfg.temperature,
+                    generator=[torch.Generator().manual_seed(cfg.seed + start + i) for i in range(b)],
+                    output_type="latent", callback_on_step_end=callback)
+
+    return call, pipe.transformer.num_image_tokens
+
+
 def _vlm_call(pipe, cfg: CalibrateConfig):
     from ..vlm import bench_prompts
 
@@ -114,10 +126,17 @@ def _vlm_call(pipe, cfg: CalibrateConfig):
     return call, cfg.max_new_tokens
 
 
+def call_for(modality: str):
+    """``(pipe, cfg) -> (call, n)``: how to run one calibration call of ``modality``'s pipeline,
+    ``call(method, knobs, b, start, callback)``, and its new tokens per row."""
+    return {"ar-image": _ar_call, "vlm": _vlm_call, "continuous": _continuous_call}[modality]
+
+
 def _load(cfg: CalibrateConfig):
     from ... import pipelines
 
-    cls = {"ar-image": pipelines.SpeculativeARImagePipeline, "vlm": pipelines.SpeculativeVLMPipeline}[cfg.modality]
+    cls = {"ar-image": pipelines.SpeculativeARImagePipeline, "vlm": pipelines.SpeculativeVLMPipeline,
+           "continuous": pipelines.SpeculativeContinuousARPipeline}[cfg.modality]
     pipe = cls.from_pretrained(cfg.folder or str(ASSETS / cfg.modality))
     pipe.set_progress_bar_config(disable=True)
     return pipe
@@ -162,7 +181,7 @@ def calibrate(cfg: CalibrateConfig, progress: Callable[[str], None] | None = Non
     say = progress or (lambda msg: None)
     quality = quality_record(cfg.quality) if cfg.quality else {}
     pipe = pipe if pipe is not None else _load(cfg)
-    call, n = (_ar_call if cfg.modality == "ar-image" else _vlm_call)(pipe, cfg)
+    call, n = call_for(cfg.modality)(pipe, cfg)
     rows = []
     for label, method, knobs in auto.CANDIDATES[cfg.modality]:
         if cfg.labels is not None and label not in cfg.labels:
@@ -217,8 +236,9 @@ def calibrate(cfg: CalibrateConfig, progress: Callable[[str], None] | None = Non
                                     passes[label], taus[label], n)
                     for label, method, knobs, lossless in rows}
     setup = {"batch_sizes": list(cfg.batch_sizes), "prompts": cfg.prompts,
-             "threads": torch.get_num_threads(), "guidance_scale": cfg.guidance_scale if cfg.modality == "ar-image"
-             else None, "temperature": cfg.temperature if cfg.modality == "ar-image" else 0.0,
+             "threads": torch.get_num_threads(),
+             "guidance_scale": None if cfg.modality == "vlm" else cfg.guidance_scale,
+             "temperature": 0.0 if cfg.modality == "vlm" else cfg.temperature,
              "max_new_tokens": cfg.max_new_tokens if cfg.modality == "vlm" else None, "seed": cfg.seed,
              "folder": cfg.folder or str(ASSETS / cfg.modality), "date": time.strftime("%Y-%m-%d %H:%M:%S UTC",
                                                                                       time.gmtime())}
