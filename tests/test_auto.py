@@ -388,3 +388,16 @@ def test_continuous_calibration_measures_every_candidate(tmp_path):
         assert set(r.pass_s) == {1, 2} and len(r.passes) == 2 and r.n == 64  # 8 x 8 latents
     assert prof.rows["sjd-mc"].passes[0] < prof.rows["none"].passes[0]  # Jacobi drafts were accepted
     assert auto.CostProfile.load(tmp_path / "p.json").rows.keys() == prof.rows.keys()
+
+
+def test_a_near_tie_with_none_chooses_none():
+    """A drafting method predicted under ``MIN_GAIN`` (1.05x) over none is not chosen; at or above
+    it, it is (the reason says which rule decided)."""
+    def with_gain(x):  # a drafter whose predicted speed-up over none at B=1 is x
+        return profile([row("none", "none", {1: 0.01}, [63], prefill=0.0),
+                        row("sjd", "sjd", {1: 0.01 / x}, [63], prefill=0.0)])
+
+    near = auto.choose(with_gain(1.04), 1)
+    assert near.label == "none" and "drafting must be predicted >= 1.05x" in near.reason
+    assert near.table["sjd"] == pytest.approx(1.04)
+    assert auto.choose(with_gain(1.06), 1).label == "sjd"
