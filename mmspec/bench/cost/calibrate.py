@@ -87,19 +87,8 @@ class CalibrateConfig:
 
 # ---------------------------------------------------------------- one call per modality
 
-def _ar_call(pipe, cfg: CalibrateConfig):
-    classes = pipe.num_classes
-
-    def call(method, knobs, b, start, callback):
-        return pipe(class_labels=[(start + i) % classes for i in range(b)], method=method, method_knobs=knobs,
-                    guidance_scale=cfg.guidance_scale, temperature=cfg.temperature,
-                    generator=[torch.Generator().manual_seed(cfg.seed + start + i) for i in range(b)],
-                    output_type="latent", callback_on_step_end=callback)
-
-    return call, pipe.transformer.num_image_tokens
-
-
-def _continuous_call(pipe, cfg: CalibrateConfig):
+def _class_call(pipe, cfg: CalibrateConfig):
+    """A class-prompt image pipeline (AR image, continuous tokens): row i gets class start + i."""
     classes = pipe.num_classes
 
     def call(method, knobs, b, start, callback):
@@ -129,7 +118,7 @@ def _vlm_call(pipe, cfg: CalibrateConfig):
 def call_for(modality: str):
     """``(pipe, cfg) -> (call, n)``: how to run one calibration call of ``modality``'s pipeline,
     ``call(method, knobs, b, start, callback)``, and its new tokens per row."""
-    return {"ar-image": _ar_call, "vlm": _vlm_call, "continuous": _continuous_call}[modality]
+    return {"ar-image": _class_call, "vlm": _vlm_call, "continuous": _class_call}[modality]
 
 
 def _load(cfg: CalibrateConfig):
