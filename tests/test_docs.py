@@ -75,3 +75,16 @@ def test_mkdocs_build_strict(tmp_path):
     assert (tmp_path / "site" / "index.html").is_file()
     api = (tmp_path / "site" / "api" / "core" / "index.html").read_text(encoding="utf-8")
     assert "SpeculativeDecoder" in api, "the API reference rendered no members of mmspec.core"
+
+
+def test_concepts_parts_table_is_current():
+    """docs/concepts.md's table of drafters, rules and schedules is the registry's
+    (``scripts/docs_tables.py`` rewrites it); a part added, renamed or redocumented fails this
+    until the table is regenerated."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import docs_tables
+
+    from mmspec import methods
+
+    assert docs_tables.current(docs_tables.CONCEPTS.read_text()) == methods.parts_markdown(), (
+        "docs/concepts.md's parts table is out of date: run .venv/bin/python scripts/docs_tables.py")

@@ -455,6 +455,20 @@ def parts(modality_name: str) -> dict[str, Part]:
     return dict(modality(modality_name).parts)
 
 
+def parts_markdown() -> str:
+    """Every registered part as a Markdown table (modality, kind, name, lossless, models it needs,
+    its one-line doc): the table docs/concepts.md carries (``scripts/docs_tables.py`` writes it,
+    ``tests/test_docs.py`` checks it is current)."""
+    lines = ["| modality | kind | part | lossless | needs | what it is |", "|---|---|---|---|---|---|"]
+    for mod in modalities():
+        for part in sorted(parts(mod).values(), key=lambda p: (KINDS.index(p.kind), p.name)):
+            needs = ", ".join(f"`{r}`" for r in part.requires) or "-"
+            doc = " ".join(part.doc.split()).replace("|", "\\|")
+            lines.append(f"| {mod} | {part.kind} | `{part.name}` | {'yes' if part.lossless else '**no**'} | {needs} | "
+                         f"{doc} |")
+    return "\n".join(lines) + "\n"
+
+
 def resolve(modality_name: str, method: str, knobs: Mapping[str, Any] | None = None) -> Recipe:
     """Validate ``method`` and ``knobs`` for a modality; no model is needed.
 
