@@ -23,7 +23,8 @@ def current(text: str) -> str:
     """The generated section's body in ``text`` (``ValueError`` when the markers are missing)."""
     m = SECTION.search(text)
     if m is None:
-        raise ValueError("docs/concepts.md must hold the '<!-- parts: generated ... -->' ... '<!-- end parts -->' lines")
+        raise ValueError("docs/concepts.md must hold the '<!-- parts: generated ... -->' ... "
+                         "'<!-- end parts -->' lines")
     return m.group(2)
 
 
