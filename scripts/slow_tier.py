@@ -22,6 +22,7 @@ HEADER = """# The slow tier: tests run by `make test-slow` (and CI, .ci/run), no
 # test file (every test in it) or a test's node id (one parametrization; without [params]: all).
 # Written by scripts/slow_tier.py from a --durations log of both tiers on the 2-core machine:
 # a call of {threshold:g} s or more lists the test, a fixture setup that long lists its file.
+# Tests added between runs are listed by hand by the same rule.
 """
 
 
