@@ -190,10 +190,10 @@ def ar_tab():
         with gr.Column(scale=2):
             error = gr.Markdown("", elem_id="ar-error")
             with gr.Row():
-                base_img = gr.Image(label="baseline", format="png", height=192, elem_classes=PIXELS, interactive=False,
-                                    elem_id="ar-base-img")
-                ours_img = gr.Image(label="method", format="png", height=192, elem_classes=PIXELS, interactive=False,
-                                    elem_id="ar-ours-img")
+                base_img = gr.Image(label="baseline", format="png", height=192, interactive=False,
+                                    elem_classes=PIXELS, elem_id="ar-base-img")
+                ours_img = gr.Image(label="method", format="png", height=192, interactive=False,
+                                    elem_classes=PIXELS, elem_id="ar-ours-img")
                 grid_img = gr.Image(label="pass per token", format="png", height=192, elem_classes=PIXELS,
                                     interactive=False, elem_id="ar-grid-img")
             base_stats = gr.Markdown("", elem_id="ar-base-stats")
@@ -233,10 +233,10 @@ def continuous_tab():
         with gr.Column(scale=2):
             error = gr.Markdown("", elem_id="cont-error")
             with gr.Row():
-                base_img = gr.Image(label="baseline", format="png", height=192, elem_classes=PIXELS, interactive=False,
-                                    elem_id="cont-base-img")
-                ours_img = gr.Image(label="method", format="png", height=192, elem_classes=PIXELS, interactive=False,
-                                    elem_id="cont-ours-img")
+                base_img = gr.Image(label="baseline", format="png", height=192, interactive=False,
+                                    elem_classes=PIXELS, elem_id="cont-base-img")
+                ours_img = gr.Image(label="method", format="png", height=192, interactive=False,
+                                    elem_classes=PIXELS, elem_id="cont-ours-img")
             base_stats = gr.Markdown("", elem_id="cont-base-stats")
             ours_stats = gr.Markdown("", elem_id="cont-ours-stats")
     knob_list = list(knobs.values())
@@ -281,14 +281,18 @@ def vlm_answer(image, question, method, max_new_tokens, *knob_values):
             return
     pieces = render.vlm_pieces(MODELS, ours.tokens, ours.commit_pass)
     drafted = sum(1 for _, label in pieces if label == "draft")
+    yield (pieces, *_vlm_stats(method, ours, base, f"{drafted} of {len(pieces)} words came from accepted drafts "
+                                                   "(marked)."), "")
+
+
+def _vlm_stats(method: str, ours, base, note: str) -> tuple[str, str]:
+    """(baseline stats, method stats + ``note`` + whether the greedy answers are equal + auto's reason)."""
     same = "yes, token for token" if ours.tokens == base.tokens else "**NO: the answers differ**"
-    base_md = f"**baseline (none)** - {render.stats_line(base.stats)}"
-    ours_md = (f"**{method}** - {render.stats_line(ours.stats, base.stats)}\n\n"
-               f"{drafted} of {len(pieces)} words came from accepted drafts (marked). "
+    ours_md = (f"**{method}** - {render.stats_line(ours.stats, base.stats)}\n\n{note} "
                f"Greedy answer equal to the baseline's: {same}")
     if "auto" in ours.stats:  # method="auto": what it chose and why
         ours_md += f"\n\n{ours.stats['auto']}"
-    yield pieces, base_md, ours_md, ""
+    return f"**baseline (none)** - {render.stats_line(base.stats)}", ours_md
 
 
 def _check_vlm_inputs(image, question, method, max_new_tokens, knob_values):
@@ -314,16 +318,10 @@ def vlm_shared(image, question, method, max_new_tokens, *knob_values):
         ours, base = ours_f.result(), base_f.result()
     except Exception as err:
         return None, "", "", _error(err)
-    pieces = render.vlm_pieces(MODELS, ours.tokens, ours.commit_pass)
-    same = "yes, token for token" if ours.tokens == base.tokens else "**NO: the answers differ**"
-    base_md = f"**baseline (none)** - {render.stats_line(base.stats)}"
-    ours_md = (f"**{method}** - {render.stats_line(ours.stats, base.stats)}\n\n"
-               f"Decoded in a shared batch of {ours.stats['group']} requests ({ours.stats['batch']} rows at once, "
-               f"a finished answer's row refilled by the next request); waited {ours.stats['queued_seconds']:.2f} s "
-               f"for its batch. Greedy answer equal to the baseline's: {same}")
-    if "auto" in ours.stats:
-        ours_md += f"\n\n{ours.stats['auto']}"
-    return pieces, base_md, ours_md, ""
+    note = (f"Decoded in a shared batch of {ours.stats['group']} requests ({ours.stats['batch']} rows at once, a "
+            f"finished answer's row refilled by the next request); waited {ours.stats['queued_seconds']:.2f} s for "
+            "its batch.")
+    return (render.vlm_pieces(MODELS, ours.tokens, ours.commit_pass), *_vlm_stats(method, ours, base, note), "")
 
 
 def vlm_tab():

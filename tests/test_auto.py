@@ -401,3 +401,4 @@ def test_a_near_tie_with_none_chooses_none():
     assert near.label == "none" and "drafting must be predicted >= 1.05x" in near.reason
     assert near.table["sjd"] == pytest.approx(1.04)
     assert auto.choose(with_gain(1.06), 1).label == "sjd"
+    assert "must be predicted" not in auto.choose(with_gain(0.9), 1).reason  # none wins without the rule

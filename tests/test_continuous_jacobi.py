@@ -265,12 +265,15 @@ class PeekingDensityGate(GatedDrafter):
 
 
 @pytest.mark.statistical
-@pytest.mark.parametrize("gate_cls, lossless", [(GatedDrafter, True), (PeekingDensityGate, False)])
-def test_gated_jacobi_on_densities_keeps_the_law(target, gate_cls, lossless):
-    """``method="auto"``'s gate (``GatedDrafter``) around MC-SJD on densities flips drafting every
-    pass (c_on >> c_off, margin 0, probe 1), so tokens come from passes with and without drafts:
-    the Rosenblatt test above (seed 0, N = 20,000, p >= 1e-3) passes; the peeking gate fails it."""
-    gate = gate_cls(jacobi(target, "maximal"), SpeedGate(c_on=1e3, c_off=1.0, every=1, probe=1))
+@pytest.mark.parametrize("gate_cls, coupling, lossless", [(GatedDrafter, "maximal", True), (GatedDrafter, "noise", True),
+                                                      (PeekingDensityGate, "maximal", False)],
+                         ids=["mcsjd", "noise", "peeking"])
+def test_gated_jacobi_on_densities_keeps_the_law(target, gate_cls, coupling, lossless):
+    """``method="auto"``'s gate (``GatedDrafter``) around MC-SJD and SJD's noise coupling on
+    densities flips drafting every pass (c_on >> c_off, margin 0, probe 1), so tokens come from
+    passes with and without drafts: the Rosenblatt test above (seed 0, N = 20,000, p >= 1e-3)
+    passes with no residual falling back at the 1,000-try cap; the peeking gate fails it."""
+    gate = gate_cls(jacobi(target, coupling), SpeedGate(c_on=1e3, c_off=1.0, every=1, probe=1))
     capped = dataclasses.replace(PLAIN, residual_max_tries=1000)  # the peeking gate's residuals can take forever
     p, stats = pit(target, gate, capped)
     if lossless:

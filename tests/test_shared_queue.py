@@ -116,3 +116,25 @@ def test_demo_shared_button_batches_users_together():
     assert max(app.SHARED.groups) >= 2  # users' requests shared a batch
     pieces, base_md, ours_md, error = app.vlm_shared(serve.scene(0), "", "eagle", NEW_TOKENS, *knobs)
     assert pieces is None and "question" in error
+
+
+def test_a_request_sent_during_a_decode_waits_for_the_next_group(models, monkeypatch):
+    """The group's cache is sized before it starts: a request that arrives while it decodes is not
+    admitted into it but decoded next (a stand-in runner that holds the first group open)."""
+    started, release, sizes = threading.Event(), threading.Event(), []
+
+    def held(models, images, questions, seeds, method, knobs, max_new_tokens, slots):
+        sizes.append(len(images))
+        started.set()
+        release.wait(60)
+        for i in range(len(images)):
+            yield i, serve.Result(stats={"batch": slots}, text="", tokens=[])
+
+    monkeypatch.setattr(serve.shared, "run_vlm_continuous", held)
+    shared = serve.SharedQueue(models, slots=2, window_s=0.0)
+    first = shared.submit(serve.scene(0), QUESTIONS[0])
+    assert started.wait(60)
+    second = shared.submit(serve.scene(1), QUESTIONS[1])  # the first group is decoding
+    release.set()
+    first.result(timeout=60), second.result(timeout=60)
+    assert sizes == [1, 1] and shared.groups == [1, 1]

@@ -823,15 +823,14 @@ class JacobiDensityDrafter(DrafterBase):
         # of target_probs (root first), and nothing past index G (the bonus position)
         pos = acceptance.num_accepted[:, None] + 1 + torch.arange(n, device=device)  # (B, n)
         src = pos.clamp(max=G)
-        if G == 0 and self.coupling == "noise":  # no draft this pass (a gate held drafting off): all fresh
-            self._noise_draws(state, target_probs, src)
+        # G == 0: the pass had no draft (GatedDrafter held drafting off), so no slot holds an old draft
+        if self.coupling == "noise":  # held slots keep their position's noise, the others get fresh noise
+            rows = torch.arange(B, device=device)[:, None]
+            held = None if G == 0 else self.noise[rows, pos.clamp(max=G - 1)]
+            self._noise_draws(state, target_probs, src, held, pos < G)
             return
         if self.coupling == "independent" or G == 0:
             self.q, self.draws = self._fresh(state, target_probs, src)
-            return
-        if self.coupling == "noise":  # held slots keep their position's noise, the others get fresh noise
-            rows = torch.arange(B, device=device)[:, None]
-            self._noise_draws(state, target_probs, src, self.noise[rows, pos.clamp(max=G - 1)], pos < G)
             return
         q2, q_new, gen = self._gather(state, target_probs, src)  # (B, n) and (B n,)
         old = (pos < G).reshape(-1)  # slots that held a draft (drawn from q_old)

@@ -32,6 +32,6 @@ from .auto import validate  # noqa: E402
 __all__ = [
     "KINDS", "REQUIRED", "Component", "Composition", "KnobSpec", "Method", "Modality", "Part", "Recipe",
     "TrainingRecipe", "build", "check_config", "components", "knob", "knobs", "modalities", "modality", "names",
-    "option_name", "parts", "parts_markdown", "recipe_for", "recipes", "register_component", "register_method", "register_modality",
-    "register_part", "register_recipe", "resolve", "auto", "validate",
+    "option_name", "parts", "parts_markdown", "recipe_for", "recipes", "register_component", "register_method",
+    "register_modality", "register_part", "register_recipe", "resolve", "auto", "validate",
 ]

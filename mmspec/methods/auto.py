@@ -67,8 +67,9 @@ CANDIDATES: dict[str, tuple[tuple[str, str, dict], ...]] = {
 }
 MIN_GAIN = 1.05
 """A drafting method is chosen only when predicted at least this much faster than ``none``: pass
-costs on the project's CPU move by 10-20% between calibration and use (``docs/costs.md``), and at a
-near-tie the target alone is the safe side of the error (issue 46: never 3% below it)."""
+costs on the project's CPU move between calibration and use (``docs/costs.md``: identical calls 8%
+apart in an A/A check, 30-40% call to call at worst), and at a near-tie the target alone is the
+safe side of the error (issue 46: never 3% below it)."""
 
 AUTO_KNOBS = {
     "auto_quality": "'lossless' (default) or 'kept'",
@@ -367,7 +368,8 @@ def choose(profile: CostProfile | None, batch_size: int, quality: str = "lossles
     knobs = " ".join(f"{k}={v}" for k, v in row.knobs.items())
     runner_up = sorted(((x, k) for k, x in table.items() if k != best), reverse=True)[:2]
     others = ", ".join(f"{k} {x:.2f}x" for x, k in runner_up)
-    margin = f" (drafting must be predicted >= {MIN_GAIN:.2f}x)" if best == "none" and len(table) > 1 else ""
+    unruled = max(table, key=lambda k: (table[k], k == "none"))
+    margin = f" (drafting must be predicted >= {MIN_GAIN:.2f}x)" if unruled != best else ""
     reason = (f"auto chose {best}{' (' + knobs + ')' if knobs else ''}: predicted {table[best]:.2f}x at "
               f"B={batch_size}" + (f"; next {others}" if others else "") + margin + f" [{quality}]")
     return Choice(best, row.method, dict(row.knobs), batch_size, table[best], table, reason, quality, row, base)
@@ -393,6 +395,14 @@ def knob_specs(modality: str) -> dict[str, Any]:
         "auto_batch_size": KnobSpec("auto_batch_size", int, None, AUTO_KNOBS["auto_batch_size"], min=1,
                                     optional=True),
     }
+
+
+def candidate_recipe(modality: str, label: str):
+    """The recipe of ``CANDIDATES[modality]``'s entry ``label`` (what ``stats["auto_method"]`` names)."""
+    for name, method, knobs in CANDIDATES[modality]:
+        if name == label:
+            return recipe(modality, method, knobs)
+    check(False, "label", f"a candidate of {modality}: " + ", ".join(c[0] for c in CANDIDATES[modality]), label)
 
 
 def recipe(modality: str, method: str, knobs: Mapping[str, Any]):

@@ -56,7 +56,7 @@ def run_continuous(models: Models, prompts: list[str], seeds: list[int], method:
     stats = plain_stats(out.stats, wall, len(prompts))
     passes = [commit_passes(counts, out.latents.shape[1])] if len(prompts) == 1 else [None] * len(prompts)
     if recipe is None:  # method="auto": the method it chose (a lossless one, on the mixture head)
-        recipe = methods.resolve("continuous", out.stats["auto_method"], {})
+        recipe = methods.auto.candidate_recipe("continuous", out.stats["auto_method"])
     head = methods.continuous.head_for(recipe)
     return [Result(stats=stats, image=img, commit_pass=passes[i], extra={"lossless": recipe.lossless, "head": head})
             for i, img in enumerate(images)]

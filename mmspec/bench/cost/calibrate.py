@@ -44,8 +44,9 @@ from .config import ASSETS
 
 @dataclass
 class CalibrateConfig:
-    """One calibration: ``modality`` (``"ar-image"``, ``"vlm"`` or ``"continuous"``) of the pipeline in ``folder``
-    (default the bundled one); ``labels`` the candidates to measure (default all it can run)."""
+    """One calibration: ``modality`` (``"ar-image"``, ``"vlm"`` or ``"continuous"``) of the pipeline
+    in ``folder`` (default the bundled one); ``labels`` the candidates to measure (default all it
+    can run)."""
 
     modality: str = "ar-image"
     folder: str | None = None
