@@ -28,7 +28,8 @@ from .base import SpeculativePipeline
 # diffusers loads components only from modules already imported: name them here
 from ..models import medusa as _medusa  # noqa: F401
 from ..models import vlm_draft as _vlm_draft  # noqa: F401
-from .vlm_inputs import StreamerFeed, VLMInputs, check_streamer, prepare_vlm_inputs, sampling_from_generation_config
+from .vlm_inputs import (StreamerFeed, VLMInputs, check_streamer, media_per_prompt, prepare_vlm_inputs,
+                         sampling_from_generation_config)
 
 
 @dataclass
@@ -78,7 +79,7 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
 
     def _adapt(self, recipe, ids: list[list[int]], vision: dict, tokens: list[list[int]]) -> None:
         """Give the served answers to the adaptation, if on and the method drafts with a head."""
-        if self.draft_adaptation is None:
+        if self.draft_adaptation is None or "video_grid_thw" in vision:  # calls with videos: not adapted on
             return
         # the method's trained head, if it drafts with one (the sd draft VLM and lookup have none)
         heads = [getattr(self, c) for c in recipe.requires if hasattr(getattr(self, c, None), "distill_loss")]
@@ -131,15 +132,16 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
         target, draft = self.views()
         return {"target": target, **({"draft": draft} if "draft" in requires and draft is not None else {})}
 
-    def prepare_inputs(self, images, prompts) -> VLMInputs:
+    def prepare_inputs(self, images, prompts, videos=None) -> VLMInputs:
         """``(input_ids, vision)``: per prompt its token ids (the processor's chat template around
-        the question, image placeholders expanded) and the images as ``VLMTarget.vision_inputs``
-        takes them (``pixel_values``, and ``image_grid_thw`` for Qwen2-VL / Qwen2.5-VL)."""
-        return prepare_vlm_inputs(self.processor, images, prompts)
+        the question, image and video placeholders expanded) and the images and videos as
+        ``VLMTarget.vision_inputs`` takes them (``pixel_values``, and ``image_grid_thw`` for Qwen2-VL /
+        Qwen2.5-VL; ``pixel_values_videos``, ``video_grid_thw``, ...: ``vlm_inputs.VLMInputs``)."""
+        return prepare_vlm_inputs(self.processor, images, prompts, videos)
 
     def check_inputs(self, images, prompts, *, method, method_knobs, max_new_tokens, temperature, top_p, generator,
                      return_dict, callback_on_step_end, callback_on_step_end_tensor_inputs, top_k=None,
-                     streamer=None):
+                     streamer=None, videos=None):
         """Every argument of ``__call__``, checked before any model runs (``pipelines.checks``):
         ``ValueError`` naming the argument and the allowed values. Returns the resolved recipe
         (``method="auto"``: the chosen method's)."""
@@ -148,7 +150,12 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
         else:
             self.check_method(method, method_knobs)
         prompts = checks.check_prompts(prompts, "prompts")
-        checks.check_images(images, len(prompts), "images")
+        if videos is None:
+            checks.check_images(images, len(prompts), "images")
+        else:
+            check(self.views()[0].mrope, "videos", f"None for a {type(self.target).__name__} target (videos: "
+                  "Qwen2-VL, Qwen2.5-VL)", "videos")
+            media_per_prompt(images, videos, len(prompts))
         checks.check_int(max_new_tokens, "max_new_tokens", 1)
         checks.check_number(temperature, "temperature", 0, optional=True)  # None: the generation config's
         checks.check_int(top_k, "top_k", 1, optional=True)
@@ -197,17 +204,23 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
             yield served, self.processor.tokenizer.decode(served.tokens.tolist(), skip_special_tokens=True)
 
     @torch.no_grad()
-    def __call__(self, images=None, prompts: str | list[str] | None = None, *, max_new_tokens: int = 128,
+    def __call__(self, images=None, prompts: str | list[str] | None = None, *, videos=None, max_new_tokens: int = 128,
                  method: str = "none", temperature: float | None = None, top_p: float | None = None,
                  top_k: int | None = None, generator: torch.Generator | list[torch.Generator] | None = None,
                  method_knobs: dict | None = None, callback_on_step_end: Callable | None = None,
                  callback_on_step_end_tensor_inputs: list[str] = (), streamer=None, return_dict: bool = True):
-        """Answer each prompt about its image.
+        """Answer each prompt about its image and / or video.
 
         Args:
-            images: one image per prompt (PIL, (H, W, 3) array or (3, H, W) tensor in [0, 1]).
+            images: one image per prompt (PIL, (H, W, 3) array or (3, H, W) tensor in [0, 1]); with
+                ``videos``, ``None`` or a list of one image or ``None`` per prompt.
             prompts: questions, e.g. ``"describe the image in detail ."``; the processor's chat
                 template frames each (``[{"role": "user", "content": [image, question]}]``).
+            videos: Qwen2-VL / Qwen2.5-VL targets only: a list of one video or ``None`` per prompt
+                (each prompt has an image or a video), a video being a list of PIL frames or a
+                (T, H, W, 3) / (T, 3, H, W) uint8 array or tensor (``vlm_inputs.as_video``); the
+                template frames it as ``{"type": "video"}``, after the image if there is one.
+                Calls with videos are not adapted on (``enable_draft_adaptation``).
             max_new_tokens: the answer's length limit; a row stops at an EOS id of the target's
                 ``generation_config`` (an int or a list).
             method: ``"none"``, ``"sd"``, ``"lookup"``, ``"eagle"``, ``"specvlm"``, ``"vispec"`` or
@@ -238,10 +251,11 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
             images, prompts, method=method, method_knobs=method_knobs, max_new_tokens=max_new_tokens,
             temperature=temperature, top_p=top_p, generator=generator, return_dict=return_dict,
             callback_on_step_end=callback_on_step_end,
-            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs, top_k=top_k, streamer=streamer)
+            callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs, top_k=top_k, streamer=streamer,
+            videos=videos)
 
-        # 2. the conditioning: chat-framed prompt ids, the images as the prefill's vision inputs
-        ids, vision = self.prepare_inputs(images, prompts)
+        # 2. the conditioning: chat-framed prompt ids, the images and videos as the prefill's vision inputs
+        ids, vision = self.prepare_inputs(images, prompts, videos)
         self.onload_models(recipe)  # vision_inputs puts the pixels on the target's device, in its dtype
         sampling = sampling_from_generation_config(self.target.generation_config, temperature, top_k, top_p)
         eos = sampling.pop("eos_token_id")

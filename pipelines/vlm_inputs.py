@@ -1,7 +1,8 @@
 """What a VLM pipeline hands the core, built from the artifacts alone: the processor's chat template
 frames each question, the processor turns images into ``pixel_values`` (and, for Qwen2-VL /
-Qwen2.5-VL, ``image_grid_thw``), the target's ``GenerationConfig`` gives the sampling defaults and
-the EOS ids, and a transformers streamer is fed as tokens are accepted.
+Qwen2.5-VL, ``image_grid_thw``) and videos into ``pixel_values_videos`` and ``video_grid_thw`` (and
+Qwen2.5-VL's ``second_per_grid_ts``), the target's ``GenerationConfig`` gives the sampling defaults
+and the EOS ids, and a transformers streamer is fed as tokens are accepted.
 
 Nothing here knows a model family or a vocabulary: a LLaVA, Qwen2-VL or Qwen2.5-VL processor that
 carries a chat template is served the same way, the bundled tiny one included.
@@ -23,24 +24,28 @@ from ..core.errors import check
 RGB_MODES = ("RGB", "L", "P", "YCbCr")
 IMAGE_FORMS = (f"a PIL image (mode {', '.join(RGB_MODES)}), an (H, W, 3) array (uint8, or floats in [0, 1]) "
                "or a (3, H, W) float tensor in [0, 1]")
+VIDEO_FORMS = "a list of PIL frames of one size, or a (T, H, W, 3) or (T, 3, H, W) uint8 array or tensor"
 # what the processors of the served families return: token ids and their mask (dropped: the core
 # pads itself), a modality type per token (recomputed by VLMTarget) and the vision inputs
 _TEXT_KEYS = {"input_ids", "attention_mask", "mm_token_type_ids", "token_type_ids"}
-_VISION_KEYS = ("pixel_values", "image_grid_thw")
+_VISION_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 class VLMInputs(NamedTuple):
-    """``input_ids``: per prompt its token ids (unpadded, image placeholders expanded);
-    ``vision``: the images of all prompts in prompt order, as ``VLMTarget.vision_inputs(**vision)``
-    takes them (``pixel_values``, and ``image_grid_thw`` for the M-RoPE families)."""
+    """``input_ids``: per prompt its token ids (unpadded, image and video placeholders expanded);
+    ``vision``: the images and videos of all prompts in prompt order, as
+    ``VLMTarget.vision_inputs(**vision)`` takes them (``pixel_values``, and ``image_grid_thw`` for
+    the M-RoPE families; ``pixel_values_videos``, ``video_grid_thw`` and, for Qwen2.5-VL,
+    ``second_per_grid_ts`` when there are videos)."""
 
     input_ids: list[list[int]]
     vision: dict
 
 
-def user_message(question: str) -> list[dict]:
-    """The standard one-turn conversation: an image, then the question."""
-    return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+def user_message(question: str, image: bool = True, video: bool = False) -> list[dict]:
+    """The standard one-turn conversation: an image and / or a video, then the question."""
+    parts = [{"type": "image"}] * image + [{"type": "video"}] * video
+    return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
 
 
 def as_image(image, name: str = "image") -> PIL.Image.Image:
@@ -74,14 +79,60 @@ def as_image(image, name: str = "image") -> PIL.Image.Image:
     return PIL.Image.fromarray((image * 255).round().to(torch.uint8).permute(1, 2, 0).numpy())
 
 
-def prepare_vlm_inputs(processor, images, prompts) -> VLMInputs:
+def as_video(video, name: str = "video") -> torch.Tensor:
+    """One video in one of ``VIDEO_FORMS`` -> a (T, 3, H, W) uint8 tensor, what the Qwen2-VL video
+    processor takes (channels first, so a frame 3 pixels tall is never read as channels last).
+    Frames go through ``as_image`` (RGB modes only). A shape that fits both layouts is read as
+    (T, H, W, 3)."""
+    if isinstance(video, (list, tuple)):
+        check(len(video) > 0 and all(isinstance(f, PIL.Image.Image) for f in video), name,
+              VIDEO_FORMS, f"a list of {len(video)} " + ", ".join(sorted({type(f).__name__ for f in video})))
+        frames = [as_image(f, f"{name}[{i}]") for i, f in enumerate(video)]
+        check(len({f.size for f in frames}) == 1, f"{name} frames", "of one size", sorted({f.size for f in frames}))
+        return torch.from_numpy(np.stack([np.asarray(f) for f in frames])).permute(0, 3, 1, 2).contiguous()
+    check(isinstance(video, (np.ndarray, torch.Tensor)), name, VIDEO_FORMS, type(video).__name__)
+    video = torch.from_numpy(np.ascontiguousarray(video)) if isinstance(video, np.ndarray) else video
+    check(video.dtype == torch.uint8, f"{name}.dtype", "uint8 (0-255)", video.dtype)
+    shape = tuple(video.shape)
+    check(video.dim() == 4 and 3 in (shape[1], shape[3]) and min(shape) > 0, f"{name}.shape",
+          "(T, H, W, 3) or (T, 3, H, W)", shape)
+    return (video.permute(0, 3, 1, 2) if shape[3] == 3 else video).detach().cpu().contiguous()
+
+
+def media_per_prompt(images, videos, count: int) -> tuple[list, list]:
+    """Per prompt its image (``as_image``) or ``None`` and its video (``as_video``) or ``None``.
+    ``videos``: ``None`` (then one image per prompt, a single image for a single prompt) or a list
+    of one video or ``None`` per prompt; with videos, ``images`` is ``None`` or a list of one image
+    or ``None`` per prompt, and every prompt has an image or a video."""
+    if videos is None:
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        check(len(images) == count, "images", f"one image per prompt ({count})", f"{len(images)} images")
+        return [as_image(image, f"images[{i}]") for i, image in enumerate(images)], [None] * count
+    check(isinstance(videos, (list, tuple)) and len(videos) == count, "videos",
+          f"a list of one video (or None) per prompt ({count})",
+          f"{len(videos)} videos" if isinstance(videos, (list, tuple)) else type(videos).__name__)
+    images = [None] * count if images is None else images
+    check(isinstance(images, (list, tuple)) and len(images) == count, "images",
+          f"None or a list of one image (or None) per prompt ({count}) when videos are given",
+          f"{len(images)} images" if isinstance(images, (list, tuple)) else type(images).__name__)
+    for i, (image, video) in enumerate(zip(images, videos)):
+        check(image is not None or video is not None, f"videos[{i}]", f"a video where images[{i}] is None", None)
+    return ([None if x is None else as_image(x, f"images[{i}]") for i, x in enumerate(images)],
+            [None if x is None else as_video(x, f"videos[{i}]") for i, x in enumerate(videos)])
+
+
+def prepare_vlm_inputs(processor, images, prompts, videos=None) -> VLMInputs:
     """Frame each prompt with ``processor``'s chat template (``user_message``, generation prompt
-    added) and run the processor on it and its image: one image per prompt, prompts in order.
+    added) and run the processor on it and its image and / or video, prompts in order.
 
     Args:
-        processor: a LLaVA, Qwen2-VL or Qwen2.5-VL processor with a ``chat_template``.
-        images: one image per prompt (``IMAGE_FORMS``); a single image for a single prompt.
+        processor: a LLaVA, Qwen2-VL or Qwen2.5-VL processor with a ``chat_template``; with
+            ``videos``, one with a video processor whose template writes a ``{"type": "video"}``
+            part as the video placeholder (Qwen2-VL, Qwen2.5-VL).
+        images: one image per prompt (``IMAGE_FORMS``); a single image for a single prompt. With
+            ``videos``: ``None`` or one image or ``None`` per prompt (``media_per_prompt``).
         prompts: a question or a list of them.
+        videos: ``None``, or one video (``VIDEO_FORMS``) or ``None`` per prompt, in a list.
     """
     check(callable(getattr(processor, "apply_chat_template", None)) and getattr(processor, "tokenizer", None)
           is not None, "processor", "a transformers multimodal processor (with a tokenizer)", type(processor).__name__)
@@ -93,20 +144,26 @@ def prepare_vlm_inputs(processor, images, prompts) -> VLMInputs:
           "a non-empty question string or a non-empty list of them", prompts)
     for i, p in enumerate(prompts):
         check(isinstance(p, str) and p.strip() != "", f"prompts[{i}]", "a non-empty string", p)
-    images = list(images) if isinstance(images, (list, tuple)) else [images]
-    check(len(images) == len(prompts), "images", f"one image per prompt ({len(prompts)})", f"{len(images)} images")
-    images = [as_image(image, f"images[{i}]") for i, image in enumerate(images)]  # all checked before any work
+    check(videos is None or getattr(processor, "video_processor", None) is not None, "processor",
+          "a processor with a video processor (Qwen2-VL, Qwen2.5-VL) when videos are given",
+          f"{type(processor).__name__} without one")
+    images, videos = media_per_prompt(images, videos, len(prompts))  # all checked before any work
 
     bos = processor.tokenizer.bos_token
     ids, vision = [], {k: [] for k in _VISION_KEYS}
-    for image, prompt in zip(images, prompts):
-        text = processor.apply_chat_template(user_message(prompt), add_generation_prompt=True, tokenize=False)
+    for image, video, prompt in zip(images, videos, prompts):
+        message = user_message(prompt, image=image is not None, video=video is not None)
+        text = processor.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
+        token = getattr(processor, "video_token", None)
+        check(video is None or token is None or token in text, "processor.chat_template",
+              'a template that writes the video placeholder for a {"type": "video"} part', text)
+        media = {k: [x] for k, x in (("images", image), ("videos", video)) if x is not None}
         # as processor.apply_chat_template(tokenize=True) does: a template that writes BOS gets no second one
-        enc = processor(images=[image], text=[text], return_tensors="pt",
+        enc = processor(text=[text], **media, return_tensors="pt",
                         add_special_tokens=not (bos is not None and text.startswith(bos)))
         unknown = set(enc) - _TEXT_KEYS - set(_VISION_KEYS)
         check(not unknown, "processor", "a LLaVA, Qwen2-VL or Qwen2.5-VL processor (outputs: input ids, "
-              "pixel_values, image_grid_thw)", f"{type(processor).__name__} returning {sorted(unknown)}")
+              + ", ".join(_VISION_KEYS) + ")", f"{type(processor).__name__} returning {sorted(unknown)}")
         ids.append(enc["input_ids"][0].tolist())
         for k in _VISION_KEYS:
             if k in enc:

@@ -12,7 +12,7 @@ from tiny import spread
 from mmspec.core import JacobiDrafter, LogitsPipeline, ModelTreeDrafter, SpeculativeDecoder
 
 VOCAB = 64
-IMAGE, VSTART, VEND = 60, 61, 62  # the image placeholder and Qwen2-VL's vision start/end ids
+IMAGE, VSTART, VEND, VIDEO = 60, 61, 62, 63  # the image placeholder, Qwen2-VL's vision start/end and video ids
 NEW_TOKENS = 16
 LLAVA_TOKENS = 4  # a 16x16 image in 8x8 patches, CLS dropped
 QWEN_GRIDS = [(1, 4, 4), (1, 4, 6)]  # (t, h, w) patches per image; 2x2 merge -> 4 and 6 tokens
@@ -43,7 +43,7 @@ def tiny_qwen2_vl() -> Qwen2VLForConditionalGeneration:
         vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2, patch_size=2,
                            temporal_patch_size=2, spatial_merge_size=2),
         text_config=dict(rope_parameters=dict(rope_type="default", mrope_section=[2, 1, 1]), **TEXT_LAYERS),
-        image_token_id=IMAGE, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND,
         attn_implementation="sdpa")
     torch.manual_seed(0)
     model = spread(Qwen2VLForConditionalGeneration(config), std=0.3)
@@ -59,7 +59,7 @@ def tiny_qwen2_5_vl() -> Qwen2_5_VLForConditionalGeneration:
                            patch_size=2, temporal_patch_size=2, spatial_merge_size=2, window_size=4,
                            fullatt_block_indexes=[0]),
         text_config=dict(rope_parameters=dict(rope_type="default", mrope_section=[2, 1, 1]), **TEXT_LAYERS),
-        image_token_id=IMAGE, vision_start_token_id=VSTART, vision_end_token_id=VEND,
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART, vision_end_token_id=VEND,
         attn_implementation="sdpa")
     torch.manual_seed(0)
     model = spread(Qwen2_5_VLForConditionalGeneration(config), std=0.3)
@@ -97,11 +97,16 @@ def row_images(family: str, images: dict, b: int) -> dict:
                 image_grid_thw=grids[b:b + 1])
 
 
+def token_types(ids: torch.Tensor) -> torch.Tensor:
+    """Qwen2-VL's ``mm_token_type_ids``, as its processor writes them: text 0, image 1, video 2."""
+    return (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+
+
 @torch.no_grad()
 def hf_greedy(family: str, model, prompt: list[int], images: dict, n: int) -> list[int]:
-    """transformers' own greedy decoding of one unpadded prompt with its image."""
+    """transformers' own greedy decoding of one unpadded prompt with its image (or videos)."""
     ids = torch.tensor([prompt])
-    extra = {} if family == "llava" else dict(mm_token_type_ids=(ids == IMAGE).int())
+    extra = {} if family == "llava" else dict(mm_token_type_ids=token_types(ids))
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
                          **images, **extra)
     return out[0, len(prompt):].tolist()
@@ -154,7 +159,7 @@ def hf_greedy_batched(family: str, model, prompts: list[list[int]], images: dict
     width = max(len(p) for p in prompts)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    extra = {} if family == "llava" else dict(mm_token_type_ids=(ids == IMAGE).int())
+    extra = {} if family == "llava" else dict(mm_token_type_ids=token_types(ids))
     out = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, **images, **extra)
     return out[:, width:].tolist()
 
@@ -178,7 +183,7 @@ def reference_logits(family: str, model, context: list[int], images: dict) -> to
     """(V,) next-token logits of a cache-free forward of the model over ``context`` and its image
     (Qwen2-VL computes its own M-RoPE ids)."""
     ids = torch.tensor([context])
-    extra = {} if family == "llava" else dict(mm_token_type_ids=(ids == IMAGE).int())
+    extra = {} if family == "llava" else dict(mm_token_type_ids=token_types(ids))
     return model(input_ids=ids, **images, **extra).logits[0, -1]
 
 

@@ -66,15 +66,16 @@ def cat_images(images: list[dict]) -> dict:
     return {key: torch.cat([im[key] for im in images]) for key in images[0]}
 
 
-def likes_its_image_token(model, prompts, images):
-    """Make the model's greedy first token of row 0 its image-placeholder id: the LM head's row of
-    that id becomes a slightly larger copy of the row of the token it generated there."""
+def likes_its_placeholder(model, prompts, vision: dict, token: int = IMAGE):
+    """Make the model's greedy first token of row 0 its placeholder id ``token`` (the image's by
+    default; ``vision``: the prompts' ``vision_inputs``): the LM head's row of that id becomes a
+    slightly larger copy of the row of the token it generated there."""
     target = VLMTarget(model)
     out = SpeculativeDecoder(target, None, logits=LogitsPipeline(temperature=0)).generate(
-        prompts, 1, conditioning=target.vision_inputs(**cat_images(sum(images, []))))
+        prompts, 1, conditioning=target.vision_inputs(**vision))
     with torch.no_grad():
         head = model.get_output_embeddings().weight
-        head[IMAGE] = 1.05 * head[int(out.sequences[0, 0])]
+        head[token] = 1.05 * head[int(out.sequences[0, 0])]
     return model
 
 
@@ -100,7 +101,7 @@ def family_case(request):
     """(family, target model, draft VLM, prompts, per-row images, the target alone's greedy tokens)."""
     family = request.param
     prompts, images = batch_inputs(family)
-    model = likes_its_image_token(FAMILIES[family][0](), prompts, images)
+    model = likes_its_placeholder(FAMILIES[family][0](), prompts, cat_images(sum(images, [])))
     draft = noisy_copy(model, scale=0.05, seed=2)
     target = VLMTarget(model)
     alone = SpeculativeDecoder(target, None, logits=LogitsPipeline(temperature=0)).generate(
