@@ -63,6 +63,7 @@ bench-video: $(STAMP)
 #                                          editable install: Python 3.12 wheels in .whl/)
 #   on the GPU:       make gpu-check      (python3 with its own torch and triton; installs .whl/ and mmspec)
 #   here, no GPU:     make gpu-check DRY_RUN=1   (the same driver, every CUDA step reported as skipped)
+#   some steps only:  make gpu-check STEPS="pipeline:vlm vlm-heavy"
 ifeq ($(DRY_RUN),1)
 gpu-check: $(STAMP)
 	DRY_RUN=1 bash scripts/gpu_check.sh
@@ -102,6 +103,14 @@ assets: $(STAMP)
 	$(BIN)/mmspec train vlm-draft --method specvlm --target $(VLM)/target --out $(VLM)/specvlm_head
 	$(BIN)/mmspec train vlm-draft --method vispec --target $(VLM)/target --out $(VLM)/vispec_head
 	$(BIN)/mmspec train vlm-draft --method medusa --target $(VLM)/target --out $(VLM)/medusa_head
+	# the visual-heavy VLM (192 px, 576 visual tokens an image): the 64 px target and heads fine-tuned
+	$(BIN)/mmspec train vlm --size target --resolution 192 --init $(VLM)/target --steps 240 --batch-size 16 \
+	  --lr 3e-4 --warmup 20 --dataset-size 3840 --out $(VLM)-hd/target
+	cp $(VLM)-hd/target/processor_config.json $(VLM)-hd/target/tokenizer.json $(VLM)-hd/target/tokenizer_config.json \
+	  $(VLM)-hd/target/chat_template.jinja $(VLM)-hd/processor/
+	for m in eagle specvlm vispec medusa; do $(BIN)/mmspec train vlm-draft --method $$m --target $(VLM)-hd/target \
+	  --init $(VLM)/$${m}_head --steps 120 --batch-size 8 --lr 3e-4 --dataset-size 1920 --tau-tokens 16 \
+	  --out $(VLM)-hd/$${m}_head || exit 1; done
 	$(BIN)/mmspec train continuous-tokenizer --out $(CONT)/tokenizer --classifier assets/classifier
 	$(BIN)/mmspec train continuous-ar --tokenizer $(CONT)/tokenizer --out $(CONT)/transformer --threads 2
 	# the two drafts side by side, one thread each (59.3 min from the tokenizer on, measured 2026-11-28)

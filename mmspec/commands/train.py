@@ -160,13 +160,21 @@ def _vlm_options(p) -> None:
                    help="target: the model the VLM methods accelerate; draft: the small VLM of "
                         "'sd' and the transformers peer (default target)",
                    ).choices = TableChoices("mmspec.models.vlm", "SIZES")
+    p.add_argument("--resolution", type=int, default=64,
+                   help="image side in pixels, a multiple of 8: (R / 8)^2 visual tokens per image (default 64)")
+    p.add_argument("--init", default=None,
+                   help="fine-tune this saved VLM (e.g. assets/vlm/target) instead of training from scratch; "
+                        "its vision tower is resampled to --resolution")
+    p.add_argument("--warmup", type=positive_int, default=100, help="linear warmup steps (default 100)")
 
 
 def _run_vlm(args, common) -> None:
     from ..training import recipes
 
-    record = recipes.train_vlm(args.out, size=args.size, **common)
-    print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f} nats/answer token, "
+    record = recipes.train_vlm(args.out, size=args.size, resolution=args.resolution, init=args.init,
+                               warmup=args.warmup, **common)
+    print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f} nats/answer token, short answers "
+          f"{record['short_answer_accuracy']:.3f} ({record['shuffled_image_accuracy']:.3f} with another image), "
           f"{record['wall_time_s']:.0f} s")
 
 

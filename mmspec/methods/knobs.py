@@ -21,9 +21,12 @@ from ..core.errors import check
 _TYPE_WORDS = {bool: "a bool", int: "an int", float: "a float", str: "a str"}
 
 
-def knob(default, *, min: float | None = None, max: float | None = None, choices: Iterable | None = None):
-    """A config field that is a user knob: its default and allowed values (bounds inclusive)."""
-    meta = {"min": min, "max": max, "choices": None if choices is None else tuple(choices)}
+def knob(default, *, min: float | None = None, max: float | None = None, choices: Iterable | None = None,
+         name: str | None = None):
+    """A config field that is a user knob: its default and allowed values (bounds inclusive);
+    ``name`` replaces the prefixed knob name (a part's own knob beside knobs it shares with other
+    parts under their common prefix, e.g. ``specvlm_branch`` beside ``tree_depth``)."""
+    meta = {"min": min, "max": max, "choices": None if choices is None else tuple(choices), "name": name}
     return field(default=default, metadata=meta)
 
 
@@ -99,7 +102,7 @@ def config_specs(config: type, prefix: str = "", info: Mapping[str, Mapping] | N
         kind, optional = _plain_type(hints[f.name], f"{config.__name__}.{f.name}")
         meta = {**f.metadata, **dict((info or {}).get(f.name, {}))}
         check(f.default is not dataclasses.MISSING, f"{config.__name__}.{f.name}", "a field with a default", None)
-        name = f"{prefix}_{f.name}" if prefix else f.name
+        name = meta.get("name") or (f"{prefix}_{f.name}" if prefix else f.name)
         specs[f.name] = KnobSpec(name, kind, f.default, docs.get(f.name, ""), meta.get("choices"), meta.get("min"),
                                  meta.get("max"), optional, part)
     return specs

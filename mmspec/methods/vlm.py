@@ -75,13 +75,39 @@ class LookupConfig:
         check_config(self)
 
 
+@dataclass(frozen=True)
+class SpecVLMTreeConfig(TreeConfig):
+    """EAGLE-2's dynamic tree from a SpecVLM head, with its compressor's gate optionally overridden.
+
+    Args:
+        top_k: children expanded per node.
+        depth: levels below the root's children (a depth-d tree has d + 1 levels).
+        total_tokens: nodes kept for verification.
+        branch: 'gate' lets the question-aware gate pick the compression per request (SpecVLM's
+            dynamic selection, top-1); a branch name forces it for every request.
+        ratio: 0 keeps the trained ratio; for the parameter-free 'prune' (any ratio) and 'pool' (a
+            square) branches, the compression applied instead.
+    """
+
+    branch: str = knob("gate", choices=("gate", "prune", "pool", "conv", "resampler", "text"), name="specvlm_branch")
+    ratio: int = knob(0, min=0, name="specvlm_ratio")
+
+    def __post_init__(self):
+        check_config(self)
+        from ..models.vlm_draft import ElasticVisualCompressor
+
+        ElasticVisualCompressor.check_override(self.branch, self.ratio)
+
+
 def _head_part(method: str):
     def build(cfg: TreeConfig, components):
         head = components[f"{method}_head"]
         check(head.config.method == method, f"{method}_head", f"a head trained with method={method!r}",
               head.config.method)
-        return core.EagleTreeDrafter(head.bind(components["target"]), top_k=cfg.top_k, depth=cfg.depth,
-                                     total_tokens=cfg.total_tokens)
+        head = head.bind(components["target"])
+        if isinstance(cfg, SpecVLMTreeConfig):
+            head = head.compressed(cfg.branch, cfg.ratio)
+        return core.EagleTreeDrafter(head, top_k=cfg.top_k, depth=cfg.depth, total_tokens=cfg.total_tokens)
 
     return build
 
@@ -113,10 +139,11 @@ def _train_head(method: str):
     """``train`` of the ``vlm-draft`` recipe of ``method`` (``mmspec.training.recipes.train_vlm_draft``)."""
 
     def train(out_dir, *, target, rollout_steps=None, heads=None, data=None, image_folder=None, regenerate=None,
-              tau_tokens=None, **run) -> dict | None:
+              tau_tokens=None, init=None, **run) -> dict | None:
         from ..training.recipes import train_vlm_draft
 
         extra = {} if tau_tokens is None else {"tau_tokens": tau_tokens}
+        extra.update({} if init is None else {"init": init})
         return train_vlm_draft(out_dir, method=method, target_dir=target, rollout_steps=rollout_steps, data=data,
                                image_folder=image_folder, regenerate=regenerate,
                                **({} if heads is None else {"medusa_heads": heads}), **extra, **run)
@@ -126,7 +153,8 @@ def _train_head(method: str):
 
 def _report_head(log: dict) -> str:
     tau = "" if log.get("heldout_tau") is None else (
-        f", held-out tau {log['heldout_tau']:.2f} (untrained {log['untrained_tau']:.2f})")
+        f", held-out tau {log['heldout_tau']:.2f} ({'at --init' if log['train'].get('init') else 'untrained'} "
+        f"{log['untrained_tau']:.2f})")
     return (f"held-out top-1 agreement {agreement(log['heldout_top1'])}{tau}, {log['wall_time_s']:.0f} s on "
             f"{log['processes']} process(es)")
 
@@ -142,7 +170,9 @@ _HEAD_OPTIONS = (
     ("--image-folder", str, None, "where the data's image paths start (default: the data file's folder)"),
     ("--regenerate", int, None, "self-distillation: the target answers each first question itself, up to N tokens"),
     ("--tau-tokens", int, None, "new tokens per held-out prompt for the held-out tau, 0 to skip (default 32)"),
-    ("--rollout-steps", int, None, "anti-shortcut rollout steps (default: 2 for vispec, 1 otherwise)"))
+    ("--rollout-steps", int, None, "anti-shortcut rollout steps (default: 2 for vispec, 1 otherwise)"),
+    ("--init", str, None, "fine-tune this saved head of the same method (e.g. one trained for another "
+                          "resolution of the target) instead of starting fresh"))
 TRAINING = {
     "sd": TrainingRecipe(
         "vlm-sd", _train_draft_vlm, "heldout_loss", defaults=_DRAFT_VLM_DEFAULTS,
@@ -178,7 +208,8 @@ _HEAD_DOCS = {
     "vispec": "EAGLE-2 tree from a head seeing the image through ViSpec's vision adaptor + global feature",
 }
 for _h in HEADS:
-    register_part(name=_h, component=COMPONENTS[_h], recipe=TRAINING[_h], kind="drafter", config=TreeConfig,
+    register_part(name=_h, component=COMPONENTS[_h], recipe=TRAINING[_h], kind="drafter",
+                  config=SpecVLMTreeConfig if _h == "specvlm" else TreeConfig,
                   prefix="tree", requires=(f"{_h}_head",),
                   build=_head_part(_h), doc=_HEAD_DOCS[_h], modalities=(MODALITY,))
 

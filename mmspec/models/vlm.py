@@ -11,7 +11,10 @@ same tokenizer, the ``sd`` baseline's draft and transformers' assistant in the p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import torch
 
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
@@ -55,7 +58,23 @@ CHAT_TEMPLATE = """\
 """.replace("IMAGE_TOKEN", IMAGE_TOKEN)
 
 IMAGE_SIZE, PATCH_SIZE = 64, 8
-IMAGE_TOKENS = (IMAGE_SIZE // PATCH_SIZE) ** 2  # the CLS feature is dropped ("default" strategy)
+
+
+def image_tokens(resolution: int = IMAGE_SIZE) -> int:
+    """Image features per ``resolution`` x ``resolution`` image: one per ``PATCH_SIZE`` patch (the
+    CLS feature is dropped, the "default" strategy)."""
+    check_resolution(resolution)
+    return (resolution // PATCH_SIZE) ** 2
+
+
+def check_resolution(resolution) -> int:
+    check(isinstance(resolution, int) and not isinstance(resolution, bool) and resolution >= PATCH_SIZE
+          and resolution % PATCH_SIZE == 0, "resolution", f"an int multiple of the patch size {PATCH_SIZE}",
+          resolution)
+    return resolution
+
+
+IMAGE_TOKENS = image_tokens()
 
 # (vision tower, language model) sizes; the target's language model is deep and narrow so a pass
 # costs several draft-head layers, the draft VLM's is one narrow layer
@@ -89,25 +108,26 @@ def build_tokenizer(words: Sequence[str]) -> PreTrainedTokenizerFast:
                                    padding_side="left")
 
 
-def build_processor(words: Sequence[str]) -> LlavaProcessor:
-    """A ``LlavaProcessor`` over ``build_tokenizer(words)``: 64x64 RGB images normalised to
-    [-1, 1] (mean = std = 0.5, as the scenes are rendered), ``<image>`` expanded to
-    ``IMAGE_TOKENS`` placeholders, ``CHAT_TEMPLATE`` as its chat template."""
-    images = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE},
+def build_processor(words: Sequence[str], resolution: int = IMAGE_SIZE) -> LlavaProcessor:
+    """A ``LlavaProcessor`` over ``build_tokenizer(words)``: ``resolution``-pixel square RGB images
+    normalised to [-1, 1] (mean = std = 0.5, as the scenes are rendered), ``<image>`` expanded to
+    ``image_tokens(resolution)`` placeholders, ``CHAT_TEMPLATE`` as its chat template."""
+    R = check_resolution(resolution)
+    images = CLIPImageProcessor(size={"shortest_edge": R}, crop_size={"height": R, "width": R},
                                 image_mean=[0.5] * 3, image_std=[0.5] * 3, do_convert_rgb=True)
     return LlavaProcessor(image_processor=images, tokenizer=build_tokenizer(words), patch_size=PATCH_SIZE,
                           vision_feature_select_strategy="default", num_additional_image_tokens=1,
                           chat_template=CHAT_TEMPLATE)
 
 
-def llava_config(words: Sequence[str], size: str = "target") -> LlavaConfig:
-    """The ``LlavaConfig`` of the tiny ``"target"`` or ``"draft"`` VLM over ``words`` (sdpa
-    attention)."""
+def llava_config(words: Sequence[str], size: str = "target", resolution: int = IMAGE_SIZE) -> LlavaConfig:
+    """The ``LlavaConfig`` of the tiny ``"target"`` or ``"draft"`` VLM over ``words`` for
+    ``resolution``-pixel images (sdpa attention)."""
     check_choice("size", size, tuple(SIZES))
     words = _check_words(words)
     vision, text = SIZES[size]
     config = LlavaConfig(
-        vision_config=dict(model_type="clip_vision_model", image_size=IMAGE_SIZE, patch_size=PATCH_SIZE,
+        vision_config=dict(model_type="clip_vision_model", image_size=check_resolution(resolution), patch_size=PATCH_SIZE,
                            projection_dim=vision["hidden_size"], **vision),
         text_config=dict(model_type="llama", vocab_size=len(words), max_position_embeddings=512,
                          bos_token_id=words.index("<s>"), eos_token_id=words.index("</s>"),
@@ -117,9 +137,34 @@ def llava_config(words: Sequence[str], size: str = "target") -> LlavaConfig:
     return config
 
 
-def new_llava(words: Sequence[str], size: str = "target") -> LlavaForConditionalGeneration:
-    """A freshly initialised tiny VLM over ``words`` (seed with ``torch.manual_seed`` first)."""
-    model = LlavaForConditionalGeneration(llava_config(words, size))
+def new_llava(words: Sequence[str], size: str = "target", resolution: int = IMAGE_SIZE) -> LlavaForConditionalGeneration:
+    """A freshly initialised tiny VLM over ``words`` for ``resolution``-pixel images (seed with
+    ``torch.manual_seed`` first)."""
+    model = LlavaForConditionalGeneration(llava_config(words, size, resolution))
     model.generation_config.eos_token_id = model.config.text_config.eos_token_id
     model.generation_config.pad_token_id = model.config.text_config.pad_token_id
     return model
+
+
+def resize_vision(model: LlavaForConditionalGeneration, resolution: int) -> LlavaForConditionalGeneration:
+    """A copy of a trained tiny VLM that reads ``resolution``-pixel images: every weight kept, the
+    vision tower's patch position embeddings resampled (bicubic, as ViT fine-tuning at a higher
+    resolution does; the CLS position kept) from the old patch grid to the new one. The warm start
+    of a higher-resolution target (``mmspec train vlm --resolution R --init DIR``)."""
+    R = check_resolution(resolution)
+    config = model.config.to_dict()
+    config["vision_config"]["image_size"] = R
+    new = LlavaForConditionalGeneration(LlavaConfig.from_dict(config)).to(model.dtype)
+    state = dict(model.state_dict())
+    key = next(k for k in state if k.endswith("embeddings.position_embedding.weight"))
+    old = state[key]  # (1 + s * s, D)
+    s, n = math.isqrt(old.shape[0] - 1), R // PATCH_SIZE
+    grid = old[1:].float().T.reshape(1, -1, s, s)
+    grid = torch.nn.functional.interpolate(grid, size=(n, n), mode="bicubic", align_corners=False)
+    state[key] = torch.cat([old[:1].float(), grid.reshape(-1, n * n).T]).to(old.dtype)
+    state = {k: v for k, v in state.items() if not k.endswith("position_ids")}  # buffers sized by the config
+    missing, unexpected = new.load_state_dict(state, strict=False)
+    check(not unexpected and all(k.endswith("position_ids") for k in missing), "model",
+          "a tiny LLaVA of mmspec.models.vlm", f"missing {missing}, unexpected {unexpected}")
+    new.generation_config = model.generation_config
+    return new

@@ -99,12 +99,14 @@ class ElasticVisualCompressor(nn.Module):
     def gate_logits(self, image: torch.Tensor, question: torch.Tensor) -> torch.Tensor:
         return self.gate(torch.cat([image.mean(0), question], -1))
 
-    def branch(self, name: str, image: torch.Tensor) -> torch.Tensor:
+    def branch(self, name: str, image: torch.Tensor, ratio: int | None = None) -> torch.Tensor:
+        """One branch's tokens; ``ratio`` replaces the trained ratio of the parameter-free branches
+        (prune: any int >= 1; pool: a square), as ``check_override`` allows."""
         N, D = image.shape
         if name == "text":
             return image[:0]
         if name == "prune":
-            keep = math.ceil(N / self.prune_ratio)
+            keep = math.ceil(N / (ratio or self.prune_ratio))
             if self.training:
                 idx = torch.randperm(N, device=image.device)[:keep].sort().values
             else:
@@ -115,7 +117,8 @@ class ElasticVisualCompressor(nn.Module):
         side = _square(N)
         grid = image.T.reshape(1, D, side, side) if side else image.T.reshape(1, D, 1, N)
         if name == "pool":
-            k = self.pool_side if side else (1, self.pool_side ** 2)
+            pool_side = math.isqrt(ratio) if ratio else self.pool_side
+            k = pool_side if side else (1, pool_side ** 2)
             out = F.avg_pool2d(grid, k, ceil_mode=True)
         else:
             if not side or side % self.conv_side:
@@ -123,7 +126,24 @@ class ElasticVisualCompressor(nn.Module):
             out = self.conv(grid)
         return out.flatten(2)[0].T
 
-    def forward(self, image: torch.Tensor, question: torch.Tensor, hard_gumbel: bool) -> tuple[torch.Tensor, int]:
+    @staticmethod
+    def check_override(branch: str, ratio: int) -> None:
+        """An inference override of the gate: ``branch`` one of ``"gate"`` (the gate's own top-1
+        choice, SpecVLM's dynamic selection) or ``BRANCHES``; ``ratio`` 0 (the trained ratio) or,
+        for the parameter-free ``"prune"`` (an int >= 1) and ``"pool"`` (a square int), the
+        compression to apply instead. The learned ``"conv"`` and ``"resampler"`` keep theirs."""
+        check_choice("branch", branch, ("gate",) + BRANCHES)
+        check(isinstance(ratio, int) and not isinstance(ratio, bool) and ratio >= 0, "ratio", "an int >= 0", ratio)
+        if ratio:
+            check(branch in ("prune", "pool"), "ratio", "0 unless branch is 'prune' or 'pool' (the learned "
+                  "branches and the gate's choice keep their trained ratios)", ratio)
+            check(branch == "prune" or _square(ratio) is not None, "ratio",
+                  "a square int (4, 16, 64, ...) for the 'pool' branch", ratio)
+
+    def forward(self, image: torch.Tensor, question: torch.Tensor, hard_gumbel: bool,
+                branch: str = "gate", ratio: int = 0) -> tuple[torch.Tensor, int]:
+        if branch != "gate":
+            return self.branch(branch, image, ratio), BRANCHES.index(branch)
         logits = self.gate_logits(image, question)
         if hard_gumbel:  # straight-through: the chosen branch is scaled by its (== 1) soft weight
             weights = F.gumbel_softmax(logits, tau=1.0, hard=True)
@@ -235,7 +255,8 @@ class VLMDraftHead(EagleHead):
 
     # -- the visual part of a prompt -------------------------------------------------------------
     def plan(self, features: torch.Tensor, tokens: torch.Tensor, embeds: torch.Tensor, lengths: torch.Tensor,
-             hard_gumbel: bool = False, question_ends: torch.Tensor | None = None) -> dict:
+             hard_gumbel: bool = False, question_ends: torch.Tensor | None = None,
+             compression: tuple[str, int] = ("gate", 0)) -> dict:
         """What the prompt's images become, per row: ``spans`` [(start, end)] of image
         placeholders among positions < lengths[r], ``visual`` a list of (n, H) tensors (one per
         span: compressed tokens; for ``"eagle"`` the span's embeddings), ``g`` (R, H) the global
@@ -245,7 +266,9 @@ class VLMDraftHead(EagleHead):
         features (R, S, H) the target's features, tokens (R, S), embeds (R, S, H) the target's
         merged input embeddings, lengths (R,) valid prompt lengths. ``question_ends`` (R,), default
         ``lengths``: where the question the SpecVLM gate reads ends (training passes the prompt
-        lengths, so the gate never sees the answer: at inference it reads the prompt only)."""
+        lengths, so the gate never sees the answer: at inference it reads the prompt only).
+        ``compression``: ``(branch, ratio)``, SpecVLM's gate overridden at inference
+        (``ElasticVisualCompressor.check_override``); ``("gate", 0)`` lets the gate choose."""
         R, S, H = features.shape
         method = self.config.method
         is_image = tokens == self.config.image_token_id
@@ -275,7 +298,7 @@ class VLMDraftHead(EagleHead):
                     row_visual.append(image)
                     row_branches.append(-1)
                 elif method == "specvlm":
-                    out, choice = self.compressor(image, question.to(image.dtype), hard_gumbel)
+                    out, choice = self.compressor(image, question.to(image.dtype), hard_gumbel, *compression)
                     row_visual.append(out)
                     row_branches.append(choice)
                 else:
@@ -366,18 +389,30 @@ class VLMDraftHead(EagleHead):
         and the cache-free reference path."""
         return cache is None or cache.plan is not None
 
+    def compressed(self, branch: str = "gate", ratio: int = 0) -> "VLMDraftHead | _Compressed":
+        """This ``"specvlm"`` head drafting with its gate overridden (``branch``, ``ratio``: see
+        ``ElasticVisualCompressor.check_override``): a view for ``EagleTreeDrafter`` that shares
+        every weight; ``("gate", 0)`` returns the head itself. The override travels with the call,
+        so views of one head with different overrides may draft at the same time."""
+        ElasticVisualCompressor.check_override(branch, ratio)
+        if (branch, ratio) == ("gate", 0):
+            return self
+        check(self.config.method == "specvlm", "branch", "'gate' for a head without SpecVLM's compressor "
+              f"(method={self.config.method!r})", branch)
+        return _Compressed(self, (branch, ratio))
+
     @torch.no_grad()
-    def start(self, cache: _DraftCache, state) -> None:
+    def start(self, cache: _DraftCache, state, compression: tuple[str, int] = ("gate", 0)) -> None:
         """After the target's prefill: plan the prompt's images from the target's features
         (``state.prefill.hidden``), its merged input embeddings (``state.prefill.prompt_embeds``)
-        and the prompt lengths, for the first feed to use."""
+        and the prompt lengths, for the first feed to use (``compression``: ``plan``'s)."""
         self.target  # noqa: B018 -- a head drafts only once bound to its target (raises otherwise)
         embeds = state.prefill.prompt_embeds
         hidden = state.prefill.hidden
         check(embeds is not None and embeds.shape[:2] == hidden.shape[:2], "state.prefill",
               "a VLMTarget's prompt pass output (its prompt_embeds match its hidden states)", None)
         S = hidden.shape[1]
-        cache.plan = self.plan(hidden, state.tokens[:, :S], embeds, state.prompt_lengths)
+        cache.plan = self.plan(hidden, state.tokens[:, :S], embeds, state.prompt_lengths, compression=compression)
         cache.g = cache.plan["g"]
 
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
@@ -451,3 +486,19 @@ class VLMDraftHead(EagleHead):
         logs["loss"] = total / rollout_steps
         logs["branches"] = [b for row in plan["branches"] for b in row]
         return logs
+
+
+class _Compressed:
+    """``VLMDraftHead.compressed``'s view: the head, whose ``start`` plans with a fixed compression."""
+
+    def __init__(self, head: VLMDraftHead, compression: tuple[str, int]):
+        self.head, self.compression = head, compression
+
+    def start(self, cache: _DraftCache, state) -> None:
+        self.head.start(cache, state, compression=self.compression)
+
+    def __getattr__(self, name: str):
+        return getattr(self.head, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.head(*args, **kwargs)

@@ -1,7 +1,12 @@
 """Train the tiny LLaVA-architecture VLMs (``mmspec.models.vlm``) on ``SceneQADataset``: the
 ``"target"`` the VLM methods accelerate and the small ``"draft"`` VLM (the ``sd`` baseline and the
 transformers peer's assistant). Next-token cross-entropy on the answer tokens only (the chat frame,
-question and image placeholders are context), AdamW with warmup and cosine decay."""
+question and image placeholders are context), AdamW with warmup and cosine decay.
+
+``resolution`` sets the image side (``image_tokens(resolution)`` visual tokens per image); with
+``init`` a trained VLM is fine-tuned instead of trained from scratch, its vision tower resampled to
+the new resolution (``resize_vision``): the visual-heavy target (192 px, 576 visual tokens per image,
+LLaVA-1.5's count) is the 64 px target fine-tuned this way."""
 
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ...core.errors import check, check_choice
-from ...models.vlm import IMAGE_TOKENS, SIZES, build_processor, new_llava
+from ...models.vlm import IMAGE_SIZE, SIZES, build_processor, check_resolution, image_tokens, new_llava, resize_vision
 from ..data.scene_qa import SceneQADataset, prompt_text, vocabulary
 from ..loop import new_accelerator, train_loop
 from .common import batch_indices, check_run_args, heldout_seed, save_atomically, warmup_cosine
@@ -20,12 +25,18 @@ from .common import batch_indices, check_run_args, heldout_seed, save_atomically
 IGNORE = -100
 
 
+def processor_resolution(processor) -> int:
+    """The image side a processor built by ``build_processor`` feeds its VLM."""
+    return processor.image_processor.crop_size["height"]
+
+
 def encode(processor, items) -> tuple[torch.Tensor, list[list[int]], list[int]]:
     """``(image, question, answer)`` items -> pixels (N, 3, H, W) as rendered, and per item the
-    token ids of prompt + answer + ``</s>`` and the prompt's length (``<image>`` expanded)."""
+    token ids of prompt + answer + ``</s>`` and the prompt's length (``<image>`` expanded to the
+    processor's resolution)."""
     tok = processor.tokenizer
     images, seqs, prompt_lens = [], [], []
-    expanded = " ".join([tok.image_token] * IMAGE_TOKENS)
+    expanded = " ".join([tok.image_token] * image_tokens(processor_resolution(processor)))
     for image, question, answer in items:
         prompt = tok(prompt_text(question).replace(tok.image_token, expanded))["input_ids"]
         answer_ids = tok(answer)["input_ids"] + [tok.eos_token_id]
@@ -61,30 +72,63 @@ def heldout_loss(model, pixels, seqs, prompt_lens, pad_id: int, batch_size: int 
     return total / count
 
 
+@torch.no_grad()
+def short_answer_accuracy(model, processor, items, shuffle_images: bool = False) -> float:
+    """Greedy exact-match accuracy of ``model`` on short ``(image, question, answer)`` items (eval
+    mode, one item per call). ``shuffle_images`` pairs each question with the next item's image:
+    the control that shows the answers need the image."""
+    model.eval()
+    pixels, seqs, prompt_lens = encode(processor, items)
+    eos = processor.tokenizer.eos_token_id
+    right = 0
+    for i, (seq, n) in enumerate(zip(seqs, prompt_lens)):
+        ids = torch.tensor([seq[:n]])
+        image = pixels[(i + 1) % len(seqs) if shuffle_images else i][None]
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), pixel_values=image,
+                             max_new_tokens=len(seq) - n + 2, do_sample=False, eos_token_id=eos)
+        right += out[0, n:].tolist()[: len(seq) - n] == seq[n:]
+    return right / len(seqs)
+
+
 def train_vlm(out_dir: str | Path, *, size: str = "target", steps: int, batch_size: int, lr: float, seed: int = 0,
               dataset_size: int, heldout_size: int = 64, log_every: int = 50, warmup: int = 100,
+              resolution: int = IMAGE_SIZE, init: str | Path | None = None,
               log: Callable[[str], None] = print) -> dict:
-    """Train ``new_llava(vocabulary(), size)`` on ``SceneQADataset(dataset_size, seed)`` and save it with its
-    processor to ``out_dir`` (fp16 safetensors and the processor files, written atomically) with
-    ``train_log.json``, whose dict is returned: ``recipe``, ``size``, ``seed``, ``steps``,
+    """Train ``new_llava(vocabulary(), size, resolution)`` on ``SceneQADataset(dataset_size, seed,
+    resolution)`` (or fine-tune the VLM saved in ``init``, resampled to ``resolution`` by
+    ``resize_vision``) and save it with its processor to ``out_dir`` (fp16 safetensors and the
+    processor files, written atomically) with ``train_log.json``, whose dict is returned:
+    ``recipe``, ``size``, ``seed``, ``steps``, ``resolution``, ``image_tokens``, ``init``,
     ``config``, ``train`` (the arguments), ``final_loss``, ``heldout_loss`` (nats per answer
-    token), ``heldout`` (size and seed), ``parameters``, ``wall_time_s``. Seeded: runs at the same
+    token), ``heldout`` (size and seed), ``short_answer_accuracy`` (greedy exact match on
+    ``heldout_size`` held-out short questions) and ``shuffled_image_accuracy`` (the same questions
+    asked about another item's image), ``parameters``, ``wall_time_s``. Seeded: runs at the same
     thread count give the same weights."""
     check_choice("size", size, tuple(SIZES))
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                          dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
     check(isinstance(warmup, int) and warmup >= 1, "warmup", "an int >= 1", warmup)
+    check_resolution(resolution)
+    check(init is None or (Path(init) / "config.json").is_file(), "init",
+          "None or a folder holding a VLM saved by 'mmspec train vlm'", init)
     accelerator = new_accelerator("train_vlm")
     start = time.perf_counter()
-    processor = build_processor(vocabulary())  # its chat template writes prompt_text's frame
+    processor = build_processor(vocabulary(), resolution)  # its chat template writes prompt_text's frame
     pad_id = processor.tokenizer.pad_token_id
-    pixels, seqs, prompt_lens = encode(processor, SceneQADataset(dataset_size, seed))
+    pixels, seqs, prompt_lens = encode(processor, SceneQADataset(dataset_size, seed, resolution))
     held_seed = heldout_seed(seed)
-    held = encode(processor, SceneQADataset(heldout_size, held_seed))
-    log(f"vlm-{size}: {dataset_size} image/question/answer triples, longest sequence {max(map(len, seqs))} tokens")
+    held = encode(processor, SceneQADataset(heldout_size, held_seed, resolution))
+    log(f"vlm-{size}: {dataset_size} image/question/answer triples at {resolution} px, "
+        f"longest sequence {max(map(len, seqs))} tokens")
 
     torch.manual_seed(seed)
-    model = new_llava(vocabulary(), size)
+    if init is None:
+        model = new_llava(vocabulary(), size, resolution)
+    else:
+        from transformers import LlavaForConditionalGeneration
+
+        model = resize_vision(LlavaForConditionalGeneration.from_pretrained(init, dtype=torch.float32), resolution)
+        model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: warmup_cosine(s, warmup=warmup, steps=steps))
     generator = torch.Generator().manual_seed(seed)
@@ -98,8 +142,15 @@ def train_vlm(out_dir: str | Path, *, size: str = "target", steps: int, batch_si
                             accelerator=accelerator, schedule=schedule, grad_clip=1.0, name=f"vlm-{size}", log=log,
                             log_every=log_every)
     held_loss = heldout_loss(model, *held, pad_id)
-    log(f"vlm-{size} held-out loss {held_loss:.4f} nats/answer token")
-    record = dict(recipe="vlm", size=size, seed=seed, steps=steps, config=model.config.to_dict(),
+    short = SceneQADataset(heldout_size, held_seed, resolution, describe_prob=0.0)
+    items = [short[i] for i in range(heldout_size)]
+    accuracy = short_answer_accuracy(model, processor, items)
+    shuffled = short_answer_accuracy(model, processor, items, shuffle_images=True)
+    log(f"vlm-{size} held-out loss {held_loss:.4f} nats/answer token, short answers {accuracy:.3f} "
+        f"({shuffled:.3f} with another item's image)")
+    record = dict(recipe="vlm", size=size, seed=seed, steps=steps, resolution=resolution,
+                  image_tokens=image_tokens(resolution), init=None if init is None else str(init),
+                  config=model.config.to_dict(), short_answer_accuracy=accuracy, shuffled_image_accuracy=shuffled,
                   train=dict(batch_size=batch_size, lr=lr, dataset_size=dataset_size, warmup=warmup),
                   final_loss=loss_value, heldout_loss=held_loss, heldout=dict(size=heldout_size, seed=held_seed),
                   parameters=sum(p.numel() for p in model.parameters()),

@@ -32,6 +32,7 @@ import torch
 
 from ...adapters.vlm import VLMTarget
 from ...core.errors import check, check_choice
+from ...models import load_checkpoint
 from ...models.medusa import MedusaHeads
 from ...models.vlm_draft import BRANCHES, METHODS as HEAD_METHODS, VLMDraftHead
 from ...models.vlm_distill import Rendered, collate_items, distill
@@ -39,7 +40,7 @@ from ..data.conversations import load_image, read_conversations, render
 from ..data.scene_qa import SceneQADataset
 from ..loop import new_accelerator, shard, train_loop
 from .common import batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, save_atomically, warmup_cosine
-from .vlm import encode
+from .vlm import encode, processor_resolution
 
 METHODS = HEAD_METHODS + ("medusa",)
 # rollout steps per method: ViSpec trains on its own predictions, the others teacher-forced
@@ -202,7 +203,7 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
                     warmup: int = 50, rollout_steps: int | None = None, medusa_heads: int = 6,
                     data: str | Path | None = None, image_folder: str | Path | None = None,
                     regenerate: int | None = None, tau_tokens: int = TAU_TOKENS,
-                    log: Callable[[str], None] = print) -> dict:
+                    init: str | Path | None = None, log: Callable[[str], None] = print) -> dict:
     """Train ``VLMDraftHead(method)`` (``MedusaHeads`` for ``"medusa"``) for the VLM at
     ``target_dir`` and save it to ``out_dir`` (fp16 safetensors, atomically) with
     ``train_log.json``, whose dict is returned: ``recipe``, ``method``, ``seed``, ``steps``,
@@ -211,10 +212,10 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
     ``heldout_top1`` (teacher-forced agreement with the target's next token on held-out answers),
     ``heldout_tau`` (tokens per target pass decoding the held-out prompts greedily with the head,
     ``tau_tokens`` new tokens each; ``tau_tokens=0`` skips it) and ``untrained_tau`` (the same
-    for the head before training), ``heldout_history`` (``{"step", "top1", "tau"}`` at each
-    checkpoint and at the end: ``--checkpoint-every``), ``branch_counts`` (SpecVLM:
-    training picks per branch), ``parameters`` (the head's own, the shared embedding and LM head
-    excluded), ``processes``, ``wall_time_s``.
+    for the head before training: the ``init`` head when given), ``heldout_history``
+    (``{"step", "top1", "tau"}`` at each checkpoint and at the end: ``--checkpoint-every``),
+    ``branch_counts`` (SpecVLM: training picks per branch), ``parameters`` (the head's own, the
+    shared embedding and LM head excluded), ``processes``, ``wall_time_s``.
 
     ``target_dir``: a transformers model folder of a family in ``FAMILIES`` (LLaVA, Qwen2-VL,
     Qwen2.5-VL) with its processor (and chat template), or a hub id where there is a network.
@@ -225,6 +226,10 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
     (``SceneQADataset``), which only a target written by 'mmspec train vlm' reads.
     ``regenerate``: replace every answer by the target's own greedy answer to the first question
     (up to this many tokens; self-distillation).
+
+    ``init``: a head of the same method and sizes saved by this recipe (for another target, e.g.
+    the 64 px VLM when training for its 192 px fine-tune) to start from instead of a fresh one;
+    the saved head is stamped for ``target_dir``.
 
     ``batch_size`` is the global batch: under ``accelerate launch`` each of the N processes takes
     ``batch_size / N`` of it. ``medusa_heads``: K for ``method="medusa"`` (ignored otherwise)."""
@@ -239,6 +244,8 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
           "None or an int >= 1 (new tokens per regenerated answer)", regenerate)
     check(isinstance(tau_tokens, int) and tau_tokens >= 0, "tau_tokens", "an int >= 0 (0: no held-out tau)",
           tau_tokens)
+    check(init is None or (Path(init) / "config.json").is_file(), "init",
+          "None or a folder holding a head saved by this recipe", init)
     if _is_local(target_dir):  # a folder: its model, processor and tokenizer files, before any work
         check_checkpoint_dir(target_dir, "target_dir", "a transformers VLM folder with its processor (LLaVA, "
                              "Qwen2-VL, Qwen2.5-VL; e.g. written by 'mmspec train vlm')", processor=True)
@@ -264,8 +271,9 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = target.model.generation_config.eos_token_id
     if data is None:
-        items, held = (scene_items(processor, SceneQADataset(dataset_size, seed)),
-                       scene_items(processor, SceneQADataset(heldout_size, heldout_seed(seed))))
+        res = processor_resolution(processor)  # scenes drawn at the target's own resolution
+        items, held = (scene_items(processor, SceneQADataset(dataset_size, seed, res)),
+                       scene_items(processor, SceneQADataset(heldout_size, heldout_seed(seed), res)))
         data_record = dict(path=None, generated="SceneQADataset", train=len(items), heldout=len(held), skipped=0)
     else:
         items, held, data_record = user_items(processor, data, image_folder, limit=dataset_size,
@@ -284,6 +292,8 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
         head = MedusaHeads.from_target(target, num_heads=medusa_heads)
     else:
         head = VLMDraftHead.from_target(target, method=method)
+    if init is not None:  # fine-tune: the saved head's weights, this target's stamp
+        head.load_state_dict(load_checkpoint(type(head), init).state_dict())
     untrained_tau = heldout_tau(head, held, method=method, max_new_tokens=tau_tokens, eos_token_id=eos) \
         if tau_tokens and main else None
     head.train()
@@ -327,13 +337,15 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
         say(f"vlm-draft {method} held-out top-1 agreement {top1}")
         tau = history[-1]["tau"] if tau_tokens else None  # the evaluation after the last step
         if tau_tokens:
-            say(f"vlm-draft {method} held-out tau {tau:.3f} (untrained head {untrained_tau:.3f}, "
+            say(f"vlm-draft {method} held-out tau {tau:.3f} ({'the --init' if init else 'untrained'} head "
+                f"{untrained_tau:.3f}, "
                 f"{len(held)} prompts, {tau_tokens} new tokens each)")
         config = {k: v for k, v in dict(head.config).items() if not k.startswith("_")}
         record = dict(recipe="vlm-draft", method=method, seed=seed, steps=steps, config=config,
                       trained_for=head.config["_trained_for"], target=str(target_dir), data=data_record,
                       train=dict(batch_size=batch_size, lr=lr, dataset_size=dataset_size, warmup=warmup,
-                                 rollout_steps=rollout_steps, target_dir=str(target_dir)),
+                                 rollout_steps=rollout_steps, target_dir=str(target_dir),
+                                 init=None if init is None else str(init)),
                       final_loss=loss_value, heldout_top1=top1, heldout_tau=tau, untrained_tau=untrained_tau,
                       tau_tokens=tau_tokens, heldout_history=history,
                       branch_counts=dict(zip(BRANCHES, branch_counts)) if method == "specvlm" else None,
