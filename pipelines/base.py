@@ -399,6 +399,14 @@ class SpeculativePipeline(PipelineBase):
             vars(obj).pop("new_cache", None)
         self._compiled_steps = self._compiled_objects = None
 
+    def enable_phase_timing(self, on: bool = True) -> None:
+        """Time every phase of every pass (``prefill``, ``draft``, ``verify``, ``accept``,
+        ``commit``) of the following calls into ``out.stats["seconds"]``: ``generate(...,
+        profile=True)``, which synchronises the device after each phase (on a GPU this slows the
+        call; on the CPU it costs two clock reads per phase). ``on=False`` turns it off."""
+        checks.check_flag(on, "on")
+        self._phase_timing = on
+
     @property
     def compiled_steps(self) -> list[str] | None:
         """The components whose forwards are compiled (``enable_compiled_steps``), else ``None``."""
@@ -470,7 +478,8 @@ class SpeculativePipeline(PipelineBase):
                 return self.interrupt
 
             with forced_static_shapes() if self.compiled_steps else contextlib.nullcontext():
-                out = decoder.generate(input_ids, max_new_tokens, callback=step_end, **generate_kwargs)
+                out = decoder.generate(input_ids, max_new_tokens, callback=step_end,
+                                       profile=getattr(self, "_phase_timing", False), **generate_kwargs)
             bar.update(max(0, max_new_tokens - seen) if not self.interrupt else 0)
         out.stats.extra.update(self.auto_stats(gate))
         return out

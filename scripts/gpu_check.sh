@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 out="${1:-${OUT:-gpu-check-out}}"
 if [ "${DRY_RUN:-0}" = "1" ]; then
   py=.venv/bin/python
-  exec "$py" -m mmspec.bench.gpu_check --dry-run --out "$out"
+  exec "$py" -m mmspec.bench.gpu_check --dry-run --out "$out" ${STEPS:+--steps $STEPS}
 fi
 py="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1
@@ -25,4 +25,5 @@ if ! "$py" -c "import mmspec.pipelines, mmspec.kernels" 2>/dev/null; then
   "$py" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || true
-exec "$py" -m mmspec.bench.gpu_check --out "$out"
+# STEPS="vlm-heavy pipeline:vlm" runs only those steps (the rest reported as not asked for)
+exec "$py" -m mmspec.bench.gpu_check --out "$out" ${STEPS:+--steps $STEPS}

@@ -9,6 +9,17 @@ call per row. Rows:
   draft VLM, transformers' default schedule) and ``hf-lookup`` (``prompt_lookup_num_tokens=10``);
 - ours: ``sd``, ``lookup``, ``eagle``, ``specvlm``, ``vispec``.
 
+Scenarios (``--scenario``): ``scenes`` (the default) runs the rows above on the bundled 64 px VLM
+(``assets/vlm``: 64 visual tokens per image, about 80 prompt tokens in all); ``visual-heavy`` runs
+``HEAVY_ROWS`` on the 192 px VLM (``assets/vlm-hd``: 576 visual tokens per image, LLaVA-1.5's
+count), where the image dominates the context: ``eagle`` (every visual token in the head),
+``specvlm`` with its gate choosing per request (SpecVLM's dynamic selection) and forced to each
+branch at several ratios, ``vispec`` and ``medusa``. Its extra columns, from the core's phase
+timing (``enable_phase_timing``; on the CPU over the same timed calls, on a GPU over one more round
+after them, since timing each phase syncs the device): the head's draft time per target pass
+and the target's verify time per pass (milliseconds), the visual tokens the head keeps per image
+and, for the gated row, how often the gate chose each branch.
+
 Per row: target passes per prompt (NFE, counted by a forward hook on the target, prefill
 included), tau = generated tokens per target pass after the prefill, ``(tokens - 1) / (NFE - 1)``
 (EAGLE's convention: the bonus token counts; target-only decoding gives 1), tokens per second
@@ -28,6 +39,7 @@ from pathlib import Path
 import torch
 
 from .. import methods
+from ..core.errors import check, check_choice
 from ..training.data.scene_qa import _DESCRIBE, SceneQADataset
 from ..training.recipes.common import heldout_seed
 
@@ -42,23 +54,88 @@ DEFAULT_ROWS = (("none",) + PEER + tuple(m for m in OURS if m != "none")
 SHOWCASE_ROWS = ("none", "hf-generate", "hf-assisted", "lookup", "eagle", "specvlm", "vispec")
 
 
+def _forced(branch: str, ratio: int = 0) -> tuple:
+    label = f"specvlm-{branch}{ratio or ''}"
+    return (label, "specvlm", {"specvlm_branch": branch, "specvlm_ratio": ratio})
+
+
+# the gate's own choice, then each branch forced: the parameter-free ones at several ratios
+HEAVY_ROWS = ("none", "eagle", "specvlm", _forced("pool", 4), _forced("pool", 16), _forced("pool", 64),
+              _forced("prune", 16), _forced("prune", 64), _forced("conv"), _forced("resampler"), _forced("text"),
+              "vispec", "medusa")
+STREAM_ROWS = ("none", "eagle", "medusa")
+SCENARIOS = {"scenes": (ASSETS / "vlm", DEFAULT_ROWS), "visual-heavy": (ASSETS / "vlm-hd", HEAVY_ROWS),
+             "stream": (ASSETS / "vlm", STREAM_ROWS)}
+"""``--scenario``: its bundled pipeline folder and rows (``stream``: the methods answering)."""
+
+
 @dataclass
 class VLMBenchConfig:
-    pipeline_dir: str = str(ASSETS / "vlm")
-    rows: tuple = DEFAULT_ROWS
+    pipeline_dir: str | None = None  # None: the scenario's
+    rows: tuple | None = None  # None: the scenario's
     prompts: int = 24  # held-out scenes, each with a description question
     max_new_tokens: int = 128
+    scenario: str = "scenes"
+    device: str = "cpu"
+    frames: int = 2000  # stream: frames in all, chunk_frames a round, a question each round
+    chunk_frames: int = 4
+    check_every: int = 25  # stream: every N-th round each row's answer is checked against none's (forked)
+
+    def __post_init__(self):
+        check_choice("scenario", self.scenario, tuple(SCENARIOS))
+        folder, rows = SCENARIOS[self.scenario]
+        self.pipeline_dir = str(folder) if self.pipeline_dir is None else self.pipeline_dir
+        self.rows = rows if self.rows is None else self.rows
 
     @classmethod
     def quick(cls, **kw) -> "VLMBenchConfig":
-        return cls(**{"prompts": 4, **kw})
+        return cls(**{"prompts": 4, "frames": 200, **kw})
 
 
-def bench_prompts(n: int) -> tuple[list, list[str]]:
-    """``n`` held-out scenes (images in [0, 1]) with the description questions in turn."""
-    data = SceneQADataset(n, heldout_seed(0))
+def bench_prompts(n: int, resolution: int = 64) -> tuple[list, list[str]]:
+    """``n`` held-out scenes drawn at ``resolution`` (images in [0, 1]) with the description
+    questions in turn."""
+    data = SceneQADataset(n, heldout_seed(0), resolution)
     images = [(data[i][0] + 1) / 2 for i in range(n)]
     return images, [_DESCRIBE[i % len(_DESCRIBE)] for i in range(n)]
+
+
+@torch.no_grad()
+def _head_view(pipe, images, prompts) -> dict:
+    """What the ``specvlm`` head's gate chooses for each prompt (SpecVLM's rule: the top-1 gate
+    logit over the mean image embedding and the mean target feature over the question) and the
+    visual tokens each choice keeps, from the target's prompt pass, as the drafter's ``start`` sees
+    it."""
+    from ..adapters.vlm import VLMTarget
+    from ..models.vlm_draft import BRANCHES
+
+    target = VLMTarget(pipe.target)
+    head = pipe.specvlm_head.bind(target)
+    counts, kept = dict.fromkeys(BRANCHES, 0), []
+    for image, prompt in zip(images, prompts):
+        ids, vision = pipe.prepare_inputs([image], [prompt])
+        tokens = torch.tensor(ids, device=target.device)
+        cache = target.new_cache(1, tokens.shape[1])
+        positions = torch.arange(tokens.shape[1], device=target.device)[None]
+        out = target(tokens, positions, cache, **target.vision_inputs(**vision))
+        plan = head.plan(out.hidden, tokens, out.prompt_embeds, torch.tensor([tokens.shape[1]], device=target.device))
+        for b, visual in zip(plan["branches"][0], plan["visual"][0]):
+            counts[BRANCHES[b]] += 1
+            kept.append(len(visual))
+    return dict(counts=counts, kept=sum(kept) / max(1, len(kept)))
+
+
+def _kept_tokens(pipe, method: str, knobs: dict, image_tokens: int) -> float | None:
+    """Visual tokens per image the row's draft keeps (None for drafts without an image span)."""
+    if method == "eagle":
+        return image_tokens
+    if method == "vispec":
+        return pipe.vispec_head.config.vispec_queries - 1
+    if method == "specvlm" and knobs.get("specvlm_branch", "gate") != "gate":
+        head = pipe.specvlm_head
+        dummy = torch.zeros(image_tokens, head.config.hidden_size, device=head.fc.weight.device)
+        return len(head.compressor.branch(knobs["specvlm_branch"], dummy, knobs.get("specvlm_ratio", 0)))
+    return None
 
 
 class _Counter:
@@ -114,18 +191,97 @@ def _available(pipe, row: str) -> str | None:
     return f"no {missing[0]}" if missing else None
 
 
+STREAM_QUESTIONS = ("what colour is the main shape ?", "what shape is in the image ?", "where is the shape ?",
+                    "describe the image .")
+STREAM_POLICY = dict(vision_window=4, text_window=4, text_sink=32, text_sliding_window=32)
+
+
+def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
+    """The ``stream`` scenario: one stream of ``cfg.frames`` held-out scenes in chunks of
+    ``cfg.chunk_frames``, a question after every chunk (``STREAM_QUESTIONS`` in turn), on the
+    bundled VLM's ``stream()`` session (``STREAM_POLICY``). Each row is its own stream, all fed the
+    same frames and questions, rounds outer and rows inner (interleaved). Per row: answer latency
+    (the question's feed and the decode) in ms, its least-squares slope in ms per 1,000 frames with
+    a bootstrap interval (``stats.fit_slope``), the first and last 10% of rounds' mean latency,
+    NFE per answer, the context's longest length and the cache's bytes (fixed at the start), and
+    ``exact``: every ``check_every``-th round the row's answer equals the target alone's on a fork
+    of the same stream. ``rss_mb`` is the process's peak resident set at the start and the end."""
+    import resource
+
+    from ..pipelines import SpeculativeVLMPipeline
+    from .stats import fit_slope
+
+    say = progress or (lambda msg: None)
+    pipe = SpeculativeVLMPipeline.from_pretrained(cfg.pipeline_dir).to(cfg.device)
+    pipe.set_progress_bar_config(disable=True)
+    images, _ = bench_prompts(64)
+    rounds = cfg.frames // cfg.chunk_frames
+    check(rounds >= 3, "frames", f"at least 3 chunks of {cfg.chunk_frames} frames", cfg.frames)
+    labels = [_spec(r)[0] for r in cfg.rows]
+    sessions = {label: pipe.stream(chunk_frames=cfg.chunk_frames, **STREAM_POLICY) for label in labels}
+    acc = {label: dict(ms=[], nfe=[], longest=0, checked=0, exact=True) for label in labels}
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    nbytes = {label: s.stream.cache.nbytes() for label, s in sessions.items()}
+    for i in range(rounds):
+        if i % 50 == 0:
+            say(f"vlm stream: round {i + 1}/{rounds}")
+        chunk = [images[(i * cfg.chunk_frames + j) % len(images)] for j in range(cfg.chunk_frames)]
+        question = STREAM_QUESTIONS[i % len(STREAM_QUESTIONS)]
+        for label, method, knobs in (_spec(r) for r in cfg.rows):
+            session, a = sessions[label], acc[label]
+            session.add_frames(chunk)
+            ref = session.fork().ask(question, max_new_tokens=cfg.max_new_tokens) \
+                if i % cfg.check_every == 0 and method != "none" else None
+            out = session.ask(question, method=method, method_knobs=knobs or None, max_new_tokens=cfg.max_new_tokens)
+            a["ms"].append(1e3 * out.stats["seconds"])
+            a["nfe"].append(out.stats["nfe"])
+            a["longest"] = max(a["longest"], session.stream.context_tokens())
+            if ref is not None:
+                a["checked"] += 1
+                a["exact"] = a["exact"] and out.tokens == ref.tokens
+            check(session.stream.cache.nbytes() == nbytes[label], "the stream's cache", "of a fixed size",
+                  session.stream.cache.nbytes())
+    rows = []
+    frames = [(i + 1) * cfg.chunk_frames for i in range(rounds)]
+    tenth = max(1, rounds // 10)
+    base = sum(acc[labels[0]]["ms"]) if labels else None
+    for label in labels:
+        a = acc[label]
+        fit = fit_slope(frames, a["ms"])
+        rows.append(dict(method=label, frames=cfg.frames, answers=rounds, ms_per_answer=sum(a["ms"]) / rounds,
+                         ms_first_10pct=sum(a["ms"][:tenth]) / tenth, ms_last_10pct=sum(a["ms"][-tenth:]) / tenth,
+                         slope_ms_per_1000_frames=fit["slope"], slope_ci=[fit["ci_low"], fit["ci_high"]],
+                         nfe_per_answer=sum(a["nfe"]) / rounds, longest_context=a["longest"],
+                         cache_mb=nbytes[label] / 2 ** 20, wall_speedup=base / sum(a["ms"]),
+                         exact=a["exact"] if a["checked"] else None, checked=a["checked"]))
+    setup = dict(scenario="stream", pipeline=cfg.pipeline_dir, device=cfg.device, frames=cfg.frames,
+                 chunk_frames=cfg.chunk_frames, max_new_tokens=cfg.max_new_tokens, policy=STREAM_POLICY,
+                 threads=torch.get_num_threads(), rss_mb_start=rss0,
+                 rss_mb_end=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                 wall_speedup=f"answer time of {labels[0]} over the row's, same stream contents",
+                 order="rounds outer, rows inner; each row its own stream of the same frames and questions")
+    return dict(bench="vlm", setup=setup, rows=rows, notes=[])
+
+
 def run(cfg: VLMBenchConfig, progress=None) -> dict:
     from transformers import __version__ as transformers_version
 
     from ..pipelines import SpeculativeVLMPipeline
 
+    if cfg.scenario == "stream":
+        return run_stream(cfg, progress)
     say = progress or (lambda msg: None)
     for _, method, knobs in (_spec(r) for r in cfg.rows):  # bad rows fail before the pipeline loads
         if method not in PEER:
             methods.resolve(MODALITY, method, knobs)
-    pipe = SpeculativeVLMPipeline.from_pretrained(cfg.pipeline_dir)
+    pipe = SpeculativeVLMPipeline.from_pretrained(cfg.pipeline_dir).to(cfg.device)
     pipe.set_progress_bar_config(disable=True)
-    images, prompts = bench_prompts(cfg.prompts)
+    heavy = cfg.scenario == "visual-heavy"
+    on_cpu = torch.device(cfg.device).type == "cpu"
+    pipe.enable_phase_timing(heavy and on_cpu)  # elsewhere its per-phase syncs would slow the timed calls
+    resolution = pipe.processor.image_processor.crop_size["height"]
+    images, prompts = bench_prompts(cfg.prompts, resolution)
+    image_tokens = pipe.prepare_inputs(images[:1], prompts[:1])[0][0].count(pipe.target.config.image_token_id)
     folder = Path(cfg.pipeline_dir)
     notes, specs = [], []
     for label, method, knobs in (_spec(r) for r in cfg.rows):
@@ -150,7 +306,8 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
             errors[label] = f"{type(err).__name__}: {err}"
             notes.append(f"{label}: failed on the first prompt: {errors[label]}")
     live = [s for s in specs if s[0] not in errors]
-    acc = {label: dict(tokens=[], seconds=0.0, nfe=0, draft_nfe=0, vision=0) for label, _, _ in live}
+    acc = {label: dict(tokens=[], seconds=0.0, nfe=0, draft_nfe=0, vision=0, draft_s=0.0, verify_s=0.0)
+           for label, _, _ in live}
     for i in range(cfg.prompts):  # prompts outer, rows inner: drifts in machine speed hit every row alike
         say(f"vlm bench: prompt {i + 1}/{cfg.prompts}")
         for label, method, knobs in live:
@@ -168,6 +325,18 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
             a["tokens"].append(toks)
             a["nfe"] += target_calls.calls
             a["draft_nfe"] += 0 if stats is None else stats["draft_nfe"]
+            if stats is not None and "seconds" in stats:
+                a["draft_s"] += stats["seconds"]["draft"]
+                a["verify_s"] += stats["seconds"]["verify"]
+    if heavy and not on_cpu:  # phase costs from one more round, timed phase by phase (synced)
+        pipe.enable_phase_timing(True)
+        for i in range(cfg.prompts):
+            for label, method, knobs in live:
+                if method in OURS:
+                    stats = call(method, knobs, i)[1]
+                    acc[label]["draft_s"] += stats["seconds"]["draft"]
+                    acc[label]["verify_s"] += stats["seconds"]["verify"]
+        pipe.enable_phase_timing(False)
     rows = []
     for label, method, knobs in specs:
         if label in errors:
@@ -184,6 +353,16 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
                          draft_nfe=a["draft_nfe"] / cfg.prompts if method in OURS else None,
                          draft_params=draft_params, draft_train_s=train_s,
                          assistant_sees_image=(a["vision"] > 0) if method == "hf-assisted" else None))
+        if heavy and method in OURS:
+            passes = max(1, a["nfe"] - cfg.prompts)  # the passes after the prefill: each drafted once
+            rows[-1].update(draft_ms_per_pass=1e3 * a["draft_s"] / passes, verify_ms_per_pass=1e3 * a["verify_s"] / passes,
+                            visual_tokens_kept=_kept_tokens(pipe, method, knobs or {}, image_tokens))
+    if heavy and any(m == "specvlm" and (k or {}).get("specvlm_branch", "gate") == "gate" for _, m, k in live):
+        gate = _head_view(pipe, images, prompts)
+        for r in rows:
+            if r["method"] == "specvlm":
+                r.update(visual_tokens_kept=gate["kept"], gate_choices=" ".join(
+                    f"{b} {n}" for b, n in gate["counts"].items() if n))
     ref = acc["none"]["tokens"] if "none" in acc else None
     by_name = {r["method"]: r for r in rows if "error" not in r}
     # "target only" is the faster of our loop without a drafter and transformers' plain generate
@@ -199,7 +378,10 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
         notes.append("hf-assisted: transformers " + transformers_version + " runs the assistant VLM "
                      + ("with" if by_name["hf-assisted"]["assistant_sees_image"] else "without")
                      + " its image (vision-tower calls counted); it refuses batches larger than 1")
-    setup = dict(prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, batch_size=1, temperature=0.0,
+    setup = dict(scenario=cfg.scenario, pipeline=cfg.pipeline_dir, device=cfg.device, resolution=resolution,
+                 image_tokens=image_tokens, phase_timing="during the timed calls" if on_cpu else
+                 "one more round after them, synced after every phase",
+                 prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, batch_size=1, temperature=0.0,
                  threads=torch.get_num_threads(), transformers=transformers_version,
                  tau="(generated tokens - 1) / (target passes - 1): tokens per pass after the prefill, bonus counted",
                  speedup="tokens/s over the faster target-only row (none or hf-generate) in this run",
@@ -216,7 +398,13 @@ VLM_COLUMNS = [
     ("method", "method"), ("nfe", "NFE/prompt"), ("tau", "tau"), ("tokens_per_s", "tokens/s"),
     ("wall_speedup", "wall x"), ("wall_speedup_vs_peer", "x vs peer"), ("greedy_identical", "greedy ="),
     ("draft_nfe", "draft NFE/prompt"), ("draft_params", "draft params"), ("draft_train_s", "draft train s"),
-    ("assistant_sees_image", "assistant sees image"),
+    ("assistant_sees_image", "assistant sees image"), ("draft_ms_per_pass", "draft ms/pass"),
+    ("verify_ms_per_pass", "verify ms/pass"), ("visual_tokens_kept", "visual tokens in draft"),
+    ("gate_choices", "gate chose"), ("answers", "answers"), ("ms_per_answer", "ms/answer"),
+    ("ms_first_10pct", "ms first 10%"), ("ms_last_10pct", "ms last 10%"),
+    ("slope_ms_per_1000_frames", "slope ms/1000 frames"), ("slope_ci", "slope 95% CI"),
+    ("nfe_per_answer", "NFE/answer"), ("longest_context", "longest context"), ("cache_mb", "cache MB"),
+    ("exact", "= none"),
 ]
 
 

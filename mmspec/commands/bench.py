@@ -67,7 +67,9 @@ def _ar_image(args):
 def _vlm(args):
     from ..bench import vlm
 
-    cfg = _config(vlm.VLMBenchConfig, args)
+    cfg = (vlm.VLMBenchConfig.quick if args.quick else vlm.VLMBenchConfig)(scenario=args.scenario or "scenes")
+    if args.pipeline is not None:
+        cfg.pipeline_dir = args.pipeline
     return vlm.run(cfg, progress=_progress(args)), vlm.VLM_COLUMNS
 
 
@@ -190,6 +192,11 @@ def register_subcommand(subparsers) -> None:
                        help="vlm, adapt, video and cost --calibrate only: the pipeline folder to bench (default "
                             "assets/vlm, assets/video; for cost --calibrate the --target's bundled folder)")
     bench.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    bench.add_argument("--scenario", choices=("scenes", "visual-heavy", "stream"),
+                       help="vlm only: scenes (default: the 64 px VLM, 64 visual tokens per image), visual-heavy "
+                            "(the 192 px VLM, 576 per image: eagle, specvlm's gate and forced branches, vispec, "
+                            "medusa) or stream (2,000 frames in chunks of 4, a question each chunk, on the bounded "
+                            "stream cache: latency slope, cache size, exactness)")
     bench.add_argument("--images", type=positive_int, metavar="N",
                        help="ar-image only: images per method (default 128, 16 with --quick); KID intervals "
                             "narrow as 1/sqrt(N); p vs none is exact at any N")
@@ -230,7 +237,7 @@ _ONLY = (("--pipeline", "pipeline", ("vlm", "video", "adapt", "cost")), ("--fram
          ("--videos-per-prompt", "videos_per_prompt", ("video",)), ("--methods", "methods", ("video",)),
          ("--images", "images", ("ar-image",)), ("--gpu-curve", "gpu_curve", ("cost",)),
          ("--target", "target", ("cost", "auto")), ("--quality", "quality", ("cost",)),
-         ("--profile-out", "profile_out", ("cost",)))
+         ("--profile-out", "profile_out", ("cost",)), ("--scenario", "scenario", ("vlm",)))
 
 
 def check(args) -> None:

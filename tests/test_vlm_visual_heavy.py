@@ -1,0 +1,173 @@
+"""The visual-heavy VLM (issue 47): a higher-resolution target by warm start, SpecVLM's gate
+overridden per call (``specvlm_branch`` / ``specvlm_ratio``), the pipeline's phase timing and
+``mmspec bench vlm --scenario visual-heavy``.
+
+- ``resize_vision`` at the same resolution is the model itself (equal logits); at a higher one the
+  vision tower reads ``(R / 8)^2`` patches, its CLS position is kept and a constant position grid
+  stays constant (bicubic resampling of the patch positions).
+- ``train_vlm(resolution=, init=)`` fine-tunes the saved model (its language model unchanged at a
+  negligible learning rate) and records the resolution, image tokens and short-answer accuracies.
+- Forced SpecVLM branches keep the visual tokens their ratio says and stay lossless on the bundled
+  pipeline; bad combinations are refused naming the knob.
+- Phase timing fills ``stats["seconds"]`` with every phase, inside the call's wall time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from mmspec.models.vlm import image_tokens, new_llava, resize_vision
+from mmspec.training.data.scene_qa import vocabulary
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+
+
+def _vision(model, pixels):
+    return model.model.get_image_features(pixel_values=pixels, vision_feature_layer=-1,
+                                          vision_feature_select_strategy="default", return_dict=True).pooler_output
+
+
+def test_resize_vision_at_the_same_resolution_is_the_model():
+    torch.manual_seed(0)
+    model = new_llava(vocabulary(), "draft").eval()
+    same = resize_vision(model, 64).eval()
+    pixels = torch.rand(2, 3, 64, 64) * 2 - 1
+    with torch.no_grad():
+        assert torch.equal(torch.cat(list(_vision(model, pixels))), torch.cat(list(_vision(same, pixels))))
+
+
+def test_resize_vision_reads_more_patches():
+    torch.manual_seed(0)
+    model = new_llava(vocabulary(), "draft").eval()
+    key = "model.vision_tower.embeddings.position_embedding.weight"
+    state = model.state_dict()
+    with torch.no_grad():
+        model.get_parameter(key)[1:] = 0.25  # a constant grid resamples to the same constant
+    big = resize_vision(model, 128).eval()
+    new = big.get_parameter(key)
+    assert new.shape[0] == 1 + image_tokens(128) == 257
+    assert torch.equal(new[0], state[key][0]) and torch.allclose(new[1:], torch.full_like(new[1:], 0.25))
+    with torch.no_grad():
+        feats = _vision(big, torch.rand(1, 3, 128, 128))
+    assert feats[0].shape[0] == 256
+    for name, value in big.state_dict().items():  # every other weight is the model's
+        if name != key and not name.endswith("position_ids"):
+            assert torch.equal(value, model.state_dict()[name]), name
+    with pytest.raises(ValueError, match="resolution"):
+        resize_vision(model, 100)
+
+
+def test_fine_tune_at_a_higher_resolution_starts_from_init(tmp_path):
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    from mmspec.models.vlm import build_processor
+    from mmspec.training.recipes import train_vlm
+
+    torch.manual_seed(0)
+    init = tmp_path / "init"
+    start = new_llava(vocabulary(), "draft")
+    start.save_pretrained(init)
+    build_processor(vocabulary()).save_pretrained(init)
+    record = train_vlm(tmp_path / "hd", size="draft", steps=1, batch_size=2, lr=1e-12, dataset_size=4,
+                       heldout_size=2, warmup=1, resolution=128, init=init, log=lambda m: None)
+    assert record["resolution"] == 128 and record["image_tokens"] == 256 and record["init"] == str(init)
+    assert 0 <= record["short_answer_accuracy"] <= 1 and 0 <= record["shuffled_image_accuracy"] <= 1
+    model = LlavaForConditionalGeneration.from_pretrained(tmp_path / "hd")
+    assert model.config.vision_config.image_size == 128
+    assert AutoProcessor.from_pretrained(tmp_path / "hd").image_processor.crop_size["height"] == 128
+    lm, lm0 = model.model.language_model.state_dict(), start.model.language_model.state_dict()
+    assert all(torch.allclose(lm[k].float(), lm0[k].half().float()) for k in lm0)  # fp16 save of init's
+    with pytest.raises(ValueError, match="init"):
+        train_vlm(tmp_path / "x", size="draft", steps=1, batch_size=2, lr=1e-3, dataset_size=4, init=tmp_path / "no")
+
+
+@pytest.fixture(scope="module")
+def pipe():
+    from mmspec.pipelines import SpeculativeVLMPipeline
+
+    pipe = SpeculativeVLMPipeline.from_pretrained(ASSETS / "vlm")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def scenes():
+    from mmspec.bench.vlm import bench_prompts
+
+    return bench_prompts(2)
+
+
+@pytest.mark.parametrize("branch,ratio,kept", [("pool", 4, 16), ("pool", 64, 1), ("prune", 4, 16), ("prune", 64, 1),
+                                                ("conv", 0, 16), ("resampler", 0, 2), ("text", 0, 0)])
+def test_forced_branches_keep_what_their_ratio_says(pipe, branch, ratio, kept):
+    from mmspec.adapters.vlm import VLMTarget
+
+    head = pipe.specvlm_head.bind(VLMTarget(pipe.target)).compressed(branch, ratio)
+    image = torch.randn(64, head.config.hidden_size)
+    out, choice = head.compressor(image, torch.zeros(head.config.hidden_size), False, branch, ratio)
+    assert len(out) == kept and choice == ("prune", "pool", "conv", "resampler", "text").index(branch)
+
+
+@pytest.mark.parametrize("knobs", [{"specvlm_branch": "pool", "specvlm_ratio": 64},
+                                   {"specvlm_branch": "prune", "specvlm_ratio": 8},
+                                   {"specvlm_branch": "text"}])
+def test_forced_branches_are_lossless(pipe, scenes, knobs):
+    images, prompts = scenes
+    ref = pipe(images=images, prompts=prompts, method="none", max_new_tokens=24)
+    out = pipe(images=images, prompts=prompts, method="specvlm", max_new_tokens=24, method_knobs=knobs)
+    assert out.tokens == ref.tokens
+
+
+@pytest.mark.parametrize("knobs,match", [({"specvlm_branch": "conv", "specvlm_ratio": 16}, "specvlm_ratio"),
+                                         ({"specvlm_branch": "pool", "specvlm_ratio": 8}, "square"),
+                                         ({"specvlm_branch": "zoom"}, "specvlm_branch"),
+                                         ({"specvlm_ratio": -1}, "specvlm_ratio")])
+def test_bad_overrides_are_refused(pipe, scenes, knobs, match):
+    images, prompts = scenes
+    with pytest.raises(ValueError, match=match):
+        pipe(images=images, prompts=prompts, method="specvlm", max_new_tokens=4, method_knobs=knobs)
+
+
+def test_a_head_without_the_compressor_refuses_a_branch(pipe):
+    with pytest.raises(ValueError, match="branch"):
+        pipe.eagle_head.compressed("pool", 16)
+    assert pipe.eagle_head.compressed() is pipe.eagle_head
+
+
+def test_phase_timing_fills_every_phase_inside_the_wall_time(pipe, scenes):
+    from mmspec.core.stats import PHASES
+
+    images, prompts = scenes
+    assert "seconds" not in pipe(images=images[:1], prompts=prompts[:1], method="eagle", max_new_tokens=8).stats
+    pipe.enable_phase_timing()
+    try:
+        stats = pipe(images=images[:1], prompts=prompts[:1], method="eagle", max_new_tokens=8).stats
+    finally:
+        pipe.enable_phase_timing(False)
+    assert set(stats["seconds"]) == set(PHASES) and all(v > 0 for v in stats["seconds"].values())
+    assert sum(stats["seconds"].values()) <= stats["wall_seconds"]
+    with pytest.raises(ValueError, match="on"):
+        pipe.enable_phase_timing("yes")
+
+
+@pytest.mark.skipif(not (ASSETS / "vlm-hd" / "model_index.json").is_file(), reason="no assets/vlm-hd")
+def test_visual_heavy_scenario_runs_on_the_bundled_192px_vlm():
+    from mmspec.bench import vlm
+
+    rows = ("none", "eagle", "specvlm", vlm._forced("pool", 64), "vispec", "medusa")
+    result = vlm.run(vlm.VLMBenchConfig(scenario="visual-heavy", prompts=1, max_new_tokens=8, rows=rows))
+    assert result["setup"]["image_tokens"] == 576 and result["setup"]["resolution"] == 192
+    by = {r["method"]: r for r in result["rows"]}
+    assert all(r["greedy_identical"] is True for r in result["rows"])
+    assert by["eagle"]["visual_tokens_kept"] == 576 and by["specvlm-pool64"]["visual_tokens_kept"] == 9
+    assert by["vispec"]["visual_tokens_kept"] == 1 and by["medusa"]["visual_tokens_kept"] is None
+    assert sum(int(n) for n in by["specvlm"]["gate_choices"].split()[1::2]) == 1
+    assert all(by[m]["draft_ms_per_pass"] > 0 and by[m]["verify_ms_per_pass"] > 0
+               for m in ("eagle", "specvlm", "specvlm-pool64", "vispec", "medusa"))
+    json.dumps(result)
+    with pytest.raises(ValueError, match="scenario"):
+        vlm.VLMBenchConfig(scenario="video")
