@@ -132,6 +132,23 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
         target, draft = self.views()
         return {"target": target, **({"draft": draft} if "draft" in requires and draft is not None else {})}
 
+    def stream(self, *, vision_window: int = 4, text_window: int = 4, text_sink: int = 32,
+               text_sliding_window: int = 32, chunk_frames: int = 1, capacity: int | None = None):
+        """A session answering questions about a live frame stream on one bounded cache
+        (StreamingVLM's policy, ``mmspec.adapters.vlm_stream``): ``session.add_frames(frames)``
+        starts a round with a chunk of frames, ``session.ask(question, method=...)`` answers
+        about what the cache holds, speculatively. The windows count rounds; ``text_sink`` and
+        ``text_sliding_window`` bound the previous text in tokens; ``capacity`` (cache slots)
+        defaults to what the windows hold at ``chunk_frames`` 64 px LLaVA frames a round and
+        answers up to 256 tokens (pass it for other frame sizes). LLaVA, Qwen2-VL and Qwen2.5-VL
+        targets; frames are images."""
+        from ..adapters.vlm_stream import StreamPolicy
+        from .vlm_stream import VLMStreamSession
+
+        checks.check_int(chunk_frames, "chunk_frames", 1)
+        policy = StreamPolicy(vision_window, text_window, text_sink, text_sliding_window)
+        return VLMStreamSession(self, policy, capacity, chunk_frames)
+
     def prepare_inputs(self, images, prompts, videos=None) -> VLMInputs:
         """``(input_ids, vision)``: per prompt its token ids (the processor's chat template around
         the question, image and video placeholders expanded) and the images and videos as

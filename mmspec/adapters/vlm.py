@@ -151,9 +151,12 @@ class VLMTarget(HFCausalLMTarget):
         fresh = cache.fresh
         check(fresh or not conditioning, "conditioning", "given with the prompt pass only (a fresh cache)",
               sorted(conditioning))
-        mask = cache.open_block(positions, tree_mask, self.model.dtype)  # (B, 1, T, S)
+        # (B, 1, T, S); given (3, B, T) M-RoPE ids, the block's shape is their first axis's
+        mask = cache.open_block(positions[0] if positions.dim() == 3 else positions, tree_mask, self.model.dtype)
         embeds = self.input_embeds(tokens, **conditioning)  # first: it checks the placeholder counts
-        if self.mrope:
+        if self.mrope and positions.dim() == 3:  # (3, B, T) ids given (a stream's, mmspec.adapters.vlm_stream)
+            pass
+        elif self.mrope:
             if cache.rope_deltas is None:  # the prompt pass: ids from the model's own rule
                 positions, cache.rope_deltas = self._prompt_rope(tokens, conditioning)
             else:  # text only: the same id on the three axes, shifted per row
