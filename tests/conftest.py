@@ -47,3 +47,15 @@ def restore_torch_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def bundled_vlm_pipe():
+    """The bundled 64 px VLM pipeline (``assets/vlm``), progress bars off, one per test module."""
+    from pathlib import Path
+
+    from mmspec.pipelines import SpeculativeVLMPipeline
+
+    pipe = SpeculativeVLMPipeline.from_pretrained(Path(__file__).resolve().parents[1] / "assets" / "vlm")
+    pipe.set_progress_bar_config(disable=True)
+    return pipe

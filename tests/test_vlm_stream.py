@@ -13,24 +13,17 @@ with speculative answers.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
 from mmspec.adapters.vlm_stream import StreamPolicy, VLMStream
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets" / "vlm"
 POLICY = dict(vision_window=2, text_window=2, text_sink=6, text_sliding_window=6)
 
 
 @pytest.fixture(scope="module")
-def pipe():
-    from mmspec.pipelines import SpeculativeVLMPipeline
-
-    pipe = SpeculativeVLMPipeline.from_pretrained(ASSETS)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+def pipe(bundled_vlm_pipe):
+    return bundled_vlm_pipe
 
 
 @pytest.fixture(scope="module")

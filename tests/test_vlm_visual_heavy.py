@@ -86,12 +86,8 @@ def test_fine_tune_at_a_higher_resolution_starts_from_init(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def pipe():
-    from mmspec.pipelines import SpeculativeVLMPipeline
-
-    pipe = SpeculativeVLMPipeline.from_pretrained(ASSETS / "vlm")
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+def pipe(bundled_vlm_pipe):
+    return bundled_vlm_pipe
 
 
 @pytest.fixture(scope="module")

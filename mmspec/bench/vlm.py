@@ -80,6 +80,7 @@ class VLMBenchConfig:
     frames: int = 2000  # stream: frames in all, chunk_frames a round, a question each round
     chunk_frames: int = 4
     check_every: int = 25  # stream: every N-th round each row's answer is checked against none's (forked)
+    stream_new_tokens: int = 32  # stream: an answer's length limit
 
     def __post_init__(self):
         check_choice("scenario", self.scenario, tuple(SCENARIOS))
@@ -205,7 +206,9 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     a bootstrap interval (``stats.fit_slope``), the first and last 10% of rounds' mean latency,
     NFE per answer, the context's longest length and the cache's bytes (fixed at the start), and
     ``exact``: every ``check_every``-th round the row's answer equals the target alone's on a fork
-    of the same stream. ``rss_mb`` is the process's peak resident set at the start and the end."""
+    of the same stream. ``rss_mb_start`` / ``rss_mb_end``: the process's peak resident set before
+    the first round and after the last; ``resident_mb_*``: its resident set after each round (mean
+    of the first and last 10% of rounds, and its slope in MB per 1,000 frames)."""
     import resource
 
     from ..pipelines import SpeculativeVLMPipeline
@@ -221,6 +224,7 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     sessions = {label: pipe.stream(chunk_frames=cfg.chunk_frames, **STREAM_POLICY) for label in labels}
     acc = {label: dict(ms=[], nfe=[], longest=0, checked=0, exact=True) for label in labels}
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = []  # the process's resident set after each round, MB (Linux: /proc/self/statm)
     nbytes = {label: s.stream.cache.nbytes() for label, s in sessions.items()}
     for i in range(rounds):
         if i % 50 == 0:
@@ -230,9 +234,10 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
         for label, method, knobs in (_spec(r) for r in cfg.rows):
             session, a = sessions[label], acc[label]
             session.add_frames(chunk)
-            ref = session.fork().ask(question, max_new_tokens=cfg.max_new_tokens) \
+            ref = session.fork().ask(question, max_new_tokens=cfg.stream_new_tokens) \
                 if i % cfg.check_every == 0 and method != "none" else None
-            out = session.ask(question, method=method, method_knobs=knobs or None, max_new_tokens=cfg.max_new_tokens)
+            out = session.ask(question, method=method, method_knobs=knobs or None,
+                              max_new_tokens=cfg.stream_new_tokens)
             a["ms"].append(1e3 * out.stats["seconds"])
             a["nfe"].append(out.stats["nfe"])
             a["longest"] = max(a["longest"], session.stream.context_tokens())
@@ -241,6 +246,7 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
                 a["exact"] = a["exact"] and out.tokens == ref.tokens
             check(session.stream.cache.nbytes() == nbytes[label], "the stream's cache", "of a fixed size",
                   session.stream.cache.nbytes())
+        rss.append(_resident_mb())
     rows = []
     frames = [(i + 1) * cfg.chunk_frames for i in range(rounds)]
     tenth = max(1, rounds // 10)
@@ -254,13 +260,29 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
                          nfe_per_answer=sum(a["nfe"]) / rounds, longest_context=a["longest"],
                          cache_mb=nbytes[label] / 2 ** 20, wall_speedup=base / sum(a["ms"]),
                          exact=a["exact"] if a["checked"] else None, checked=a["checked"]))
+    rss_fit = fit_slope(frames, rss) if None not in rss else {}
     setup = dict(scenario="stream", pipeline=cfg.pipeline_dir, device=cfg.device, frames=cfg.frames,
-                 chunk_frames=cfg.chunk_frames, max_new_tokens=cfg.max_new_tokens, policy=STREAM_POLICY,
+                 chunk_frames=cfg.chunk_frames, max_new_tokens=cfg.stream_new_tokens, policy=STREAM_POLICY,
                  threads=torch.get_num_threads(), rss_mb_start=rss0,
                  rss_mb_end=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                 resident_mb_first_10pct=None if None in rss else sum(rss[:tenth]) / tenth,
+                 resident_mb_last_10pct=None if None in rss else sum(rss[-tenth:]) / tenth,
+                 resident_slope_mb_per_1000_frames=rss_fit.get("slope"),
+                 resident_slope_ci=[rss_fit.get("ci_low"), rss_fit.get("ci_high")],
                  wall_speedup=f"answer time of {labels[0]} over the row's, same stream contents",
                  order="rounds outer, rows inner; each row its own stream of the same frames and questions")
     return dict(bench="vlm", setup=setup, rows=rows, notes=[])
+
+
+def _resident_mb() -> float | None:
+    """The process's resident set now, in MB (``/proc/self/statm``; None where there is none)."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
+    except OSError:
+        return None
 
 
 def run(cfg: VLMBenchConfig, progress=None) -> dict:
