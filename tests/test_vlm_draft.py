@@ -489,6 +489,22 @@ def test_vlm_draft_recipe_writes_a_loadable_head(tiny_vlm_dir, tmp_path, method)
     assert torch.equal(drafted.sequences, plain.sequences)
 
 
+def test_vlm_draft_recipe_starts_from_init(tiny_vlm_dir, tmp_path):
+    """``init``: the saved head's weights are where training starts (unchanged at a negligible
+    learning rate); a head of another method is refused naming ``init``."""
+    from mmspec.training.recipes import train_vlm_draft
+
+    run = dict(target_dir=tiny_vlm_dir, steps=1, batch_size=4, dataset_size=8, heldout_size=4, warmup=1,
+               tau_tokens=0, log=lambda m: None)
+    train_vlm_draft(tmp_path / "a", method="eagle", lr=1e-3, **run)
+    record = train_vlm_draft(tmp_path / "b", method="eagle", lr=1e-12, init=tmp_path / "a", **run)
+    assert record["train"]["init"] == str(tmp_path / "a")
+    a, b = (load_checkpoint(VLMDraftHead, tmp_path / x).state_dict() for x in "ab")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # fp16 saves of the same weights
+    with pytest.raises(ValueError, match="init"):
+        train_vlm_draft(tmp_path / "c", method="specvlm", lr=1e-3, init=tmp_path / "a", **run)
+
+
 def test_vlm_draft_recipe_runs_under_accelerate_with_two_processes(tiny_vlm_dir, tmp_path):
     accelerate = Path(sys.executable).parent / "accelerate"
     assert accelerate.is_file(), accelerate

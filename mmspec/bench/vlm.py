@@ -18,7 +18,9 @@ branch at several ratios, ``vispec`` and ``medusa``. Its extra columns, from the
 timing (``enable_phase_timing``; on the CPU over the same timed calls, on a GPU over one more round
 after them, since timing each phase syncs the device): the head's draft time per target pass
 and the target's verify time per pass (milliseconds), the visual tokens the head keeps per image
-and, for the gated row, how often the gate chose each branch.
+and, for the gated row, how often the gate chose each branch. ``stream`` runs ``STREAM_ROWS`` on
+the bundled VLM's ``stream()`` session over 2,000 frames (``run_stream``: latency and memory over
+the stream, exactness against the target alone on forks).
 
 Per row: target passes per prompt (NFE, counted by a forward hook on the target, prefill
 included), tau = generated tokens per target pass after the prefill, ``(tokens - 1) / (NFE - 1)``

@@ -94,9 +94,10 @@ class SpecVLMTreeConfig(TreeConfig):
 
     def __post_init__(self):
         check_config(self)
-        from ..models.vlm_draft import ElasticVisualCompressor
+        if (self.branch, self.ratio) != ("gate", 0):  # the default is built at registration: no model code
+            from ..models.vlm_draft import ElasticVisualCompressor
 
-        ElasticVisualCompressor.check_override(self.branch, self.ratio)
+            ElasticVisualCompressor.check_override(self.branch, self.ratio)
 
 
 def _head_part(method: str):

@@ -293,7 +293,11 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
     else:
         head = VLMDraftHead.from_target(target, method=method)
     if init is not None:  # fine-tune: the saved head's weights, this target's stamp
-        head.load_state_dict(load_checkpoint(type(head), init).state_dict())
+        saved = load_checkpoint(type(head), init)
+        mine = {k: v for k, v in dict(head.config).items() if not k.startswith("_")}
+        theirs = {k: v for k, v in dict(saved.config).items() if not k.startswith("_")}
+        check(mine == theirs, "init", f"a {method} head of this target's sizes ({mine})", theirs)
+        head.load_state_dict(saved.state_dict())
     untrained_tau = heldout_tau(head, held, method=method, max_new_tokens=tau_tokens, eos_token_id=eos) \
         if tau_tokens and main else None
     head.train()
