@@ -403,7 +403,7 @@ class SpeculativePipeline(PipelineBase):
         """Time every phase of every pass (``prefill``, ``draft``, ``verify``, ``accept``,
         ``commit``) of the following calls into ``out.stats["seconds"]``: ``generate(...,
         profile=True)``, which synchronises the device after each phase (on a GPU this slows the
-        call; on the CPU it costs two clock reads per phase). ``on=False`` turns it off."""
+        call). ``on=False`` turns it off."""
         checks.check_flag(on, "on")
         self._phase_timing = on
 
@@ -484,12 +484,16 @@ class SpeculativePipeline(PipelineBase):
         out.stats.extra.update(self.auto_stats(gate))
         return out
 
-    def build_decoder(self, recipe: methods.Recipe, logits: LogitsPipeline) -> SpeculativeDecoder:
+    def build_decoder(self, recipe: methods.Recipe, logits: LogitsPipeline, target=None) -> SpeculativeDecoder:
         """The ``SpeculativeDecoder`` of ``recipe``'s parts over this pipeline's models (onloaded):
         what ``decode`` runs, and what continuous batching serves jobs through
         (``serve_tokens``). Under ``method="auto"`` (``auto_online``) its drafter is gated
-        (``mmspec.core.gate.GatedDrafter``)."""
+        (``mmspec.core.gate.GatedDrafter``). ``target``: another view of the target that the
+        parts and the decoder use instead of the pipeline's (a VLM stream's
+        ``ContextTarget``)."""
         components = self.method_components(recipe.requires)  # before the onload: a getter may fire a hook
+        if target is not None:
+            components["target"] = target
         self.onload_models(recipe)
         parts = methods.build(recipe, components)
         drafter = parts.drafter

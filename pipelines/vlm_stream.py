@@ -15,9 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import methods
 from ..adapters.vlm_stream import ContextTarget, StreamPolicy, VLMStream
-from ..core import LogitsPipeline, SpeculativeDecoder
+from ..core import LogitsPipeline
 from ..core.errors import check
 from . import checks
 from .vlm_inputs import sampling_from_generation_config, user_message
@@ -109,13 +108,9 @@ class VLMStreamSession:
         tok = self.pipe.processor.tokenizer
         q_ids = tok(self._between + question + self._closer, add_special_tokens=False)["input_ids"][self._trail:]
         context = self.stream.context_tokens()
-        components = self.pipe.method_components(recipe.requires)
-        components["target"] = ContextTarget(self.stream)
-        parts = methods.build(recipe, components)
         sampling = sampling_from_generation_config(self.pipe.target.generation_config, temperature, top_k, top_p)
         sampling.pop("eos_token_id")
-        decoder = SpeculativeDecoder(components["target"], parts.drafter, rule=parts.rule,
-                                     logits=LogitsPipeline(**sampling), schedule=parts.schedule)
+        decoder = self.pipe.build_decoder(recipe, LogitsPipeline(**sampling), target=ContextTarget(self.stream))
         out = decoder.generate([q_ids], max_new_tokens, eos_token_id=self.eos, generator=generator)
         answer = out.sequences[0, : out.lengths[0]].tolist()
         ends = bool(self.end_of_turn) and answer[-1:] == self.end_of_turn

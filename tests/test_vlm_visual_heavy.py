@@ -15,15 +15,12 @@ overridden per call (``specvlm_branch`` / ``specvlm_ratio``), the pipeline's pha
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from mmspec.models.vlm import image_tokens, new_llava, resize_vision
 from mmspec.training.data.scene_qa import vocabulary
-
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
 
 
 def _vision(model, pixels):
@@ -150,7 +147,6 @@ def test_phase_timing_fills_every_phase_inside_the_wall_time(pipe, scenes):
         pipe.enable_phase_timing("yes")
 
 
-@pytest.mark.skipif(not (ASSETS / "vlm-hd" / "model_index.json").is_file(), reason="no assets/vlm-hd")
 def test_visual_heavy_scenario_runs_on_the_bundled_192px_vlm():
     from mmspec.bench import vlm
 
