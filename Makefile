@@ -50,7 +50,7 @@ bench-ar-image: $(STAMP)
 bench-vlm: $(STAMP)
 	$(BIN)/mmspec bench vlm --json bench-vlm.json
 
-# the kernels against their references (in Triton's interpreter without a GPU) and H100 projections
+# the kernels against their references (in Triton's interpreter without a GPU; on a GPU also at GPU shapes)
 bench-kernels: $(STAMP)
 	$(BIN)/mmspec bench kernels --json bench-kernels.json
 
@@ -98,6 +98,8 @@ assets: $(STAMP)
 	$(BIN)/mmspec train video-judge --out assets/video_judge --threads 1
 	$(BIN)/mmspec train vlm --size target --out $(VLM)/target
 	cp $(VLM)/target/processor_config.json $(VLM)/target/tokenizer.json $(VLM)/target/tokenizer_config.json $(VLM)/processor/
+	# the 16 held-out scenes the demo and mmspec.serve.scene show (data, not weights: runtime draws none)
+	$(BIN)/python -c "from mmspec.training.recipes.vlm import save_heldout_scenes; save_heldout_scenes('$(VLM)/scenes')"
 	$(BIN)/mmspec train vlm --size draft --out $(VLM)/draft_model
 	$(BIN)/mmspec train vlm-draft --method eagle --target $(VLM)/target --out $(VLM)/eagle_head
 	$(BIN)/mmspec train vlm-draft --method specvlm --target $(VLM)/target --out $(VLM)/specvlm_head

@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from mmspec.bench.quality import class_accuracy
+from mmspec.eval.quality import class_accuracy
 from mmspec.models import load_checkpoint
 from mmspec.models.classifier import ShapesClassifier
 from mmspec.pipelines import SpeculativeContinuousARPipeline

@@ -1,4 +1,4 @@
-"""``mmspec.bench.stats``, the benches' shared statistics, held against scipy on fixed data:
+"""``mmspec.eval.stats``, the benches' shared statistics, held against scipy on fixed data:
 ``ols_slope`` is ``linregress``; ``bootstrap_indices`` draws ``scipy.stats.bootstrap``'s resamples and
 ``mean_ci`` lands on its percentile interval up to rounding; the moving-block bootstrap keeps runs of
 consecutive points; ``fit_slope``'s replicates are per-resample least-squares slopes."""
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from mmspec.bench import stats
+from mmspec.eval import stats
 
 X = 3.0 * np.arange(40)
 Y = 20.0 + 0.004 * X + np.random.default_rng(7).standard_normal(40)

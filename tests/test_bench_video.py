@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from mmspec.bench import video as vb
-from mmspec.bench.video import quality as vq
+from mmspec.bench.video import measures as vq
 from mmspec.bench.video import runner
 from mmspec.bench.video import timing as vt
 from mmspec.models import load_checkpoint
@@ -389,8 +389,8 @@ def test_shape_interval_is_a_bootstrap_over_the_streams():
     synthetic streams whose judged shape is right on 0, 1/3, 2/3 and all of their frames (mean
     0.5): with 2,000 resamples of seed 0 the interval is what ``mean_ci`` gives on those four
     values, strictly inside [0, 1] and around 0.5; one stream gives a zero-width interval."""
-    from mmspec.bench.stats import bootstrap_indices, mean_ci
-    from mmspec.bench.video import quality
+    from mmspec.bench.video import measures as quality
+    from mmspec.eval.stats import bootstrap_indices, mean_ci
 
     cfg = vb.VideoBenchConfig(bootstrap_resamples=2000, quality_frames=3)
     want_shape = 1  # square

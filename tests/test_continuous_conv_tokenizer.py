@@ -84,7 +84,7 @@ def test_noisy_recon_accuracy_is_the_classifier_on_noised_latents(tmp_path):
     seed); and the noise bites on PCA (less than the clean reconstructions' accuracy)."""
     from pathlib import Path
 
-    from mmspec.bench.quality import class_accuracy
+    from mmspec.eval.quality import class_accuracy
     from mmspec.models.classifier import ShapesClassifier
     from mmspec.training.data import ShapesDataset
     from mmspec.training.recipes.ar_image import AR_DATA_STYLE

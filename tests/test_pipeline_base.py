@@ -15,7 +15,7 @@ import pytest
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
-from mmspec.core import LogitsPipeline, NullDrafter, SpeculativeDecoder
+from mmspec.core import LogitsProcessor, NullDrafter, SpeculativeDecoder
 from mmspec.models.eagle import EagleDraftHead
 from mmspec.models.llamagen import LlamaGenModel
 from mmspec.models.vq import TinyVQModel
@@ -184,7 +184,7 @@ def test_a_returned_next_tokens_takes_effect(ar):
     out = ar(class_labels=[6], temperature=0.0, guidance_scale=None, output_type="latent", callback_on_step_end=force,
              callback_on_step_end_tensor_inputs=["next_tokens"]).tokens.flatten()
     assert out[0] == base[0] and out[1] == forced
-    ref = SpeculativeDecoder(ar.transformer, NullDrafter(), logits=LogitsPipeline(temperature=0.0)).generate(
+    ref = SpeculativeDecoder(ar.transformer, NullDrafter(), logits=LogitsProcessor(temperature=0.0)).generate(
         [[6, int(base[0]), int(forced)]], N - 2).sequences[0]
     assert torch.equal(out[2:], ref)
     assert not torch.equal(out[2:], base[2:])  # the replacement mattered
@@ -310,18 +310,29 @@ def test_progress_bar_follows_set_progress_bar_config(ar, capsys):
         ar.set_progress_bar_config(disable=True)
 
 
-# -- runtime never imports training ------------------------------------------------------------------
+# -- the import rules: runtime never imports training or the benches ---------------------------------
 
-RUNTIME = [ROOT / "pipelines", ROOT / "mmspec" / "adapters", ROOT / "mmspec" / "core", ROOT / "mmspec" / "models"]
+RUNTIME = [ROOT / "pipelines", ROOT / "kernels"] + [ROOT / "mmspec" / d for d in (
+    "adapters", "core", "models", "serve", "methods")]
+"""What generation runs on: the pipelines, kernels, adapters, core, models, the serving runners and
+the method registry. Labels, vocabularies, chat templates and demo inputs live in the saved
+artifacts (assets/), so none of these imports training code or a bench."""
+RULES = [(RUNTIME, ("mmspec.training", "mmspec.bench"), ()),
+         ([ROOT / "mmspec" / "training"], ("mmspec.bench",), ()),
+         ([ROOT / "mmspec" / "eval"], ("mmspec.bench", "mmspec.training"), ("mmspec.training.data",))]
+"""(folders, packages their modules must not import, the exceptions). The metrics and judges
+(``mmspec.eval``) import no bench and no training code, only the data definitions they judge
+against (``mmspec.training.data``: the palette and prompt vocabulary of the rendered videos)."""
 
 
 def _package(path: Path) -> str:
     parts = path.parent.relative_to(ROOT).parts
-    return ".".join(("mmspec",) + parts if parts[0] == "pipelines" else parts)  # pipelines/ is mmspec.pipelines
+    return ".".join(("mmspec",) + parts if parts[0] in ("pipelines", "kernels") else parts)  # mmspec.pipelines
 
 
-def _training_imports(source: str, package: str) -> list[str]:
-    """Imports of ``mmspec.training`` in a module of ``package`` (absolute or relative)."""
+def _imports_of(source: str, package: str, banned, allowed=()) -> list[str]:
+    """Imports of the packages ``banned`` (or their modules) but not of ``allowed`` in a module of
+    ``package``, absolute or relative, at any depth (``ast.walk``: imports inside functions count)."""
     bad = []
     for node in ast.walk(ast.parse(source)):
         names = []
@@ -334,27 +345,73 @@ def _training_imports(source: str, package: str) -> list[str]:
                 base = base[: len(base) - node.level + 1]
                 module = ".".join(base + ([module] if module else []))
             names = [module] + [f"{module}.{a.name}" for a in node.names]
-        bad += [n for n in names if n == "mmspec.training" or n.startswith("mmspec.training.")]
+        under = lambda n, pkgs: any(n == p or n.startswith(p + ".") for p in pkgs)  # noqa: E731
+        bad += [n for n in names if under(n, banned) and not under(n, allowed)]
     return bad
 
 
-def test_runtime_code_never_imports_training():
-    files = [f for d in RUNTIME for f in d.rglob("*.py")]
-    assert len(files) > 20
-    offenders = {}
+def _training_imports(source: str, package: str) -> list[str]:
+    """Imports of ``mmspec.training`` in a module of ``package`` (absolute or relative)."""
+    return _imports_of(source, package, ("mmspec.training",))
+
+
+def _offenders(folders, banned, allowed=()) -> dict[str, list[str]]:
+    files = [f for d in folders for f in d.rglob("*.py")]
+    assert len(files) >= 3, folders
+    out = {}
     for f in files:
-        found = _training_imports(f.read_text(), _package(f))
+        found = _imports_of(f.read_text(), _package(f), banned, allowed)
         if found:
-            offenders[str(f.relative_to(ROOT))] = found
-    assert offenders == {}
+            out[str(f.relative_to(ROOT))] = found
+    return out
+
+
+@pytest.mark.parametrize("rule", range(len(RULES)), ids=["runtime", "training", "eval"])
+def test_import_rules_hold(rule):
+    """Runtime imports neither training nor the benches; training imports no bench; the metrics
+    import no bench and no training code but its data definitions."""
+    assert len([f for d in RUNTIME for f in d.rglob("*.py")]) > 20
+    assert _offenders(*RULES[rule]) == {}
 
 
 def test_the_import_walker_finds_training_imports():
     assert _package(ROOT / "pipelines" / "ar_image.py") == "mmspec.pipelines"
+    assert _package(ROOT / "kernels" / "splitk.py") == "mmspec.kernels"
     assert _package(ROOT / "mmspec" / "models" / "vlm.py") == "mmspec.models"
+    assert _package(ROOT / "mmspec" / "training" / "recipes" / "classifier.py") == "mmspec.training.recipes"
     assert _training_imports("from ..training.data.shapes import CLASS_NAMES", "mmspec.pipelines")[0] == \
         "mmspec.training.data.shapes"
     assert _training_imports("from .. import training", "mmspec.core") == ["mmspec.training"]
     assert _training_imports("import mmspec.training.data as d", "mmspec.core") == ["mmspec.training.data"]
     assert _training_imports("from .data import x", "mmspec.training") != []
     assert _training_imports("from ..core import check\nimport mmspec.trainingless", "mmspec.models") == []
+
+
+def test_the_import_walker_catches_the_old_offending_imports():
+    """The imports the split of the bench removed (issue 48), each caught by its rule, inside a
+    function as at module level."""
+    runtime, training, metrics = ((banned, allowed) for _, banned, allowed in RULES)
+    old = [("def scene(i):\n    from ..bench.vlm import bench_prompts\n", "mmspec.serve", runtime,
+            ["mmspec.bench.vlm", "mmspec.bench.vlm.bench_prompts"]),
+           ("def ar_prompts():\n    from ..training.data.shapes import CLASS_PROMPTS\n", "mmspec.serve", runtime,
+            ["mmspec.training.data.shapes", "mmspec.training.data.shapes.CLASS_PROMPTS"]),
+           ("def train(out, **kw):\n    from ..training.recipes import train_ar_draft\n", "mmspec.methods", runtime,
+            ["mmspec.training.recipes", "mmspec.training.recipes.train_ar_draft"]),
+           ("from ...bench.quality import class_accuracy, reconstruct\n", "mmspec.training.recipes", training,
+            ["mmspec.bench.quality", "mmspec.bench.quality.class_accuracy", "mmspec.bench.quality.reconstruct"]),
+           ("def f():\n    from ...bench.quality import class_accuracy\n", "mmspec.training.recipes", training,
+            ["mmspec.bench.quality", "mmspec.bench.quality.class_accuracy"]),
+           ("from .. import bench\n", "mmspec.pipelines", runtime, ["mmspec.bench"]),
+           ("import mmspec.bench.stats\n", "mmspec.kernels", runtime, ["mmspec.bench.stats"]),
+           ("from ..training.recipes.video import VIDEO_DATA_STYLE\n", "mmspec.eval", metrics,
+            ["mmspec.training.recipes.video", "mmspec.training.recipes.video.VIDEO_DATA_STYLE"]),
+           ("from ..bench.video.config import VideoBenchConfig\n", "mmspec.eval", metrics,
+            ["mmspec.bench.video.config", "mmspec.bench.video.config.VideoBenchConfig"]),
+           ("from .. import training\n", "mmspec.eval", metrics, ["mmspec.training"])]
+    for source, package, rule, found in old:
+        assert _imports_of(source, package, *rule) == found, source
+    # what the split put in their place passes
+    assert _imports_of("from ..eval.quality import class_accuracy\n", "mmspec.training.recipes", *training) == []
+    assert _imports_of("from .base import ASSETS\n", "mmspec.serve", *runtime) == []
+    assert _imports_of("from ..training.data.video import frame_colour\n", "mmspec.eval", *metrics) == []
+    assert _imports_of("import mmspec.benchmarks\n", "mmspec.core", *runtime) == []

@@ -1,5 +1,5 @@
-"""The AR image bench's quality metrics (KID, its permutation test against the baseline, Frechet
-distance, class accuracy) against closed forms, known logits and calibration runs on synthetic
+"""``mmspec.eval.quality``, the image benches' quality metrics (KID, its permutation test against the
+baseline, Frechet distance, class accuracy) against closed forms, known logits and calibration runs on synthetic
 features, and a smoke run of the classifier recipe that feeds them."""
 
 import json
@@ -11,11 +11,10 @@ import torch
 from torch import nn
 
 from mmspec import commands
-from mmspec.bench.quality import (FrechetToReference, KIDToReference, ReferenceStats, bootstrap_indices,
-                                  centred_interval, class_accuracy, extract_features, fd_replicates, frechet_distance,
-                                  image_quality, kernel_inception_distance, kid_interval, mmd_permutation_test,
-                                  mean_ci, percentile_interval, polynomial_kernel, reference_features,
-                                  reference_stats, resample_counts)
+from mmspec.eval.quality import (FrechetToReference, KIDToReference, ReferenceStats, bootstrap_indices,
+                                 centred_interval, class_accuracy, extract_features, fd_replicates, frechet_distance,
+                                 kernel_inception_distance, kid_interval, mmd_permutation_test, mean_ci,
+                                 percentile_interval, polynomial_kernel, reference_features, resample_counts)
 from mmspec.models import load_checkpoint
 from mmspec.models.classifier import ShapesClassifier
 from mmspec.models.vq import TinyVQModel
@@ -114,19 +113,22 @@ def test_class_accuracy_rejects_bad_input():
         class_accuracy(nn.Identity().train(), logits, labels)
 
 
-def test_image_quality_agrees_with_the_separate_metrics():
+def test_features_are_the_same_in_any_batching():
     classifier = tiny_classifier()
-    reference = reference_stats(classifier, 64, seed=11)
-    images, labels = shapes(32, seed=12)
+    images, _ = shapes(32, seed=12)
     feats = extract_features(classifier, images)
     assert feats.shape == (32, 12)
     assert torch.allclose(extract_features(classifier, images, batch_size=5), feats, atol=1e-6)
-    quality = image_quality(classifier, images, labels, reference)
-    assert quality == {"fd": pytest.approx(frechet_distance(feats, reference)),
-                       "class_acc": class_accuracy(classifier, images, labels)}
-    assert image_quality(classifier, images, labels, reference) == quality  # deterministic
-    real = reference_stats(classifier, 64, seed=11)
-    assert np.array_equal(real.mu, reference.mu) and real.n == 64
+    reference = ReferenceStats.from_features(reference_features(classifier,
+                                                                ShapesDataset(64, 11, classifier.config.sample_size)))
+    assert reference.n == 64
+    again = ReferenceStats.from_features(reference_features(classifier,
+                                                            ShapesDataset(64, 11, classifier.config.sample_size)))
+    assert np.array_equal(again.mu, reference.mu)  # deterministic
+    feats = reference_features(classifier, ShapesDataset(64, 11, classifier.config.sample_size), batch_size=7)
+    assert torch.allclose(feats.double().mean(0), torch.from_numpy(reference.mu), atol=1e-5)
+    with pytest.raises(ValueError, match="dataset must be at least 2 images"):
+        reference_features(classifier, ShapesDataset(1, 11, classifier.config.sample_size))
 
 
 def test_classifier_checks_its_input():

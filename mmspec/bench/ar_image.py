@@ -50,13 +50,14 @@ from pathlib import Path
 import torch
 
 from .. import methods
-from ..core import LogitsPipeline, SpeculativeDecoder
+from ..core import LogitsProcessor, SpeculativeDecoder
 from ..core.exactness import P_THRESHOLD, chisquare_pvalue
 from ..core.schedule import NextSetSchedule
+from ..eval.quality import (PERMUTATION_SEED, PERMUTATIONS, FrechetToReference, KIDToReference, ReferenceStats,
+                           extract_features, fd_replicates, kid_interval, mmd_permutation_test, reference_features)
+from ..eval.stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CI_LEVEL, bootstrap_indices, centred_interval, mean_ci
+from ..training.data import ShapesDataset
 from ..training.recipes.ar_image import AR_DATA_STYLE
-from .quality import (PERMUTATION_SEED, PERMUTATIONS, FrechetToReference, KIDToReference, ReferenceStats,
-                      extract_features, fd_replicates, kid_interval, mmd_permutation_test, reference_features)
-from .stats import BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CI_LEVEL, bootstrap_indices, centred_interval, mean_ci
 
 EXACT_CHUNK = 1000
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -128,7 +129,7 @@ def second_token_pvalue(pipe, method: str, knobs: dict, cfg: ARImageBenchConfig)
     exact guided marginal ``sum_x1 p(x1) p(x2 | x1)`` (computed with V + 1 target passes)."""
     model = pipe.transformer
     V = model.vocab_size
-    logits = LogitsPipeline(temperature=cfg.temperature, top_k=cfg.top_k, guidance_scale=cfg.guidance_scale)
+    logits = LogitsProcessor(temperature=cfg.temperature, top_k=cfg.top_k, guidance_scale=cfg.guidance_scale)
     c, u = cfg.exact_class, model.null_class
     first = logits(torch.cat([model(torch.tensor([[c]])).logits[:, -1], model(torch.tensor([[u]])).logits[:, -1]]))
     x1 = torch.arange(V)[:, None]
@@ -168,7 +169,8 @@ def run(cfg: ARImageBenchConfig, progress=None) -> dict:
     num_classes = model.config.num_classes
     labels = [i % num_classes for i in range(cfg.images)]
     say(f"reference features of {cfg.reference_images} real images")
-    real = reference_features(classifier, cfg.reference_images, cfg.reference_seed, style=cfg.reference_style)
+    real = reference_features(classifier, ShapesDataset(cfg.reference_images, cfg.reference_seed,
+                                                     classifier.config.sample_size, style=cfg.reference_style))
     fd_ref = FrechetToReference(ReferenceStats.from_features(real))
     idx = bootstrap_indices(cfg.images, cfg.bootstrap_resamples, cfg.bootstrap_seed)
     kid_ref = KIDToReference(real, idx, bootstrap_indices(cfg.reference_images, cfg.bootstrap_resamples,
@@ -252,8 +254,6 @@ def run(cfg: ARImageBenchConfig, progress=None) -> dict:
 def _real_floor(classifier, cfg, fd_ref: FrechetToReference, kid_ref: KIDToReference, idx):
     """FD of as many *real* images as the run generates, its bootstrap replicates, and their KID
     with its interval: the metrics' floors at that size, what a perfect generator would score."""
-    from ..training.data import ShapesDataset
-
     data = ShapesDataset(cfg.images, cfg.reference_seed + 1, classifier.config.sample_size, style=cfg.reference_style)
     images = torch.stack([data[i][0] for i in range(cfg.images)])
     feats = extract_features(classifier, images)
@@ -264,7 +264,7 @@ def _real_floor(classifier, cfg, fd_ref: FrechetToReference, kid_ref: KIDToRefer
 def _mean_top1(pipe, cfg: ARImageBenchConfig, n: int = 8) -> float:
     """The target's mean top-1 probability (guided, processed) along its own samples."""
     model = pipe.transformer
-    logits = LogitsPipeline(temperature=cfg.temperature, top_k=cfg.top_k, guidance_scale=cfg.guidance_scale)
+    logits = LogitsProcessor(temperature=cfg.temperature, top_k=cfg.top_k, guidance_scale=cfg.guidance_scale)
     labels = list(range(n))
     out = SpeculativeDecoder(model, logits=logits).generate(
         model.class_prompts(labels), model.num_image_tokens, uncond_input_ids=model.uncond_prompts(n),

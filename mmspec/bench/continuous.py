@@ -42,13 +42,14 @@ from pathlib import Path
 import torch
 
 from .. import methods
-from ..core import DensityPipeline, ModelOutput, SpeculativeDecoder
+from ..core import DensityProcessor, ModelOutput, SpeculativeDecoder
 from ..core.exactness import P_THRESHOLD, grid_chisquare_pvalue, ks_uniform_pvalue, two_sample_pvalue
+from ..eval.quality import (PERMUTATION_SEED, PERMUTATIONS, FrechetToReference, ReferenceStats, extract_features,
+                           kernel_inception_distance, mmd_permutation_test, reference_features)
 from ..methods.continuous import head_for
+from ..training.data import ShapesDataset
 from ..training.recipes.ar_image import AR_DATA_STYLE
 from .ar_image import save_grid
-from .quality import (PERMUTATION_SEED, PERMUTATIONS, FrechetToReference, ReferenceStats, extract_features,
-                      kernel_inception_distance, mmd_permutation_test, reference_features)
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 MODALITY = "continuous"
@@ -74,7 +75,7 @@ DEFAULT_ROWS = (
     ("sjd-independent", "sjd-independent", {}, None),
 )
 BASELINES = ("none", "none-diffusion")
-# the showcase's rows: mixture-head rows only (a diffusion-head image costs 5-25 s here)
+# the showcase's rows: mixture-head rows only (a diffusion-head image costs seconds: docs/costs.md)
 SHOWCASE_ROWS = ("none", "sd", "sd+distill", "sjd")
 
 
@@ -86,8 +87,8 @@ class ContinuousBenchConfig:
     rows: tuple = DEFAULT_ROWS
     images: int = 128  # image i: class i % 16, seed + i
     # diffusion-head rows run the first this many images only (None: all): a diffusion token costs K
-    # sequential head calls (measured at one thread on a barely trained full-size pair: none 1.2 s,
-    # none-diffusion 5.9 s, path 25 s, cspd 29 s per image), so 128 images of every row would take ~4.5 h
+    # sequential head calls, so 128 images of every row would take hours (per-image times measured:
+    # docs/costs.md)
     diffusion_images: int | None = 32
     # constant CFG as the VQ bench; on the bundled (conv-tokenizer) target, scale 3 and 4 drew the
     # asked class equally often on held-out seeds (128 images each, seeds 5000..: 0.648 at 3 and 4,
@@ -140,8 +141,8 @@ def _draft(pipe, draft):
         pipe.register_modules(draft_model=original)
 
 
-def _density(cfg: ContinuousBenchConfig, recipe) -> DensityPipeline:
-    return DensityPipeline(cfg.temperature, cfg.guidance_scale, cfg.guidance_schedule, head=head_for(recipe))
+def _density(cfg: ContinuousBenchConfig, recipe) -> DensityProcessor:
+    return DensityProcessor(cfg.temperature, cfg.guidance_scale, cfg.guidance_schedule, head=head_for(recipe))
 
 
 @torch.no_grad()
@@ -163,7 +164,7 @@ def mixture_pit(model, tokens: torch.Tensor, cfg: ContinuousBenchConfig) -> torc
     """(n, k d) Rosenblatt uniforms of the tokens' latents under the exact processed (guided,
     tempered) mixture of the target, from a cache-free forward on each prefix."""
     n, k, _, d = tokens.shape
-    pipe = DensityPipeline(cfg.temperature, cfg.guidance_scale, cfg.guidance_schedule, head="mixture")
+    pipe = DensityProcessor(cfg.temperature, cfg.guidance_scale, cfg.guidance_schedule, head="mixture")
 
     def feats(cls: int):
         ids = torch.cat([torch.full((n, 1, 2, d), float(cls), dtype=tokens.dtype), tokens[:, :-1]], 1)
@@ -216,7 +217,8 @@ def run(cfg: ContinuousBenchConfig, progress=None) -> dict:
     n_diff = cfg.images if cfg.diffusion_images is None else min(cfg.images, cfg.diffusion_images)
     counts = [n_diff if head_for(r) == "diffusion" else cfg.images for r in recipes]
     say(f"reference features of {cfg.reference_images} real images")
-    real = reference_features(classifier, cfg.reference_images, cfg.reference_seed, style=cfg.reference_style)
+    real = reference_features(classifier, ShapesDataset(cfg.reference_images, cfg.reference_seed,
+                                                     classifier.config.sample_size, style=cfg.reference_style))
     fd_ref = FrechetToReference(ReferenceStats.from_features(real))
     floors = {n: _real_floor(classifier, cfg, fd_ref, real, n) for n in sorted(set(counts))}
     for label, method, knobs, draft in rows_cfg:
@@ -298,8 +300,6 @@ def run(cfg: ContinuousBenchConfig, progress=None) -> dict:
 def _real_floor(classifier, cfg: ContinuousBenchConfig, fd_ref: FrechetToReference, real,
                 n: int) -> tuple[float, float]:
     """FD and KID of ``n`` real images (as many as a row generates): the metrics' floors at that size."""
-    from ..training.data import ShapesDataset
-
     data = ShapesDataset(n, cfg.reference_seed + 1, classifier.config.sample_size, style=cfg.reference_style)
     feats = extract_features(classifier, torch.stack([data[i][0] for i in range(n)]))
     return fd_ref(feats), kernel_inception_distance(feats, real)

@@ -17,7 +17,7 @@ sigmas as released), one entry with two parts:
   chunks from ``fit_from_frame`` = sink + window + chunk on, where the cache has filled, as the
   video bench fits), ``latency_slope`` (least squares of chunk latency in ms over the chunk's
   first frame, per 1,000 frames, with its standard error and a moving-block bootstrap interval,
-  ``mmspec.bench.stats.fit_slope``), ``slope_pct_per_1k_frames`` (that over ``ms_per_chunk``),
+  ``mmspec.eval.stats.fit_slope``), ``slope_pct_per_1k_frames`` (that over ``ms_per_chunk``),
   ``cache_bytes``; ``flat``: |slope| < ``FLAT_PCT`` % per 1,000 frames.
 - ``recompute``: ``cache_mode="rolling"`` against ``"window-recompute"`` at the preset's chunk,
   sink, window and sampler (``_cost_settings``), with cache-order positions (the pipeline's window
@@ -60,7 +60,7 @@ import numpy as np
 import torch
 
 from ..utils import one_line
-from .stats import fit_slope
+from ..eval.stats import fit_slope
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ Frechet distance, ``forward`` (logits over the 16 classes) the class accuracy. T
 
 Inputs are images (B, 3, H, W) in [-1, 1], the convention of ``ShapesDataset`` and of
 ``TinyVQModel.decode`` (whose output is not clamped: the bench clamps it first, as
-``mmspec.bench.quality.reconstruct`` does).
+``mmspec.eval.quality.reconstruct`` does).
 """
 
 from __future__ import annotations
@@ -19,11 +19,7 @@ from diffusers.configuration_utils import register_to_config
 from torch import nn
 from torch.nn import functional as F
 
-from ..core.errors import check
-
-
-def _is_int(x, low: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+from ..core.errors import check, check_int, is_int
 
 
 class ConvStage(nn.Module):
@@ -53,15 +49,15 @@ class ShapesClassifier(ModelMixin, ConfigMixin):
                  block_out_channels: Sequence[int] = (32, 64, 96, 128), feature_dim: int = 128,
                  num_classes: int = 16):
         super().__init__()
-        check(_is_int(in_channels, 1), "in_channels", "an int >= 1", in_channels)
+        check_int(in_channels, "in_channels", 1)
         check(isinstance(block_out_channels, Sequence) and len(block_out_channels) >= 1
-              and all(_is_int(c, 1) for c in block_out_channels), "block_out_channels",
+              and all(is_int(c) and c >= 1 for c in block_out_channels), "block_out_channels",
               "a non-empty sequence of ints >= 1", block_out_channels)
         factor = 2 ** len(block_out_channels)
-        check(_is_int(sample_size, factor) and sample_size % factor == 0, "sample_size",
+        check(is_int(sample_size) and sample_size >= factor and sample_size % factor == 0, "sample_size",
               f"a positive multiple of the downsampling factor {factor}", sample_size)
-        check(_is_int(feature_dim, 1), "feature_dim", "an int >= 1", feature_dim)
-        check(_is_int(num_classes, 2), "num_classes", "an int >= 2", num_classes)
+        check_int(feature_dim, "feature_dim", 1)
+        check_int(num_classes, "num_classes", 2)
         widths = [in_channels, *block_out_channels]
         self.stages = nn.Sequential(*(ConvStage(a, b) for a, b in zip(widths, widths[1:])))
         self.feature = nn.Linear(widths[-1], feature_dim)

@@ -52,7 +52,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..core.errors import check
+from ..core.errors import check, check_int, is_int
 from ..utils import atomic_dir
 
 LossFn = Callable[[nn.Module, Any], "torch.Tensor | dict"]
@@ -138,8 +138,7 @@ class Checkpoints:
     resume: bool = False
 
     def __post_init__(self):
-        check(isinstance(self.every, int) and not isinstance(self.every, bool) and self.every >= 1, "every",
-              "an int >= 1 (steps between checkpoints)", self.every)
+        check(is_int(self.every) and self.every >= 1, "every", "an int >= 1 (steps between checkpoints)", self.every)
         check(isinstance(self.resume, bool), "resume", "True or False", self.resume)
         object.__setattr__(self, "folder", Path(self.folder))
 
@@ -367,7 +366,7 @@ def train_loop(model: nn.Module, optimizer: torch.optim.Optimizer, batches: Iter
     and finished at the end (each tracker's ``finish``: ``accelerator.end_training`` would also end
     the process group that a recipe still uses after the loop).
     """
-    check(isinstance(steps, int) and steps >= 1, "steps", "an int >= 1", steps)
+    check_int(steps, "steps", 1)
     check(grad_clip is None or grad_clip > 0, "grad_clip", "None or a number > 0", grad_clip)
     check(progress in (None, True, False), "progress", "None, True or False", progress)
     parts = [_LossStep(model, loss), optimizer] + ([schedule] if schedule is not None else [])

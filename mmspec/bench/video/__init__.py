@@ -71,14 +71,15 @@ generator would reach through this decoder.
 
 Layout: ``config`` (``VideoBenchConfig``), ``timing`` (streams in lockstep, latency, RSS, the speed
 index), ``model`` (the compute ratio, slopes and speed-ups of a row; the statistics are
-``mmspec.bench.stats``), ``quality`` (judge, switch and segment measures), ``report`` (columns,
+``mmspec.eval.stats``), ``measures`` (the rows' quality, switch and segment measures; the judges
+they apply are ``mmspec.eval.video``'s), ``report`` (columns,
 JSON), ``runner`` (``run`` and its groups).
 """
 
-from ..stats import fit_slope
+from ...eval.stats import fit_slope
+from ...eval.video import accuracy, frames_until, judge_frames, pixel_changes, switch_jump
 from .config import ASSETS, DEFAULT_PROMPTS, METHODS, PROMPT_SET, SWITCH_FIELDS, VideoBenchConfig
 from .model import compute_ratio
-from .quality import accuracy, frames_until, judge_frames, pixel_changes, switch_jump
 from .report import VIDEO_COLUMNS, public
 from .runner import WAN_NOTE, run
 from .timing import FrameBuffer, rss_mb, speed_index, trim_heap

@@ -6,7 +6,7 @@ import itertools
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...core.errors import check
+from ...core.errors import check, is_int
 from ...training.data.video import PROMPT_VOCAB
 
 ASSETS = Path(__file__).resolve().parents[3] / "assets"
@@ -62,7 +62,7 @@ class VideoBenchConfig:
 
     def check(self) -> None:
         """Bad settings raise ``ValueError`` naming them, before anything loads."""
-        pos = lambda x: isinstance(x, int) and not isinstance(x, bool) and x >= 1  # noqa: E731
+        pos = lambda x: is_int(x) and x >= 1  # noqa: E731
         check(isinstance(self.frames, (tuple, list)) and all(pos(n) for n in self.frames), "frames",
               "a sequence of ints >= 1", self.frames)
         check(isinstance(self.methods, (tuple, list)) and set(self.methods) <= set(METHODS), "methods",
@@ -73,19 +73,18 @@ class VideoBenchConfig:
               f"a sequence of {', '.join(SWITCH_FIELDS)}", self.switches)
         check(isinstance(self.prompts, (tuple, list)) and len(self.prompts) >= 1, "prompts",
               "a non-empty sequence of prompts", self.prompts)
-        check(isinstance(self.multi_switches, int) and not isinstance(self.multi_switches, bool)
-              and self.multi_switches >= 0, "multi_switches", "an int >= 0 (0 skips the multi-switch group)",
-              self.multi_switches)
+        check(is_int(self.multi_switches) and self.multi_switches >= 0, "multi_switches",
+              "an int >= 0 (0 skips the multi-switch group)", self.multi_switches)
         for name in ("sweep_frames", "switch_frames", "quality_frames", "hold_frames", "reference_frames",
                      "multi_switch_every"):
             check(pos(getattr(self, name)), name, "an int >= 1", getattr(self, name))
         check(pos(self.switch_at) and self.switch_at < self.switch_frames, "switch_at",
               f"an int in [1, switch_frames ({self.switch_frames}))", self.switch_at)
         check(self.rss_limit_mb > 0, "rss_limit_mb", "> 0", self.rss_limit_mb)
-        check(isinstance(self.wan_frames, int) and not isinstance(self.wan_frames, bool) and self.wan_frames >= 0,
-              "wan_frames", "an int >= 0 (0 skips the tiny Wan group)", self.wan_frames)
-        check(isinstance(self.wan_size, int) and not isinstance(self.wan_size, bool) and self.wan_size >= 16
-              and self.wan_size % 16 == 0, "wan_size", "a multiple of 16 pixels", self.wan_size)
+        check(is_int(self.wan_frames) and self.wan_frames >= 0, "wan_frames",
+              "an int >= 0 (0 skips the tiny Wan group)", self.wan_frames)
+        check(is_int(self.wan_size) and self.wan_size >= 16 and self.wan_size % 16 == 0, "wan_size",
+              "a multiple of 16 pixels", self.wan_size)
         check(isinstance(self.wan_windows, (tuple, list)) and len(self.wan_windows) >= 1
               and all(pos(w) for w in self.wan_windows), "wan_windows", "a non-empty sequence of ints >= 1 (chunks)",
               self.wan_windows)

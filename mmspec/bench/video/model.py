@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...core.errors import check
-from ..stats import fit_slope, moving_block_bootstrap, percentile_interval
+from ...core.errors import check_int
+from ...eval.stats import fit_slope, moving_block_bootstrap, percentile_interval
 from .config import VideoBenchConfig
 from .timing import _Run
 
@@ -16,8 +16,8 @@ def compute_ratio(steps: int, chunk: int, visible: int) -> float:
     ``S (C + V) / ((S + 1) C)`` with V = sink + window frames (StreamingLLM's cost argument,
     Xiao et al., 2024, at chunk granularity: attention itself is not counted)."""
     for name, v in (("steps", steps), ("chunk", chunk)):
-        check(isinstance(v, int) and v >= 1, name, "an int >= 1", v)
-    check(isinstance(visible, int) and visible >= 0, "visible", "an int >= 0", visible)
+        check_int(v, name, 1)
+    check_int(visible, "visible", 0)
     return steps * (chunk + visible) / ((steps + 1) * chunk)
 
 

@@ -10,7 +10,7 @@ import torch
 from ...core.errors import check
 from .config import VideoBenchConfig
 from .model import _row, _speedups
-from .quality import _ceiling, _colour_cycle, _quality, _schedules, _segment_measures, _switch_measures
+from .measures import _ceiling, _colour_cycle, _quality, _schedules, _segment_measures, _switch_measures
 from .report import public
 from .timing import _lockstep, _peak_rss_mb, _Run, _warm, trim_heap
 

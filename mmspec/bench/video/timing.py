@@ -3,7 +3,6 @@ machine's speed index, and the frames kept for the quality measures."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -11,37 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from ..machine import rss_mb, trim_heap  # noqa: F401  (the video bench's names)
 from .config import VideoBenchConfig
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-
-
-def trim_heap() -> bool:
-    """Hand the C heap's free memory back to the OS (glibc's ``malloc_trim(0)``), so the RSS
-    reads live memory rather than what earlier work freed; False where there is no glibc."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
-        return False
-
-
-def rss_mb() -> float:
-    """This process's resident set size in MB (``/proc/self/statm``; the peak from
-    ``resource.getrusage`` where there is no /proc, which only grows)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * _PAGE / 2**20
-    except OSError:
-        import resource
-        import sys
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / 2**20 if sys.platform == "darwin" else peak / 1024
-
 
 def _peak_rss_mb() -> float | None:
     try:

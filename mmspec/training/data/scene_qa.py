@@ -20,7 +20,7 @@ import random
 
 import torch
 
-from ...core.errors import check
+from ...core.errors import check, check_int
 from .shapes import COLOURS, NUM_CLASSES, SHAPES, item_seed, render
 
 # the image placeholder the processor expands to one token per image feature
@@ -145,8 +145,8 @@ class SceneQADataset(torch.utils.data.Dataset):
     its own seed ``(seed, i)`` (image and phrasing alike), label ``i % 16``, like ``ShapesDataset``."""
 
     def __init__(self, size: int, seed: int, resolution: int = 64, describe_prob: float = 0.7):
-        check(isinstance(size, int) and size >= 1, "size", "an int >= 1", size)
-        check(isinstance(seed, int) and seed >= 0, "seed", "an int >= 0", seed)
+        check_int(size, "size", 1)
+        check_int(seed, "seed", 0)
         check(0.0 <= describe_prob <= 1.0, "describe_prob", "a number in [0, 1]", describe_prob)
         self.size, self.seed, self.resolution, self.describe_prob = size, seed, resolution, describe_prob
 

@@ -20,7 +20,7 @@ from functools import lru_cache
 import torch
 from torch.nn import functional as F
 
-from ...core.errors import check
+from ...core.errors import check, check_int, is_int
 
 SHAPES = ("circle", "square", "triangle", "star")
 COLOURS = ("red", "green", "blue", "yellow")
@@ -136,11 +136,11 @@ def render(label: int, generator: torch.Generator, resolution: int = 64,
     draws a larger main object (radius 0.45-0.62 instead of 0.28-0.58) over at most one distractor;
     "upright" draws bold's object at angle 0 with no distractor over a smooth texture (noise or
     gradient) and without sensor noise."""
-    check(isinstance(label, int) and 0 <= label < NUM_CLASSES, "label", f"an int in [0, {NUM_CLASSES})", label)
+    check(is_int(label) and 0 <= label < NUM_CLASSES, "label", f"an int in [0, {NUM_CLASSES})", label)
     check(style in STYLES, "style", f"one of {', '.join(STYLES)}", style)
     upright = style == "upright"
     bold = style == "bold" or upright
-    check(isinstance(resolution, int) and resolution >= 16, "resolution", "an int >= 16", resolution)
+    check_int(resolution, "resolution", 16)
     # one draw of uniforms for all scalar choices keeps the per-image op count (and time) low
     rnd = iter(torch.rand(_N_UNIFORMS, generator=generator).tolist()).__next__
     x, y = _grid(resolution)
@@ -200,9 +200,9 @@ class ShapesDataset(torch.utils.data.Dataset):
     from ``(seed, i)``: the same at any access order, in any worker. ``style`` as in ``render``."""
 
     def __init__(self, size: int, seed: int, resolution: int = 64, style: str = "scene"):
-        check(isinstance(size, int) and size >= 1, "size", "an int >= 1", size)
-        check(isinstance(seed, int) and seed >= 0, "seed", "an int >= 0", seed)
-        check(isinstance(resolution, int) and resolution >= 16, "resolution", "an int >= 16", resolution)
+        check_int(size, "size", 1)
+        check_int(seed, "seed", 0)
+        check_int(resolution, "resolution", 16)
         check(style in STYLES, "style", f"one of {', '.join(STYLES)}", style)
         self.size, self.seed, self.resolution, self.style = size, seed, resolution, style
 

@@ -45,7 +45,7 @@ from typing import Sequence
 import torch
 from torch.nn import functional as F
 
-from ...core.errors import check
+from ...core.errors import check, check_int, is_int
 from .shapes import COLOURS, PALETTE, SHAPES, _coverage, _grid, _paint, _sdf, item_seed
 
 DIRECTIONS = ("right", "left", "up", "down")
@@ -79,7 +79,7 @@ class VideoPrompt:
     def __post_init__(self):
         for name, value in zip(PROMPT_FIELDS, (self.colour, self.shape, self.direction)):
             n = len(PROMPT_VOCAB[name])
-            check(isinstance(value, int) and 0 <= value < n, name, f"an int in [0, {n})", value)
+            check(is_int(value) and 0 <= value < n, name, f"an int in [0, {n})", value)
 
     @property
     def ids(self) -> tuple[int, int, int]:
@@ -96,7 +96,7 @@ class VideoPrompt:
 
     @classmethod
     def from_index(cls, index: int) -> "VideoPrompt":
-        check(isinstance(index, int) and 0 <= index < NUM_PROMPTS, "index", f"an int in [0, {NUM_PROMPTS})", index)
+        check(is_int(index) and 0 <= index < NUM_PROMPTS, "index", f"an int in [0, {NUM_PROMPTS})", index)
         rest, direction = divmod(index, len(DIRECTIONS))
         colour, shape = divmod(rest, len(SHAPES))
         return cls(colour, shape, direction)
@@ -126,7 +126,7 @@ def check_schedule(schedule, num_frames: int) -> list[tuple[int, VideoPrompt]]:
           and all(isinstance(s, (list, tuple)) and len(s) == 2 and isinstance(s[1], VideoPrompt) for s in schedule),
           "schedule", "a non-empty list of (start frame, VideoPrompt) pairs", schedule)
     starts = [s for s, _ in schedule]
-    check(all(isinstance(s, int) for s in starts) and starts[0] == 0
+    check(all(is_int(s) for s in starts) and starts[0] == 0
           and all(a < b for a, b in zip(starts, starts[1:])) and starts[-1] < num_frames, "schedule",
           f"start frames strictly increasing from 0 and below num_frames ({num_frames})", starts)
     return [(int(s), p) for s, p in schedule]
@@ -199,8 +199,8 @@ def render_clip(schedule: Sequence[tuple[int, VideoPrompt]], num_frames: int, ge
     ``style`` of ``STYLES`` (see there).
 
     Returns frames (F, 3, H, W) in [-1, 1] and their ``ClipTruth``. Uses only ``generator``."""
-    check(isinstance(num_frames, int) and num_frames >= 1, "num_frames", "an int >= 1", num_frames)
-    check(isinstance(resolution, int) and resolution >= 16, "resolution", "an int >= 16", resolution)
+    check_int(num_frames, "num_frames", 1)
+    check_int(resolution, "resolution", 16)
     check(style in STYLES, "style", f"one of {', '.join(STYLES)}", style)
     schedule = check_schedule(schedule, num_frames)
     simple = style == "simple"
@@ -312,14 +312,13 @@ class VideoClipDataset(torch.utils.data.Dataset):
 
     def __init__(self, size: int, seed: int, num_frames: int = 24, resolution: int = 32,
                  switch_prob: float = 0.0, switch_multiple: int = 1, style: str = "scene"):
-        check(isinstance(size, int) and size >= 1, "size", "an int >= 1", size)
-        check(isinstance(seed, int) and seed >= 0, "seed", "an int >= 0", seed)
-        check(isinstance(num_frames, int) and num_frames >= 1, "num_frames", "an int >= 1", num_frames)
-        check(isinstance(resolution, int) and resolution >= 16, "resolution", "an int >= 16", resolution)
+        check_int(size, "size", 1)
+        check_int(seed, "seed", 0)
+        check_int(num_frames, "num_frames", 1)
+        check_int(resolution, "resolution", 16)
         check(isinstance(switch_prob, (int, float)) and 0.0 <= switch_prob <= 1.0, "switch_prob",
               "a number in [0, 1]", switch_prob)
-        check(isinstance(switch_multiple, int) and switch_multiple >= 1, "switch_multiple", "an int >= 1",
-              switch_multiple)
+        check_int(switch_multiple, "switch_multiple", 1)
         check(switch_prob == 0 or num_frames >= 2 * switch_multiple, "num_frames",
               f"at least 2 * switch_multiple ({2 * switch_multiple}) when clips switch", num_frames)
         check(style in STYLES, "style", f"one of {', '.join(STYLES)}", style)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ...core.errors import check, check_choice
+from ...core.errors import check, check_choice, check_int
 from ...models import load_checkpoint
 from ...models.checkpoint import read_config, safetensors_numel
 from ...models.eagle import EagleDraftHead
@@ -84,8 +84,7 @@ def load_vq(path: Path, image_size: int | None = None):
     """The tokenizer at ``path``: a ``TinyVQModel`` or ``LlamaGenVQModel`` folder (by its
     config's class), or a LlamaGen VQ checkpoint file whose levels, widths and blocks are read from
     its shapes and whose input side is ``image_size`` (default ``LLAMAGEN_IMAGE_SIZE``)."""
-    check(image_size is None or (isinstance(image_size, int) and image_size >= 1), "image_size",
-          "None or an int >= 1", image_size)
+    check_int(image_size, "image_size", 1, optional=True)
     if path.is_dir():
         config = read_config(path / "config.json", "vq_dir")
         vq = load_checkpoint(LlamaGenVQModel if config.get("_class_name") == "LlamaGenVQModel" else TinyVQModel, path)
@@ -116,7 +115,7 @@ def load_target(path: Path, vq, n_head: int | None = None) -> LlamaGenModel:
     checkpoint file, its heads ``n_head`` or those of the LlamaGen config of its depth and
     width, its grid the VQ's unless the file holds ``freqs_cis``), checked against ``vq``: its
     vocabulary is the codebook and its grid the VQ's."""
-    check(n_head is None or (isinstance(n_head, int) and n_head >= 1), "n_head", "None or an int >= 1", n_head)
+    check_int(n_head, "n_head", 1, optional=True)
     if path.is_dir():
         target = load_checkpoint(LlamaGenModel, path)
     else:
@@ -279,7 +278,7 @@ def train_ar_draft(out_dir: str | Path, *, kind: str, vq_dir: str | Path, target
     vq_path = check_checkpoint_dir(vq_dir, "vq_dir", _VQ) if chain else _checkpoint_path(vq_dir, "vq_dir", _VQ_OR_FILE)
     check(chain or target_dir is not None, "target_dir",
           f"the folder of the AR target (kind='{kind}' drafts from its features)", target_dir)
-    check(isinstance(medusa_heads, int) and medusa_heads >= 1, "medusa_heads", "an int >= 1", medusa_heads)
+    check_int(medusa_heads, "medusa_heads", 1)
     target_path = None if target_dir is None else (
         check_checkpoint_dir(target_dir, "target_dir", _TARGET) if chain
         else _checkpoint_path(target_dir, "target_dir", _TARGET_OR_FILE))

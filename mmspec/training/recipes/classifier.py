@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from ...bench.quality import class_accuracy, reconstruct
-from ...core.errors import check
+from ...core.errors import check, check_int
+from ...eval.quality import class_accuracy, reconstruct
 from ...models import load_checkpoint
 from ...models.classifier import ShapesClassifier
 from ...models.vq import TinyVQModel
@@ -50,8 +50,7 @@ def train_classifier(out_dir: str | Path, *, steps: int, batch_size: int, lr: fl
     init, generators seeded from ``seed`` the batch order and the augmentation."""
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                          dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every, log=log)
-    check(isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= 1, "warmup", "an int >= 1",
-          warmup)
+    check_int(warmup, "warmup", 1)
     check(isinstance(weight_decay, (int, float)) and not isinstance(weight_decay, bool) and weight_decay >= 0,
           "weight_decay", "a number >= 0", weight_decay)
     vq_path = None if vq_dir is None else check_checkpoint_dir(

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from ...core.errors import check
+from ...core.errors import check, check_int, is_int
 from ...models.checkpoint import check_model_folder
 from ...utils.atomic import atomic_dir, atomic_path
 from ..data import ShapesDataset
@@ -24,23 +24,20 @@ TRAIN_LOG = "train_log.json"
 HELDOUT_SEED_OFFSET = 1_000_003
 
 
-def _is_int(x, low: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= low
-
-
 def check_run_args(out_dir, *, steps, batch_size, lr, seed, dataset_size, heldout_size, log_every, log=print,
                    warmup=None) -> Path:
     """Validate the arguments every recipe takes (``warmup`` when the recipe has one); returns
     ``out_dir`` as a Path. Nothing is read or written."""
-    check(_is_int(steps, 1), "steps", "an int >= 1", steps)
-    check(_is_int(batch_size, 1), "batch_size", "an int >= 1", batch_size)
+    check_int(steps, "steps", 1)
+    check_int(batch_size, "batch_size", 1)
     check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr > 0, "lr",
           "a number > 0", lr)
-    check(_is_int(seed, 0), "seed", "an int >= 0", seed)
-    check(_is_int(dataset_size, batch_size), "dataset_size", f"an int >= batch_size ({batch_size})", dataset_size)
-    check(_is_int(heldout_size, 1), "heldout_size", "an int >= 1", heldout_size)
-    check(_is_int(log_every, 1), "log_every", "an int >= 1", log_every)
-    check(warmup is None or _is_int(warmup, 0), "warmup", "an int >= 0", warmup)
+    check_int(seed, "seed", 0)
+    check(is_int(dataset_size) and dataset_size >= batch_size, "dataset_size", f"an int >= batch_size ({batch_size})",
+          dataset_size)
+    check_int(heldout_size, "heldout_size", 1)
+    check_int(log_every, "log_every", 1)
+    check(warmup is None or (is_int(warmup) and warmup >= 0), "warmup", "an int >= 0", warmup)
     check(callable(log), "log", "a callable taking one str (e.g. print)", log)
     return check_out_dir(out_dir)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from ...core.errors import check, check_choice
+from ...core.errors import check, check_choice, check_int
 from ...models import load_checkpoint
 from ...models.continuous import ContinuousARModel
 from ...models.continuous_tokenizer import ConvTokenizer, PatchPCATokenizer
@@ -63,7 +63,7 @@ _SHARED_WITH_TARGET = ("diffusion_train_steps", "diffusion_sampling_steps", "dif
 
 @torch.no_grad()
 def recon_accuracy(classifier, images: torch.Tensor, labels: torch.Tensor) -> float:
-    from ...bench.quality import class_accuracy
+    from ...eval.quality import class_accuracy
 
     return class_accuracy(classifier, images.clamp(-1, 1), labels)
 
@@ -98,9 +98,8 @@ def train_continuous_tokenizer(out_dir: str | Path, *, kind: str = "conv", datas
     for name, value, low in (("dataset_size", dataset_size, 1), ("seed", seed, 0), ("heldout_size", heldout_size, 1),
                              ("steps", steps, 1), ("batch_size", batch_size, 1), ("patch_size", patch_size, 1),
                              ("log_every", log_every, 1)):
-        check(isinstance(value, int) and not isinstance(value, bool) and value >= low, name, f"an int >= {low}", value)
-    check(latent_dim is None or (isinstance(latent_dim, int) and not isinstance(latent_dim, bool) and latent_dim >= 1),
-          "latent_dim", "None or an int >= 1", latent_dim)
+        check_int(value, name, low)
+    check_int(latent_dim, "latent_dim", 1, optional=True)
     check(kind == "pca" or patch_size & (patch_size - 1) == 0 and patch_size >= 2, "patch_size",
           "a power of two >= 2 with kind='conv'", patch_size)
     check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0, "lr", "a number > 0", lr)
@@ -254,8 +253,7 @@ def train_continuous_ar(out_dir: str | Path, *, tokenizer_dir: str | Path, steps
     id2label come from the tokenizer and the dataset."""
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed, dataset_size=dataset_size,
                          heldout_size=heldout_size, log_every=log_every, log=log, warmup=warmup)
-    check(isinstance(diffusion_positions, int) and diffusion_positions >= 1, "diffusion_positions", "an int >= 1",
-          diffusion_positions)
+    check_int(diffusion_positions, "diffusion_positions", 1)
     check(isinstance(input_noise, (int, float)) and not isinstance(input_noise, bool) and input_noise >= 0,
           "input_noise", "a number >= 0", input_noise)
     start = time.perf_counter()

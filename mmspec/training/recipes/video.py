@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from ...core.errors import check
+from ...core.errors import check, check_int, is_int
 from ...models import load_checkpoint
 from ...models.video_ae import FrameAutoencoder
 from ...models.video_dit import ChunkPlan, VideoDiTModel
@@ -34,7 +34,7 @@ from ...utils.atomic import atomic_path
 from ..data.video import (PROMPT_VOCAB, VideoClipDataset, VideoPrompt, frame_colour, motion_direction,
                           pixel_centroid, prompt_at)
 from ..loop import EMA, new_accelerator, train_loop
-from .common import (_is_int, batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, json_config,
+from .common import (batch_indices, check_checkpoint_dir, check_run_args, heldout_seed, json_config,
                      save_atomically, warmup_cosine)
 
 # the model the bundled assets use; see VideoDiTModel for the meaning of each
@@ -112,7 +112,7 @@ def train_video_ae(out_dir: str | Path, *, steps: int, batch_size: int = 32, lr:
     Deterministic for a seed and a thread count."""
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed, dataset_size=dataset_size,
                          heldout_size=heldout_size, log_every=log_every, log=log, warmup=warmup)
-    check(_is_int(clip_frames, 1), "clip_frames", "an int >= 1", clip_frames)
+    check_int(clip_frames, "clip_frames", 1)
     accelerator = new_accelerator("train_video_ae")
     start, cpu_start = time.perf_counter(), time.process_time()
     torch.manual_seed(seed)
@@ -446,13 +446,14 @@ def train_video(out_dir: str | Path, *, ae_dir: str | Path, steps: int, batch_si
           f"free of {', '.join(_DERIVED)} (they come from the autoencoder and the dataset)", model_config)
     config = {**DEFAULT_VIDEO_CONFIG, **model_config}
     C = config["chunk_frames"]
-    check(_is_int(clip_frames, 1) and clip_frames % C == 0 and clip_frames > config["sink_frames"] + config["window_frames"],
+    check(is_int(clip_frames) and clip_frames % C == 0 and clip_frames > config["sink_frames"] + config["window_frames"],
           "clip_frames", f"a multiple of chunk_frames ({C}) longer than sink_frames + window_frames (so clips roll)",
           clip_frames)
     check(isinstance(switch_prob, (int, float)) and 0 <= switch_prob <= 1, "switch_prob", "a number in [0, 1]",
           switch_prob)
-    check(_is_int(eval_frames, C) and eval_frames % C == 0, "eval_frames", f"a positive multiple of {C}", eval_frames)
-    check(_is_int(eval_clips, 1), "eval_clips", "an int >= 1", eval_clips)
+    check(is_int(eval_frames) and eval_frames >= C and eval_frames % C == 0, "eval_frames",
+          f"a positive multiple of {C}", eval_frames)
+    check_int(eval_clips, "eval_clips", 1)
     check(autocast in AUTOCAST, "autocast", f"one of {', '.join(AUTOCAST)}", autocast)
     check(ema_decay is None or (isinstance(ema_decay, float) and 0 < ema_decay < 1), "ema_decay",
           "None or a float in (0, 1)", ema_decay)

@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from ...core.errors import check
+from ...core.errors import check, check_int
 from ...models import load_checkpoint
 from ...models.video_ae import FrameAutoencoder
 from ...models.video_judge import FIELDS, FrameJudge
 from ..data.shapes import PALETTE
 from ..data.video import PROMPT_VOCAB, VideoClipDataset, frame_colour
 from ..loop import new_accelerator, train_loop
-from .common import (_is_int, batch_indices, gaussian_blur, check_checkpoint_dir, check_run_args, heldout_seed, json_config,
+from .common import (batch_indices, gaussian_blur, check_checkpoint_dir, check_run_args, heldout_seed, json_config,
                      save_atomically, warmup_cosine)
 from .video import render_clips
 
@@ -74,7 +74,7 @@ def train_video_judge(out_dir: str | Path, *, steps: int, batch_size: int, lr: f
     Deterministic for a seed and a thread count."""
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed, dataset_size=dataset_size,
                          heldout_size=heldout_size, log_every=log_every, log=log, warmup=warmup)
-    check(_is_int(clip_frames, 1), "clip_frames", "an int >= 1", clip_frames)
+    check_int(clip_frames, "clip_frames", 1)
     check(isinstance(weight_decay, (int, float)) and not isinstance(weight_decay, bool) and weight_decay >= 0,
           "weight_decay", "a number >= 0", weight_decay)
     ae_path = None if ae_dir is None else check_checkpoint_dir(

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ...core.errors import check, check_choice
+from ...core.errors import check, check_choice, check_int
 from ...models.vlm import IMAGE_SIZE, SIZES, build_processor, check_resolution, image_tokens, new_llava, resize_vision
 from ..data.scene_qa import SceneQADataset, prompt_text, vocabulary
 from ..loop import new_accelerator, train_loop
@@ -107,7 +107,7 @@ def train_vlm(out_dir: str | Path, *, size: str = "target", steps: int, batch_si
     check_choice("size", size, tuple(SIZES))
     out = check_run_args(out_dir, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                          dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every)
-    check(isinstance(warmup, int) and warmup >= 1, "warmup", "an int >= 1", warmup)
+    check_int(warmup, "warmup", 1)
     check_resolution(resolution)
     check(init is None or (Path(init) / "config.json").is_file(), "init",
           "None or a folder holding a VLM saved by 'mmspec train vlm'", init)
@@ -158,3 +158,28 @@ def train_vlm(out_dir: str | Path, *, size: str = "target", steps: int, batch_si
     model.eval()
     save_atomically(model, out, record, extra=processor.save_pretrained)
     return record
+
+
+HELDOUT_SCENES = 16
+"""Held-out scenes bundled for the demo and the serving helpers (``assets/vlm/scenes``)."""
+
+
+def save_heldout_scenes(folder: str | Path, count: int = HELDOUT_SCENES, seed: int = 0,
+                        resolution: int = IMAGE_SIZE) -> list[Path]:
+    """Write the first ``count`` images of ``SceneQADataset(count, heldout_seed(seed), resolution)``
+    (the held-out scenes the VLM bench asks about first) to ``folder/00.png``, ``01.png``, ... as
+    RGB uint8 (each pixel ``round(255 * clamp((x + 1) / 2, 0, 1))``): the files
+    ``mmspec.serve.scene`` reads, so runtime code draws no data. Returns the paths written."""
+    import numpy as np
+    import PIL.Image
+
+    check_int(count, "count", 1)
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    data = SceneQADataset(count, heldout_seed(seed), resolution)
+    paths = []
+    for i in range(count):
+        image = ((data[i][0] + 1) / 2).permute(1, 2, 0).clamp(0, 1).numpy()
+        paths.append(out / f"{i:02d}.png")
+        PIL.Image.fromarray((image * 255).round().astype(np.uint8)).save(paths[-1])
+    return paths

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from ...adapters.vlm import VLMTarget
-from ...core.errors import check, check_choice
+from ...core.errors import check, check_choice, check_int, is_int
 from ...models import load_checkpoint
 from ...models.medusa import MedusaHeads
 from ...models.vlm_draft import BRANCHES, METHODS as HEAD_METHODS, VLMDraftHead
@@ -121,13 +121,13 @@ def heldout_tau(head: VLMDraftHead | MedusaHeads, held: list[Rendered], *, metho
     default tree knobs, ``mmspec.methods``) answering each held-out prompt alone (its ids up to
     the first answer, its image), averaged over prompts."""
     from ... import methods
-    from ...core import LogitsPipeline, SpeculativeDecoder
+    from ...core import LogitsProcessor, SpeculativeDecoder
 
     head.eval()
     target = head.target
     recipe = methods.resolve("vlm", method)
     drafter = methods.build(recipe, {"target": target, f"{method}_head": head}).drafter
-    decoder = SpeculativeDecoder(target, drafter, logits=LogitsPipeline(temperature=0))
+    decoder = SpeculativeDecoder(target, drafter, logits=LogitsProcessor(temperature=0))
     taus = []
     for r in held:
         vision = target.vision_inputs(**r.vision) if r.vision else None
@@ -142,9 +142,9 @@ def regenerate_items(target: VLMTarget, items: list[Rendered], max_new_tokens: i
     """Self-distillation data (EAGLE's and Medusa-2's advice when the original answers are not
     the target's): each item's first prompt answered greedily by the target itself, up to
     ``max_new_tokens`` or its EOS (the core's decode with no drafter: the target alone)."""
-    from ...core import LogitsPipeline, SpeculativeDecoder
+    from ...core import LogitsProcessor, SpeculativeDecoder
 
-    decoder = SpeculativeDecoder(target, None, logits=LogitsPipeline(temperature=0))
+    decoder = SpeculativeDecoder(target, None, logits=LogitsProcessor(temperature=0))
     out = []
     for r in items:
         prompt = r.ids[: r.prompt_len]
@@ -238,12 +238,11 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
                          dataset_size=dataset_size, heldout_size=heldout_size, log_every=log_every,
                          log=log, warmup=warmup)
     rollout_steps = DEFAULT_ROLLOUT[method] if rollout_steps is None else rollout_steps
-    check(isinstance(rollout_steps, int) and rollout_steps >= 1, "rollout_steps", "an int >= 1", rollout_steps)
-    check(isinstance(medusa_heads, int) and medusa_heads >= 1, "medusa_heads", "an int >= 1", medusa_heads)
-    check(regenerate is None or (isinstance(regenerate, int) and regenerate >= 1), "regenerate",
+    check_int(rollout_steps, "rollout_steps", 1)
+    check_int(medusa_heads, "medusa_heads", 1)
+    check(regenerate is None or (is_int(regenerate) and regenerate >= 1), "regenerate",
           "None or an int >= 1 (new tokens per regenerated answer)", regenerate)
-    check(isinstance(tau_tokens, int) and tau_tokens >= 0, "tau_tokens", "an int >= 0 (0: no held-out tau)",
-          tau_tokens)
+    check(is_int(tau_tokens) and tau_tokens >= 0, "tau_tokens", "an int >= 0 (0: no held-out tau)", tau_tokens)
     check(init is None or (Path(init) / "config.json").is_file(), "init",
           "None or a folder holding a head saved by this recipe", init)
     if _is_local(target_dir):  # a folder: its model, processor and tokenizer files, before any work

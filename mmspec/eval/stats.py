@@ -13,7 +13,7 @@ not: it draws the same iid resamples as ``bootstrap_indices`` from the same gene
 resamples each call anew (the benches share one index matrix between methods, so their intervals
 are paired), has no moving-block or re-centred interval, and its percentile ends round differently
 (``scipy.stats.quantile``); tests/test_bench_stats.py holds ``bootstrap_indices`` and ``mean_ci``
-against it on fixed data. Moved here from ``mmspec.bench.quality`` and ``mmspec.bench.video``
+against it on fixed data. Gathered from the image and the video benches' quality code
 unchanged, except: ``fit_slope``'s slope and ``se`` now come from ``linregress`` (equal to the
 former closed form up to rounding: 4e-13 relative at most on the test series), and the video
 bench's speed-up interval takes its quantiles at ``(1 - level) / 2`` and ``(1 + level) / 2`` like
@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 from scipy import stats
 
-from ..core.errors import check
+from ..core.errors import check, check_int
 
 BOOTSTRAP_RESAMPLES = 1000
 BOOTSTRAP_SEED = 0
@@ -39,8 +39,8 @@ def bootstrap_indices(n: int, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 
     """(resamples, n) image indices drawn with replacement (numpy ``default_rng(seed)``). One
     matrix serves every method of a run: image i of every method shares class and seed, so
     resampling the same indices pairs them (ratios between methods keep that pairing)."""
-    check(isinstance(n, int) and n >= 1, "n", "an int >= 1", n)
-    check(isinstance(resamples, int) and resamples >= 1, "resamples", "an int >= 1", resamples)
+    check_int(n, "n", 1)
+    check_int(resamples, "resamples", 1)
     return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
 
 
@@ -56,8 +56,7 @@ def moving_block_bootstrap(statistic: Callable[..., np.ndarray], samples: tuple,
     (start drawn uniformly by ``rng``, all starts in one draw) cut to n, so serially correlated
     noise stays in the resamples. ``statistic`` maps (r, n) arrays to (r,); it is called on at most
     ``batch`` resamples at a time (memory)."""
-    check(isinstance(resamples, int) and not isinstance(resamples, bool) and resamples >= 1, "resamples",
-          "an int >= 1", resamples)
+    check_int(resamples, "resamples", 1)
     samples = tuple(np.asarray(s) for s in samples)
     n = len(samples[0])
     check(n >= 1 and all(s.shape == (n,) for s in samples), "samples", "non-empty 1-D series of one length",

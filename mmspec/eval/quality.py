@@ -21,8 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ..core.errors import check
-from ..training.data import ShapesDataset
+from ..core.errors import check, check_int
 # the bootstrap intervals live in .stats; named here too, where the image benches and their tests look
 from .stats import (BOOTSTRAP_RESAMPLES, BOOTSTRAP_SEED, CI_LEVEL, bootstrap_indices, centred_interval,  # noqa: F401
                     mean_ci, nan_percentile_interval, percentile_interval)
@@ -72,19 +71,14 @@ def extract_features(classifier: nn.Module, images: torch.Tensor, batch_size: in
     return torch.cat([classifier.features(chunk) for chunk in images.split(batch_size)])
 
 
-def reference_features(classifier: nn.Module, n: int, seed: int, batch_size: int = 256,
-                       style: str = "scene") -> torch.Tensor:
-    """Features (n, F) of the real images ``ShapesDataset(n, seed, style=style)`` (classes balanced)."""
-    check(isinstance(n, int) and not isinstance(n, bool) and n >= 2, "n", "an int >= 2", n)
-    dataset = ShapesDataset(n, seed, classifier.config.sample_size, style=style)
+def reference_features(classifier: nn.Module, dataset, batch_size: int = 256) -> torch.Tensor:
+    """Features (N, F) of the real images of ``dataset``, N >= 2 items of ``(image, label)``
+    (``ShapesDataset(n, seed, classifier.config.sample_size, style=...)``: the benches' reference
+    set, classes balanced), in item order."""
+    n = len(dataset)
+    check(n >= 2, "dataset", "at least 2 images", n)
     images = torch.stack([dataset[i][0] for i in range(n)])  # (n, 3, H, W)
     return extract_features(classifier, images, batch_size)
-
-
-def reference_stats(classifier: nn.Module, n: int, seed: int, batch_size: int = 256,
-                    style: str = "scene") -> ReferenceStats:
-    """``ReferenceStats`` of ``reference_features``."""
-    return ReferenceStats.from_features(reference_features(classifier, n, seed, batch_size, style))
 
 
 def frechet_distance(feats_a, feats_b) -> float:
@@ -124,20 +118,6 @@ def class_accuracy(classifier: nn.Module, images: torch.Tensor, labels: torch.Te
     correct = sum((classifier(chunk).argmax(dim=-1) == y).sum().item()
                   for chunk, y in zip(images.split(batch_size), labels.split(batch_size)))
     return correct / len(labels)
-
-
-@torch.no_grad()
-def image_quality(classifier: nn.Module, images: torch.Tensor, labels: torch.Tensor, reference: ReferenceStats,
-                  batch_size: int = 256) -> dict:
-    """``{"fd": frechet_distance(features of images, reference), "class_acc": class_accuracy}`` in
-    one pass of a ``ShapesClassifier`` over ``images``, generated for classes ``labels`` (N,)."""
-    _check_eval(classifier)
-    labels = torch.as_tensor(labels)
-    check(labels.dim() == 1 and len(labels) == len(images) >= 2, "labels",
-          f"a (N,) tensor with N = len(images) = {len(images)} >= 2", tuple(labels.shape))
-    feats = extract_features(classifier, images, batch_size)  # (N, F)
-    correct = (classifier.head(feats).argmax(dim=-1) == labels).sum().item()
-    return {"fd": frechet_distance(feats, reference), "class_acc": correct / len(labels)}
 
 
 # -- uncertainty: bootstrap replicates over the generated images (their intervals: .stats) ---------
@@ -304,7 +284,7 @@ def mmd_permutation_test(feats_a, feats_b, permutations: int = PERMUTATIONS,
     p 0.97 and 0.10."""
     a, b = _as_float64(feats_a, "feats_a"), _as_float64(feats_b, "feats_b")
     check(a.shape == b.shape, "feats_b", f"an array of feats_a's shape {a.shape} (paired images)", b.shape)
-    check(isinstance(permutations, int) and permutations >= 1, "permutations", "an int >= 1", permutations)
+    check_int(permutations, "permutations", 1)
     n = len(a)
     x = np.concatenate([a, b])  # (2n, F)
     sq = (x * x).sum(1)
