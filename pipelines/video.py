@@ -21,7 +21,8 @@ Wan classes through ``mmspec.adapters.video_wan``. The sampler, the cache contex
 re-cache live in ``mmspec.adapters.video``, written once for every video model. How a chunk sees
 the past is the ``cache_mode``:
 
-- ``"rolling"`` (default): the core's ``SinkWindowCache`` (``sample_chunk``): Self-Forcing's
+- ``"rolling"`` (default): the video adapter's ``VideoChunkCache`` on the core's
+  ``SinkWindowCache`` (``sample_chunk``): Self-Forcing's
   write semantics (every denoising step overwrites the chunk's slots, a clean t = 0 pass leaves
   its K/V), StreamingLLM's sink frames (the first ``sink_frames``) plus a window of the last
   ``window_frames``, keys stored before RoPE and rotated by cache order, so positions stay below
@@ -36,7 +37,7 @@ the past is the ``cache_mode``:
   stops at ``max_frames("full-cache")`` frames (288 for the bundled model): one more chunk would
   put keys past the model's ``rope_frames``, where the time rotation wraps around. A ``num_frames``
   past that is refused up front; an unbounded stream yields every chunk that fits, then raises
-  ``CacheLimitError``. Its storage doubles whenever it fills (``SinkWindowCache.grow``; ``cache_bytes``
+  ``CacheLimitError``. Its storage doubles whenever it fills (``VideoChunkCache.grow``; ``cache_bytes``
   grows with the stream).
 - ``"no-sink"``: the window alone (``sink_frames`` 0): the attention-sink ablation.
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from mmspec.core import (DensityPipeline, Draw, GreedyMatch, HeadMeter, JacobiDrafter, LogitsPipeline,
+from mmspec.core import (DensityProcessor, Draw, GreedyMatch, HeadMeter, JacobiDrafter, LogitsProcessor,
                          ModelChainDrafter, ModelOutput, ModelTreeDrafter, NextSetSchedule, Residual,
                          SpeculativeDecoder, SpeculativeSampling, TokenDist)
 from mmspec.core.acceptance import check_chain
@@ -229,8 +229,8 @@ def test_continuous_seams_refuse_with_the_reason(pair):
         SpeculativeDecoder(target, _FakeTree(draft))
     with pytest.raises(ValueError, match=r"model must be a token-id model: continuous tokens are drafted in chains"):
         ModelTreeDrafter(draft)
-    with pytest.raises(ValueError, match=r"logits must be a DensityPipeline for continuous tokens"):
-        SpeculativeDecoder(target, logits=LogitsPipeline())
+    with pytest.raises(ValueError, match=r"logits must be a DensityProcessor for continuous tokens"):
+        SpeculativeDecoder(target, logits=LogitsProcessor())
     with pytest.raises(ValueError, match=r"schedule must be RasterSchedule for continuous tokens"):
         SpeculativeDecoder(target, schedule=NextSetSchedule(2, 2, 1))
     with pytest.raises(ValueError, match=r"rule must be a rule that verifies densities"):
@@ -241,17 +241,17 @@ def test_continuous_seams_refuse_with_the_reason(pair):
         SpeculativeDecoder(target).generate([[0]], 2, eos_token_id=1)
     torch.manual_seed(0)
     ids = LlamaGenModel(vocab_size=16, grid_size=2, num_classes=2, dim=16, n_layers=1, n_heads=2, mlp_hidden=32)
-    with pytest.raises(ValueError, match=r"logits must be a LogitsPipeline for a token-id target"):
-        SpeculativeDecoder(ids, logits=DensityPipeline())
+    with pytest.raises(ValueError, match=r"logits must be a LogitsProcessor for a token-id target"):
+        SpeculativeDecoder(ids, logits=DensityProcessor())
     with pytest.raises(ValueError, match=r"drafter must be a drafter of token ids"):
         SpeculativeDecoder(ids, ModelChainDrafter(draft))
     with pytest.raises(ValueError, match=r"head must be one of the model's heads \(mixture, diffusion\)"):
-        generate(target, None, DensityPipeline(head="flow"), [0], 2, 0)
+        generate(target, None, DensityProcessor(head="flow"), [0], 2, 0)
     for bad, match in (({"temperature": 0.0}, "temperature must be a float > 0"),
                        ({"guidance_schedule": "cosine"}, "guidance_schedule must be one of 'constant', 'linear'"),
                        ({"residual_max_tries": 0}, "residual_max_tries must be None")):
         with pytest.raises(ValueError, match=match):
-            DensityPipeline(**bad)
+            DensityProcessor(**bad)
 
 
 class _FakeTree(ModelTreeDrafter):
@@ -273,15 +273,15 @@ def test_a_tree_of_continuous_drafts_is_refused_by_the_rule(pair):
             return DraftTree(tokens, Tree(torch.zeros(B, 2, dtype=torch.long), max_depth=1, max_children=2))
 
     with pytest.raises(ValueError, match="continuous tokens need chain drafts, got a tree: .*1 - beta"):
-        generate(target, Forked(target), DensityPipeline(), [0], 3, 0)
+        generate(target, Forked(target), DensityProcessor(), [0], 3, 0)
 
 
 def test_linear_guidance_schedule_is_mars():
     """MAR's ``cfg_schedule="linear"``: the token with generated index j of N uses 1 + (s-1)(j+1)/N."""
-    pipe = DensityPipeline(guidance_scale=4.0, guidance_schedule="linear")
+    pipe = DensityProcessor(guidance_scale=4.0, guidance_schedule="linear")
     s = pipe.scales(torch.tensor([[0, 1, 2, 3, 9]]), 4)
     assert torch.allclose(s, torch.tensor([[1.75, 2.5, 3.25, 4.0, 4.0]], dtype=torch.float64))
-    assert torch.equal(DensityPipeline(guidance_scale=4.0).scales(torch.tensor([[0, 3]]), 4),
+    assert torch.equal(DensityProcessor(guidance_scale=4.0).scales(torch.tensor([[0, 3]]), 4),
                        torch.full((1, 2), 4.0, dtype=torch.float64))
 
 
@@ -315,8 +315,8 @@ class KeepTesting(SpeculativeSampling):
 
 
 N_PIT, N_TOKENS = 20_000, 3
-PLAIN = DensityPipeline()
-GUIDED = DensityPipeline(temperature=0.9, guidance_scale=2.0, guidance_schedule="linear")
+PLAIN = DensityProcessor()
+GUIDED = DensityProcessor(temperature=0.9, guidance_scale=2.0, guidance_schedule="linear")
 
 
 def rosenblatt(target, sequences, labels, pipeline, n):
@@ -385,8 +385,8 @@ def test_the_target_alone_passes_and_warmup_drafts_nothing_first(pair):
 
 # -- reproducibility ------------------------------------------------------------------------------
 METHODS = {
-    "sd": (DensityPipeline(guidance_scale=2.0, guidance_schedule="linear"), None),
-    "path": (DensityPipeline(guidance_scale=2.0, guidance_schedule="linear", head="diffusion"), None),
+    "sd": (DensityProcessor(guidance_scale=2.0, guidance_schedule="linear"), None),
+    "path": (DensityProcessor(guidance_scale=2.0, guidance_schedule="linear", head="diffusion"), None),
 }
 
 
@@ -397,7 +397,7 @@ def test_fixed_generator_reproduces_and_batch_rows_match_single_rows(pair, name)
     float rounding*: every random number is drawn per row (the draws match bit for bit), but batched
     matmuls round differently from single-row ones, so latents agree to < 1e-12 (float64) and every
     row takes the same accept decisions. In distribution they are equal."""
-    from mmspec.models.continuous_heads import CSpDAcceptance
+    from mmspec.core import CSpDAcceptance
 
     target, draft = pair
     pipeline, rule = METHODS.get(name, (METHODS["path"][0], CSpDAcceptance(42.0)))

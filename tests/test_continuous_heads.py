@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from mmspec import methods
-from mmspec.core import DensityPipeline, HeadMeter, ModelChainDrafter, SpeculativeDecoder, SpeculativeSampling
+from mmspec.core import (CSpDAcceptance, DensityProcessor, HeadMeter, ModelChainDrafter, SpeculativeDecoder,
+                         SpeculativeSampling)
 from mmspec.core.exactness import P_THRESHOLD, pit_pvalue, two_sample_pvalue
 from mmspec.models.continuous import ContinuousARModel
-from mmspec.models.continuous_heads import (CSpDAcceptance, DiffusionHead, DiffusionSchedule, GaussianMixture,
-                                            GaussianMixtureHead, SimpleMLPAdaLN)
+from mmspec.models.continuous_heads import (DiffusionHead, DiffusionSchedule, GaussianMixture, GaussianMixtureHead,
+                                            SimpleMLPAdaLN)
 from test_continuous_core import NULL, TIMESTEPS, generate, toy_draft, toy_target
 
 
@@ -67,12 +68,12 @@ def test_mixture_samples_pass_their_own_rosenblatt_transform_and_temperature_sca
     cond, uncond = z[:1].expand(20_000, 8), z[1:].expand(20_000, 8)
     scale = torch.full((20_000,), 2.0, dtype=torch.float64)
     meter = HeadMeter()
-    dist = head.distribution(cond, uncond, scale, DensityPipeline(temperature=0.8), meter)
+    dist = head.distribution(cond, uncond, scale, DensityProcessor(temperature=0.8), meter)
     draw = dist.sample(torch.Generator().manual_seed(0))
     assert draw.token.shape == (20_000, 2, 3) and torch.equal(draw.token[:, 0], draw.token[:, 1])  # b = 0
     assert pit_pvalue(dist.rosenblatt(draw.token[:, 1])) >= P_THRESHOLD
     assert (meter.calls, meter.rows) == (1, 40_000)
-    cold = head.distribution(cond[:2], uncond[:2], scale[:2], DensityPipeline(temperature=1.0), None)
+    cold = head.distribution(cond[:2], uncond[:2], scale[:2], DensityProcessor(temperature=1.0), None)
     assert torch.allclose(dist.sigma[:2], 0.8 * cold.sigma)
     assert torch.allclose(dist.log_prob(draw)[:5], dist[:5].latent_log_prob(draw.token[:5, 1]))
     assert torch.equal(dist.log_prob(draw), draw.log_prob)
@@ -85,7 +86,7 @@ def test_mixture_state_kernel_and_nll():
     head = GaussianMixtureHead(4, 2, components=2, hidden=8).double().requires_grad_(False)
     head.state_kernel = (0.9, 0.3)
     z = torch.randn(50_000, 4, dtype=torch.float64)
-    dist = head.distribution(z, None, None, DensityPipeline(), None)
+    dist = head.distribution(z, None, None, DensityProcessor(), None)
     draw = dist.sample(torch.Generator().manual_seed(0))
     state, latent = draw.token.unbind(-2)
     resid = (state - 0.9 * latent) / 0.3
@@ -142,8 +143,8 @@ class NoResidual(SpeculativeSampling):
 
 
 N_TWO = 20_000
-DIFFUSION = DensityPipeline(head="diffusion")
-DIFFUSION_CFG = DensityPipeline(head="diffusion", guidance_scale=2.0, guidance_schedule="linear")
+DIFFUSION = DensityProcessor(head="diffusion")
+DIFFUSION_CFG = DensityProcessor(head="diffusion", guidance_scale=2.0, guidance_schedule="linear")
 
 
 def latents(out):
@@ -214,8 +215,8 @@ def test_cspd_inner_temperature_and_counted_fallbacks(pair):
     assert capped.residual_tries == capped.residual_rows
     with pytest.raises(ValueError, match="inner_temperature must be a float > 0"):
         CSpDAcceptance(0.0)
-    with pytest.raises(ValueError, match="p_all must be DiffusionTokens"):
-        generate(target, ModelChainDrafter(draft, gamma=2), DensityPipeline(), [0], 3, 0, CSpDAcceptance())
+    with pytest.raises(ValueError, match=r"p_all must be a TokenDist with aligned\(draw\)"):
+        generate(target, ModelChainDrafter(draft, gamma=2), DensityProcessor(), [0], 3, 0, CSpDAcceptance())
 
 
 # -- the backbone ---------------------------------------------------------------------------------
@@ -313,7 +314,7 @@ def test_continuous_methods_resolve_build_and_run(pair):
         parts = methods.build(recipe, {"target": target, "draft_model": draft})
         head = methods.continuous.head_for(recipe)
         heads[name] = (head, recipe.lossless)
-        pipe = DensityPipeline(guidance_scale=2.0, guidance_schedule="linear", head=head)
+        pipe = DensityProcessor(guidance_scale=2.0, guidance_schedule="linear", head=head)
         dec = SpeculativeDecoder(target, parts.drafter, rule=parts.rule, schedule=parts.schedule, logits=pipe)
         out = dec.generate([[0], [2]], 3, uncond_input_ids=[[NULL]] * 2, generator=torch.Generator().manual_seed(0))
         assert out.sequences.shape == (2, 3, 2, 2) and torch.isfinite(out.sequences).all(), name

@@ -1,7 +1,8 @@
-"""The core's seams: typed protocols every implementation meets, imports that point one way,
-schedules that keep per-call state off ``self``, opt-in phase timing, and EOS lists."""
+"""The core's seams: typed protocols every implementation meets, imports that point one way, no
+modality named in the core's code, schedules that keep per-call state off ``self``, opt-in phase timing, and EOS lists."""
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 
 import mmspec.core as core
 from mmspec.core import (AcceptanceRule, DecodingSchedule, Drafter, DrafterBase, FeatureHead, GreedyMatch,
-                         GroupedAcceptance, JacobiDrafter, LatentProximityAcceptance, LogitsPipeline,
+                         GroupedAcceptance, JacobiDrafter, LatentProximityAcceptance, LogitsProcessor,
                          ModelChainDrafter, ModelTreeDrafter, NextSetSchedule, NullDrafter, PromptLookupDrafter,
                          RasterSchedule, SchedulePlan, SpeculativeDecoder, SpeculativeSampling, Target,
                          latent_neighbours)
@@ -73,6 +74,113 @@ def test_each_core_module_imports_alone():
     assert res.stdout.strip() == str(len(modules))
 
 
+# -- the core names no modality in its code -----------------------------------------------------
+MODALITY_WORDS = {"video", "vlm", "chunk", "recache", "image", "pixel", "vision", "visual", "audio", "speech"}
+"""Words no identifier the core defines and no string it holds may contain (docstrings and
+comments may cite papers and examples). Not listed, because the core still uses them for what is
+generic: ``frame`` (a group of ``frame_size`` tokens that rolls together, ``Rope3D``'s
+``frame_shape``) and ``latent`` (LANTERN's latent proximity; the two-row state / latent tokens).
+The continuous-token words (``continuous``, ``density``, ``diffusion``) are unlisted too: the core
+holds continuous tokens as a token space (``TokenDist``, ``DensityProcessor``, the density rules, the
+decoder's construction checks); the decode loop itself names none of them (``LOOP_WORDS``)."""
+
+
+def _words(text: str) -> list[str]:
+    """Lower-case words of an identifier or string: split at non-letters and camelCase humps."""
+    return [w.lower() for w in re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])", text)]
+
+
+def _modality_names(source: str) -> list[str]:
+    """``name (line)`` for every identifier the source defines (functions, classes, arguments,
+    assigned names and attributes, keywords, imported modules and names) and every string constant
+    outside docstrings and bare string statements whose words hold a ``MODALITY_WORDS`` word
+    (plural ``s`` too)."""
+    tree = ast.parse(source)
+    bare = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+    found = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names = [node.name]
+        elif isinstance(node, ast.arg):
+            names = [node.arg]
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names = [node.attr]
+        elif isinstance(node, ast.keyword) and node.arg:
+            names = [node.arg]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [a.asname or a.name for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.asname or a.name for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in bare:
+            names = [node.value]
+        for name in names:
+            if any(w in MODALITY_WORDS or w.rstrip("s") in MODALITY_WORDS for w in _words(name)):
+                found.append(f"{name!r} ({getattr(node, 'lineno', '?')})")
+    return found
+
+
+def test_the_core_names_no_modality_in_its_code():
+    found = {p.name: _modality_names(p.read_text()) for p in sorted(CORE.glob("*.py"))}
+    assert not {k: v for k, v in found.items() if v}, found
+
+
+LOOP_WORDS = {"continuous", "density", "diffusion", "latent"}
+"""What the decode loop (``generate``, ``_prefill``, ``_pass``) must not name: it asks the token
+space (the call's ``LogitsProcessor`` or ``DensityProcessor``: ``check_eos``, ``prompt_tokens``,
+``new_meters``, ``last_distribution``, ``pass_distribution``, ``record_tests``) instead of
+branching on it. Nor may it build ``LOOP_NAMES`` (head meters, a sliced model output): the token
+space does."""
+LOOP_NAMES = {"HeadMeter", "ModelOutput"}
+
+
+def _loop_names(source: str, functions=("generate", "_prefill", "_pass")) -> list[str]:
+    """``name (line)`` for every identifier (defined or read) and string constant outside
+    docstrings in ``functions`` whose words hold a ``LOOP_WORDS`` word (plural ``s`` too), and
+    every ``LOOP_NAMES`` name called."""
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if not (isinstance(fn, ast.FunctionDef) and fn.name in functions):
+            continue
+        bare = {id(n.value) for n in ast.walk(fn) if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)}
+        for node in ast.walk(fn):
+            name = (node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute)
+                    else node.arg if isinstance(node, (ast.arg, ast.keyword)) and node.arg
+                    else node.value if isinstance(node, ast.Constant) and isinstance(node.value, str)
+                    and id(node) not in bare else None)
+            if name and any(w in LOOP_WORDS or w.rstrip("s") in LOOP_WORDS for w in _words(name)):
+                found.append(f"{name!r} ({node.lineno})")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in LOOP_NAMES:
+                found.append(f"{node.func.id!r} ({node.lineno})")
+    return found
+
+
+def test_the_decode_loop_asks_the_token_space_instead_of_branching():
+    assert _loop_names((CORE / "decoder.py").read_text()) == []
+    planted = "def _pass(self, state):\n    if state.continuous:\n        m = HeadMeter()\n"
+    assert [f.split(" ")[0] for f in _loop_names(planted)] == ["'continuous'", "'HeadMeter'"]
+
+
+def test_the_modality_scanner_flags_a_planted_name():
+    """The scanner sees a modality word in a definition, an argument, an attribute, a keyword, an
+    import and a string, in any case and plural; not in a docstring or a loaded external name."""
+    planted = ('"""Streams video frames."""\n'
+               "from .adapters.video import Cache\n"
+               "class VideoCache:\n"
+               "    '''A cache of images.'''\n"
+               "    def begin_chunk(self, num_images):\n"
+               "        self.recache_open = f'{num_images} images'\n"
+               "        return torch.cat(x.chunk(2), dim=0, vlm=True)\n")
+    found = _modality_names(planted)
+    for name in ("'adapters.video'", "'VideoCache'", "'begin_chunk'", "'num_images'", "'recache_open'",
+                 "' images'", "'vlm'"):
+        assert any(f.startswith(name) for f in found), (name, found)
+    assert not any("Streams" in f or "A cache of" in f or f.startswith("'chunk'") for f in found), found
+    assert _modality_names("def step(self, tokens):\n    return tokens.chunk(2)\n") == []
+
+
 # -- every implementation meets its protocol ------------------------------------------------------
 def test_implementations_meet_their_protocols():
     lm = tiny_lm(0, vocab_size=8)
@@ -81,7 +189,7 @@ def test_implementations_meet_their_protocols():
               PromptLookupDrafter()):
         assert isinstance(d, Drafter) and isinstance(d, DrafterBase), type(d).__name__
     for r in (GreedyMatch(), SpeculativeSampling(), GroupedAcceptance(emb), LatentProximityAcceptance(
-            latent_neighbours(emb, 3), core.LatentProximityConfig(k=3))):
+            latent_neighbours(emb, 3), core.LatentProximityConfig(k=3)), core.CSpDAcceptance()):
         assert isinstance(r, AcceptanceRule), type(r).__name__
     for s in (RasterSchedule(), NextSetSchedule(2, 2, 1)):
         assert isinstance(s, DecodingSchedule)
@@ -114,8 +222,8 @@ def test_drafter_defaults_are_declared():
     d = Repeat()
     assert (d.vocab_size, d.forwards, DrafterBase.lane_safe) == (None, 0, False)
     model = spread(tiny_lm(0, vocab_size=16))
-    out = SpeculativeDecoder(model, d, logits=LogitsPipeline(temperature=0)).generate([[1, 2, 3]], 8)
-    ref = SpeculativeDecoder(model, logits=LogitsPipeline(temperature=0)).generate([[1, 2, 3]], 8)
+    out = SpeculativeDecoder(model, d, logits=LogitsProcessor(temperature=0)).generate([[1, 2, 3]], 8)
+    ref = SpeculativeDecoder(model, logits=LogitsProcessor(temperature=0)).generate([[1, 2, 3]], 8)
     assert torch.equal(out.sequences, ref.sequences)
     with pytest.raises(NotImplementedError, match="must implement propose"):
         DrafterBase().propose(None)
@@ -154,7 +262,7 @@ def test_one_schedule_serves_nested_calls(drafter):
 
     def make(schedule):
         d = None if drafter == "none" else JacobiDrafter(32, window=3, init="random")
-        return SpeculativeDecoder(model, d, logits=LogitsPipeline(temperature=1.0, guidance_scale=2.0),
+        return SpeculativeDecoder(model, d, logits=LogitsProcessor(temperature=1.0, guidance_scale=2.0),
                                   schedule=schedule)
 
     def gen(dec, labels, seed, callback=None):
@@ -184,7 +292,7 @@ def test_one_schedule_serves_nested_calls(drafter):
 # -- phase timing is opt-in -----------------------------------------------------------------------
 def test_phase_timing_is_opt_in():
     model = spread(tiny_lm(0, vocab_size=16))
-    dec = SpeculativeDecoder(model, ModelChainDrafter(tiny_lm(1, vocab_size=16)), logits=LogitsPipeline(temperature=0))
+    dec = SpeculativeDecoder(model, ModelChainDrafter(tiny_lm(1, vocab_size=16)), logits=LogitsProcessor(temperature=0))
     plain = dec.generate([[1, 2, 3]], 10)
     assert plain.stats.seconds is None and "seconds" not in plain.stats.as_dict()
     assert plain.stats.wall_seconds > 0 and plain.stats.as_dict()["wall_seconds"] == plain.stats.wall_seconds
@@ -213,7 +321,7 @@ def test_timing_without_profile_does_not_sync(monkeypatch):
 # -- EOS lists ------------------------------------------------------------------------------------
 def test_eos_list_stops_at_any_of_them():
     model = spread(tiny_lm(0, vocab_size=16), std=0.6)
-    dec = SpeculativeDecoder(model, ModelChainDrafter(tiny_lm(1, vocab_size=16)), logits=LogitsPipeline(temperature=0))
+    dec = SpeculativeDecoder(model, ModelChainDrafter(tiny_lm(1, vocab_size=16)), logits=LogitsProcessor(temperature=0))
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
     free = dec.generate(prompts, 16)
     firsts = [int(free.sequences[b, 2]) for b in range(len(prompts))]  # the third token of every row

@@ -15,6 +15,7 @@ import importlib
 import pytest
 import torch
 
+from mmspec.adapters.video import VideoChunkCache
 from mmspec.core.cache import SinkWindowCache, StaticKVCache, visibility_mask
 from mmspec.core.rope import GridRope2D, Rope1D, Rope3D
 from mmspec.core.tree import Tree
@@ -125,7 +126,7 @@ def _rolling_cases() -> dict:
     # frames of 2 x 3 tokens, 3-D RoPE: a Self-Forcing chunk (bidirectional) over 1 sink + 3 window frames
     D, H, fs = 24, 3, 6
     rope = Rope3D(D, frame_shape=(2, 3))
-    cache = SinkWindowCache(1, 2, H, D, sink=1, window=3, frame_size=fs, chunk=1, rope=rope)
+    cache = VideoChunkCache(1, 2, H, D, sink=1, window=3, frame_size=fs, chunk=1, rope=rope)
     for _ in range(6):
         cache.begin_chunk()
         pos = cache.next_positions()[:, None] + torch.arange(fs)

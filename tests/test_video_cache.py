@@ -1,8 +1,9 @@
-"""The core's rolling cache at frame granularity, as a chunk-causal video model uses it.
+"""The core's rolling cache at frame granularity, as a chunk-causal video model uses it through
+the video adapter's ``VideoChunkCache``.
 
 A tiny chunk-attention model (defined here: per-frame prompt and time conditioning, ``Rope3D``
 over (frame, row, column), one or two attention layers) runs Self-Forcing's loop through
-``SinkWindowCache``: ``begin_chunk``, denoising steps that overwrite the chunk's slots, a clean
+``VideoChunkCache``: ``begin_chunk``, denoising steps that overwrite the chunk's slots, a clean
 t = 0 pass, ``commit(latents)``. Its reference path attends by explicit *groups* (query frames,
 key frames at positions 0, 1, ... in the listed order), with no cache at all, so every claim
 below is checked against a computation that shares no buffer, gather or eviction arithmetic with
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from mmspec.adapters.video import VideoChunkCache, chunk_causal_mask
 from mmspec.core import SinkWindowCache
 from mmspec.core.rope import Rope3D
 
@@ -62,7 +64,7 @@ class ChunkAttention(nn.Module):
         return self.grid[0] * self.grid[1]
 
     def new_cache(self, batch_size, sink, window, chunk, latents=True):
-        return SinkWindowCache(len(self.qkv), batch_size, self.heads, self.embed.out_features // self.heads,
+        return VideoChunkCache(len(self.qkv), batch_size, self.heads, self.embed.out_features // self.heads,
                                sink, window, rope=self.rope, frame_size=self.frame_size, chunk=chunk,
                                latent_shape=(P, C_LAT) if latents else None)
 
@@ -436,7 +438,7 @@ def test_memory_is_constant_over_10000_frames():
     then and at the end."""
     sink, window, chunk, total = 10, 20, 10, 10_000
     model = ChunkAttention(1, dim=8, grid=(1, 1))
-    cache = SinkWindowCache(1, 1, 2, 4, sink, window, rope=model.rope, frame_size=1, chunk=chunk,
+    cache = VideoChunkCache(1, 1, 2, 4, sink, window, rope=model.rope, frame_size=1, chunk=chunk,
                             latent_shape=(1, C_LAT))
     # every tensor's size; the buffers' storage too (the (B,) lengths are replaced, not grown)
     tensors = lambda: {k: (v.data_ptr() if v.dim() > 1 else None, v.nbytes)  # noqa: E731
@@ -476,7 +478,7 @@ BAD = [
     (dict(sink=-1), "sink must be an int >= 0"),
     (dict(window=-1), "window must be an int >= 0"),
     (dict(frame_size=0), "frame_size must be an int >= 1"),
-    (dict(chunk=0), "chunk must be None or an int >= 1"),
+    (dict(chunk=0), "chunk must be an int >= 1"),
     (dict(chunk=None, max_block=0), "max_block must be an int >= 1"),
     (dict(chunk=None, max_block=None), "max_block must be an int >= 1"),
     (dict(capacity=5), "sink + window must be <= capacity"),
@@ -497,7 +499,11 @@ def test_bad_arguments_raise_before_allocating(kwargs, message, monkeypatch):
         raise AssertionError("a buffer was allocated before the arguments were checked")
     monkeypatch.setattr(torch, "zeros", no_buffers)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("+", r"\+")):
-        SinkWindowCache(1, 1, 2, 8, **args)
+        if args["chunk"] is None:  # the core's cache alone: no chunks, no latents
+            del args["chunk"], args["latent_shape"]
+            SinkWindowCache(1, 1, 2, 8, **args)
+        else:
+            VideoChunkCache(1, 1, 2, 8, **args)
 
 
 def test_misuse_is_refused_and_leaves_the_cache_as_it_was():
@@ -532,8 +538,7 @@ def test_misuse_is_refused_and_leaves_the_cache_as_it_was():
     with pytest.raises(ValueError, match="latent_shape"):
         plain.begin_recache()
     tokens = SinkWindowCache(1, 1, 2, 16, sink=1, window=4, max_block=2)
-    with pytest.raises(ValueError, match="chunk must be set"):
-        tokens.begin_chunk()
+    assert not hasattr(tokens, "begin_chunk")  # the core's cache has no chunk protocol (the video adapter's)
 
 
 def test_grow_keeps_every_entry_and_then_holds_more():
@@ -572,10 +577,9 @@ def test_a_one_chunk_step_hands_sdpa_no_mask():
     every row ending at the same slot; ``mask`` is then an all-true (B, 1, T, S) view, which the
     visibility mask built the usual way confirms. A two-chunk re-cache block, an explicit in-block
     mask, rows of different lengths and a decoder block (no open chunk) keep their mask."""
-    from mmspec.core.cache import chunk_causal_mask
     from mmspec.kernels.torch_ops import visibility_mask
 
-    cache = SinkWindowCache(1, 2, 2, 4, sink=1, window=4, frame_size=P, chunk=2, latent_shape=(P, C_LAT))
+    cache = VideoChunkCache(1, 2, 2, 4, sink=1, window=4, frame_size=P, chunk=2, latent_shape=(P, C_LAT))
     T = 2 * P
 
     def block(frames, tree_mask=None):

@@ -28,11 +28,10 @@ from diffusers import AutoencoderKLWan, FlowMatchEulerDiscreteScheduler, WanPipe
 from safetensors.torch import save_file
 from torch.nn import functional as F
 
-from mmspec.adapters.video import FlowSampler, recache, sample_chunk
+from mmspec.adapters.video import FlowSampler, chunk_causal_mask, recache, sample_chunk
 from mmspec.adapters.video_wan import (WanStreamingDecoder, WanVideoModel, check_window, encode_prompts,
                                      load_original_wan)
 from mmspec.core import SinkWindowCache
-from mmspec.core.cache import chunk_causal_mask
 
 ATOL = 1e-5
 TINY = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,

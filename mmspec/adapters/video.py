@@ -1,5 +1,6 @@
-"""The video adapter: one chunk sampler and the stream contexts, for every video model that
-denoises chunk by chunk over the core's ``SinkWindowCache``.
+"""The video adapter: the chunk cache, one chunk sampler and the stream contexts, for every video
+model that denoises chunk by chunk over a ``VideoChunkCache`` (the core's ``SinkWindowCache`` with
+Self-Forcing's chunk writes and LongLive's re-cache on top).
 
 A *video model* here is anything with the bundled ``VideoDiTModel``'s cache-driven call,
 ``model(latents (B, F, C, h, w), t, prompt, cache=cache) -> velocity`` (flow time ``t`` in
@@ -7,6 +8,8 @@ A *video model* here is anything with the bundled ``VideoDiTModel``'s cache-driv
 ``new_cache(rows, sink_frames, window_frames, ...)``, ``chunk_frames`` and ``rope_frames``: the
 bundled DiT, and diffusers' ``WanTransformer3DModel`` through ``mmspec.adapters.video_wan``.
 
+- ``VideoChunkCache`` and ``chunk_causal_mask``: the cache's chunk / re-cache / latent protocol
+  (see the class) and CausVid's block-causal in-block mask.
 - ``FlowSampler``: the denoising steps of one chunk through a diffusers
   ``FlowMatchEulerDiscreteScheduler`` (shifted sigmas, or an explicit sigma list as the few-step
   distilled checkpoints use): ``"euler"`` integrates the flow ODE with the scheduler's step
@@ -30,9 +33,10 @@ from typing import Callable
 
 import torch
 
-from ..core.cache import SinkWindowCache
-from ..core.errors import check, check_choice
+from ..core.cache import CacheStep, SinkWindowCache
+from ..core.errors import check, check_choice, check_int, is_int
 from ..core.logits import cfg_merge
+from ..kernels.torch_ops import visibility_mask
 
 SAMPLERS = ("euler", "renoise")
 RECACHE_RULES = ("prefill", "longlive")  # CachedStream's prompt-switch re-cache
@@ -85,8 +89,7 @@ class FlowSampler:
     """
 
     def __init__(self, scheduler, num_inference_steps: int, sampler: str = "euler", sigmas=None, model_times=None):
-        check(isinstance(num_inference_steps, int) and not isinstance(num_inference_steps, bool)
-              and num_inference_steps >= 1, "num_inference_steps", "an int >= 1", num_inference_steps)
+        check_int(num_inference_steps, "num_inference_steps", 1)
         check_choice("sampler", sampler, SAMPLERS)
         check(model_times is None or sigmas is not None, "model_times", "None without explicit sigmas", model_times)
         if sigmas is None:
@@ -161,8 +164,217 @@ class FlowSampler:
         return x
 
 
+# -- the chunk cache ---------------------------------------------------------------------------
+def chunk_causal_mask(num_frames: int, chunk_frames: int, frame_size: int, batch_size: int,
+                      device=None) -> torch.Tensor:
+    """(B, T, T) in-block visibility of a block of whole chunks of ``frame_size``-token frames:
+    bidirectional inside a chunk, causal across chunks (CausVid's block-causal attention)."""
+    chunk = torch.arange(num_frames, device=device).div(chunk_frames, rounding_mode="floor")
+    chunk = chunk.repeat_interleave(frame_size)  # (T,)
+    return (chunk[None, :] <= chunk[:, None]).expand(batch_size, -1, -1)
+
+
+class VideoChunkCache(SinkWindowCache):
+    """The core's sink + window cache at frame granularity with Self-Forcing's chunk writes and
+    LongLive's re-cache on top, plus the clean latents of the kept frames.
+
+    Whole chunks of frames are appended: ``begin_chunk()`` opens the next ``chunk`` frames; every
+    ``step`` until ``commit`` writes the chunk's K/V into the *same* slots (denoising steps
+    overwrite, nothing advances), visible to the chunk itself (bidirectional inside it) after the
+    committed context; the last pass before ``commit(latents)`` is the clean one (t = 0), whose
+    K/V stay. ``commit`` advances, stores the clean latents, and rolls (the latents roll with
+    their frames). ``begin_recache(keep_sink)`` + one forward at t = 0 under a new prompt +
+    ``commit()`` is LongLive's prompt-switch re-cache: the cached frames' K/V recomputed from their
+    clean latents, chunk-causally, at the same cache positions (or as LongLive's code does it:
+    with evicted frames in front and no mask, ``begin_recache(lead=..., bidirectional=True)``).
+    Without an open chunk the cache is the core's ``SinkWindowCache``: decoder blocks step past the
+    committed entries. ``sink``, ``window``, ``max_block`` (default ``chunk``), ``rope``, ``dtype``,
+    ``device``, ``frame_size`` and ``capacity`` are ``SinkWindowCache``'s.
+
+    Args:
+        chunk: frames per Self-Forcing chunk. Sink and window need not be multiples of it:
+            eviction is frame by frame, as the reference repositories roll their caches (a chunk
+            sees ``sink + window`` committed frames and itself; a window shorter than a chunk keeps
+            only the chunk's last frames).
+        latent_shape: shape of one frame's clean latent (e.g. (C, h, w)) kept for ``begin_recache``;
+            None keeps no latents.
+        latent_dtype: dtype of the kept latents.
+    """
+
+    def __init__(self, num_layers: int, batch_size: int, num_heads: int, head_dim: int, sink: int,
+                 window: int, max_block: int | None = None, rope=None, dtype=torch.float32, device=None, *,
+                 chunk: int, frame_size: int = 1, capacity: int | None = None,
+                 latent_shape: tuple[int, ...] | None = None, latent_dtype=torch.float32):
+        # every check before any buffer is allocated (the core's own run first in its __init__)
+        check(is_int(chunk) and chunk >= 1, "chunk", "an int >= 1 (frames per chunk)", chunk)
+        max_block = chunk if max_block is None else max_block
+        check(is_int(max_block) and max_block >= chunk, "max_block", f"an int >= chunk ({chunk})", max_block)
+        if latent_shape is not None:
+            latent_shape = tuple(latent_shape)
+            check(all(is_int(n) and n >= 1 for n in latent_shape), "latent_shape", "None or a tuple of ints >= 1",
+                  latent_shape)
+        super().__init__(num_layers, batch_size, num_heads, head_dim, sink, window, max_block, rope, dtype, device,
+                         frame_size=frame_size, capacity=capacity)
+        self.chunk = chunk
+        self.latents = None if latent_shape is None else torch.zeros(
+            (batch_size, self.capacity) + latent_shape, dtype=latent_dtype, device=device)  # (B, capacity, *latent)
+        # (start (B,), tokens, "chunk" | "recache") of the open block, if any
+        self._open: tuple[torch.Tensor, int, str] | None = None
+        self._bidirectional = False  # the open re-cache attends to all of itself (LongLive's)
+        self._written = False  # a step wrote the open block
+
+    @property
+    def open_frames(self) -> int | None:
+        """Frames of the open chunk or re-cache (what the next ``step`` must write), None when none
+        is open."""
+        return None if self._open is None else self._open[1] // self.frame_size
+
+    def nbytes(self) -> int:
+        return super().nbytes() + (0 if self.latents is None else self.latents.nbytes)
+
+    def next_positions(self) -> torch.Tensor:
+        """(B,) where the next block goes: the open chunk's (re-cache's) start while one is open."""
+        return (self.lengths if self._open is None else self._open[0]).clone()
+
+    # -- Self-Forcing chunks and LongLive re-cache ----------------------------------------------
+    def begin_chunk(self) -> None:
+        """Open the next chunk: until ``commit``, every ``step`` (one per denoising step, then the
+        clean pass) writes the chunk's ``chunk * frame_size`` tokens into the same slots."""
+        self._check_closed("begin_chunk")
+        self._open, self._written = (self.lengths.clone(), self.chunk * self.frame_size, "chunk"), False
+        self._bidirectional = False
+
+    def begin_recache(self, keep_sink: bool = True, lead: torch.Tensor | None = None,
+                      bidirectional: bool = False) -> torch.Tensor:
+        """Open a re-cache of the committed frames (the window; the sink too unless ``keep_sink``)
+        and return their clean latents (B, n, *latent_shape), n frames (possibly 0). Run the model
+        on them once at t = 0 under the new conditioning (one block, chunk-causal: the cache's
+        default mask), then ``commit()``: their K/V are then those of a fresh prefill of the same
+        frames at the same positions (the sink's kept or recomputed).
+
+        LongLive's own re-cache (Yang et al., 2025; NVlabs/LongLive v1.0,
+        ``pipeline/interactive_causal_inference.py::_recache_after_switch``) differs in two ways,
+        both options here: it runs its last ``local_attn_size`` frames, more than the cache keeps
+        after a commit, and it runs them in one pass without a mask.
+
+        - ``lead`` (B, E, *latent_shape): clean latents of the E frames just before the window (frames
+          the cache has evicted; E <= ``max_block``), re-encoded first in the same block, after the
+          sink: the block sees them and their K/V, and ``commit`` evicts them again.
+        - ``bidirectional``: the block attends to all of itself (no mask) instead of chunk-causally."""
+        check(self.latents is not None, "latent_shape", "set at construction: a re-cache re-encodes the "
+              "cached frames' clean latents", None)
+        check(isinstance(keep_sink, bool), "keep_sink", "True or False", keep_sink)
+        check(isinstance(bidirectional, bool), "bidirectional", "True or False", bidirectional)
+        self._check_closed("begin_recache")
+        n = int(self.lengths[0])
+        check(bool((self.lengths == n).all()), "lengths", "equal in every row for a re-cache",
+              self.lengths.tolist())
+        fs, latent = self.frame_size, tuple(self.latents.shape[2:])
+        E = 0 if lead is None else lead.shape[1]
+        if lead is not None:
+            room = self.capacity - n // fs
+            check(isinstance(lead, torch.Tensor) and lead.dim() == 2 + len(latent) and lead.shape[0] == self.batch_size
+                  and tuple(lead.shape[2:]) == latent and E <= room and n >= self.sink, "lead",
+                  f"None or ({self.batch_size}, frames <= {room}, {', '.join(map(str, latent))}) clean latents of "
+                  f"evicted frames, after a full sink ({self.sink_frames} frames)", getattr(lead, "shape", lead))
+        if E:  # the lead goes after the sink, the window's latents move E frames on (their K/V are rewritten)
+            s_f, n_f = self.sink // fs, n // fs
+            self.latents[:, s_f + E:n_f + E] = self.latents[:, s_f:n_f].clone()
+            self.latents[:, s_f:s_f + E] = lead.to(self.latents)
+        start = min(n, self.sink) if keep_sink else 0
+        end = n + E * fs
+        self._open, self._written = (torch.full_like(self.lengths, start), end - start, "recache"), False
+        self._bidirectional = bidirectional
+        return self.latents[:, start // fs: end // fs].clone()
+
+    def commit(self, latents: torch.Tensor | None = None) -> None:
+        """Close the open chunk or re-cache. A chunk advances the cache by its frames (its K/V are
+        what the last ``step`` wrote: run the clean t = 0 pass last), stores ``latents`` (B,
+        chunk, *latent_shape), its clean latents (required when the cache keeps latents), and rolls
+        (evicts whole frames down to sink + window). A re-cache takes no latents."""
+        if self._open is None:
+            raise RuntimeError("commit() without an open chunk: call begin_chunk() or begin_recache() first")
+        start, T, kind = self._open
+        if T and not self._written:
+            raise RuntimeError(f"commit() of a {kind} no step wrote: run its t = 0 pass first")
+        if kind == "chunk":
+            if self.latents is None:
+                check(latents is None, "latents", "None: this cache keeps no latents (latent_shape=None)",
+                      type(latents).__name__)
+            else:
+                want = (self.batch_size, T // self.frame_size) + tuple(self.latents.shape[2:])
+                check(latents is not None and tuple(latents.shape) == want, "latents",
+                      f"the chunk's clean latents of shape {want}", None if latents is None else tuple(latents.shape))
+                f = (start // self.frame_size)[:, None] + torch.arange(want[1], device=start.device)  # (B, n)
+                index = f.view(*f.shape, *[1] * (latents.dim() - 2)).expand(want)
+                self.latents.scatter_(1, index, latents.to(self.latents))
+            self.lengths = start + T
+        else:
+            check(latents is None, "latents", "None for a re-cache (the cache has them)", type(latents).__name__)
+            self.lengths = start + T  # past the window by the lead's frames, if any: evicted below
+        self._open = None
+        self._roll()
+
+    def grow(self, window_frames: int) -> None:
+        """``SinkWindowCache.grow``, with room for the new frames' latents. Between chunks only."""
+        self._check_closed("grow")
+        super().grow(window_frames)
+        if self.latents is not None and self.latents.shape[1] < self.capacity:
+            self.latents = torch.cat([self.latents, self.latents.new_zeros(
+                (self.batch_size, self.capacity - self.latents.shape[1]) + tuple(self.latents.shape[2:]))], 1)
+
+    def _check_closed(self, what: str) -> None:
+        if self._open is not None:
+            raise RuntimeError(f"{what}() while a chunk or re-cache is open: commit() it first")
+
+    # -- the core's step, with an open chunk ----------------------------------------------------
+    def step(self, positions: torch.Tensor, tree_mask: torch.Tensor | None = None) -> CacheStep:
+        """Without an open chunk: ``SinkWindowCache.step`` (write past the committed entries, advance).
+        With one: write the block into the open slots without advancing; ``tree_mask`` (B, T, T)
+        defaults to chunk-causal (bidirectional inside each chunk, causal across). A default-masked
+        block of one chunk whose rows all end at the same slot sees every key: its step hands SDPA
+        no mask (``CacheStep.attn_mask`` None; ``mask`` an all-true view)."""
+        if self._open is None:
+            return super().step(positions, tree_mask)
+        B, T = positions.shape
+        start, size, _ = self._open
+        check(T == size, "positions", f"the open block's {size} tokens", T)
+        # bidirectional inside itself: one chunk, or a re-cache opened bidirectional
+        one_chunk = tree_mask is None and (self._bidirectional or T <= self.chunk * self.frame_size)
+        if tree_mask is None and self._bidirectional:
+            tree_mask = torch.ones((1, 1, 1), dtype=torch.bool, device=positions.device).expand(B, T, T)
+        elif tree_mask is None:
+            tree_mask = chunk_causal_mask(T // self.frame_size, self.chunk, self.frame_size, B, positions.device)
+        slots = start[:, None] + torch.arange(T, device=positions.device)
+        ends = start + T
+        low, S = torch.stack(torch.aminmax(ends)).tolist()  # one host read, as the key range's end alone took
+        dense = one_chunk and low == S  # no row's keys end early: nothing is masked
+        mask = (torch.ones((1, 1, 1, 1), dtype=torch.bool, device=positions.device).expand(B, 1, T, S) if dense
+                else visibility_mask(ends, T, S, tree_mask))
+        step = CacheStep(self, positions, slots, mask, self._key_positions(slots, positions, S), tree_mask, dense)
+        self._written = True
+        return step
+
+    def _evict(self) -> torch.Tensor | None:
+        """The core's eviction; the kept frames' latents move with their K/V."""
+        src_f = super()._evict()
+        if src_f is not None and self.latents is not None:
+            B, cap_f = src_f.shape
+            index = src_f.view(B, cap_f, *[1] * (self.latents.dim() - 2)).expand(B, cap_f, *self.latents.shape[2:])
+            self.latents[:, :cap_f] = self.latents.gather(1, index)
+        return src_f
+
+    def truncate(self, lengths: torch.Tensor) -> None:
+        self._check_closed("truncate")
+        super().truncate(lengths)
+
+    def gather(self, start, idx, n) -> None:
+        self._check_closed("gather")
+        super().gather(start, idx, n)
+
+
 @torch.no_grad()
-def sample_chunk(model, cache: SinkWindowCache, noise: torch.Tensor, prompt: torch.Tensor, sampler: FlowSampler,
+def sample_chunk(model, cache: VideoChunkCache, noise: torch.Tensor, prompt: torch.Tensor, sampler: FlowSampler,
                  guidance_scale: float = 1.0, null_prompt: torch.Tensor | None = None, on_step: OnStep | None = None,
                  generator=None, init: torch.Tensor | None = None, strength: float = 1.0) -> torch.Tensor:
     """Denoise one chunk with Self-Forcing's cache semantics and return its clean latents.
@@ -185,13 +397,13 @@ def sample_chunk(model, cache: SinkWindowCache, noise: torch.Tensor, prompt: tor
 
 
 @torch.no_grad()
-def recache(model, cache: SinkWindowCache, prompt: torch.Tensor, keep_sink: bool = False,
+def recache(model, cache: VideoChunkCache, prompt: torch.Tensor, keep_sink: bool = False,
             lead: torch.Tensor | None = None, bidirectional: bool = False) -> int:
     """LongLive's prompt-switch re-cache: recompute the K/V of the cached frames (the window; the
     sink too unless ``keep_sink``) from their clean latents, in one pass at t = 0 under ``prompt``
     (the cache's rows: ``[cond; uncond]`` with guidance), at the same cache positions. The cache
     then equals a fresh prefill of those frames under the new prompt. ``lead`` and
-    ``bidirectional``: ``SinkWindowCache.begin_recache``'s (LongLive's code as released). Returns
+    ``bidirectional``: ``VideoChunkCache.begin_recache``'s (LongLive's code as released). Returns
     the frames re-encoded."""
     latents = cache.begin_recache(keep_sink, lead, bidirectional)
     if latents.shape[1]:
@@ -201,7 +413,7 @@ def recache(model, cache: SinkWindowCache, prompt: torch.Tensor, keep_sink: bool
 
 
 class CachedStream:
-    """``rolling``, ``no-sink`` and ``full-cache``: the core's ``SinkWindowCache`` through
+    """``rolling``, ``no-sink`` and ``full-cache``: a ``VideoChunkCache`` through
     ``sample_chunk``. With ``grow_to`` (frames) the cache never evicts: before a chunk that would
     roll it ``grow``s (doubling the window) until it holds ``grow_to`` frames, sink included, and
     past that raises ``CacheLimitError``. ``window`` None: every frame so far, a window of four
@@ -341,4 +553,4 @@ class RecomputeStream:
 
 
 __all__ = ["RECACHE_RULES", "SAMPLERS", "CacheLimitError", "CachedStream", "FlowSampler", "OnStep", "RecomputeStream",
-           "frame_limit", "recache", "sample_chunk"]
+           "VideoChunkCache", "chunk_causal_mask", "frame_limit", "recache", "sample_chunk"]

@@ -1,5 +1,5 @@
 """diffusers' Wan (``WanTransformer3DModel``, ``AutoencoderKLWan``) streamed chunk-causally through
-the core's ``SinkWindowCache``: the Wan2.1-T2V-1.3B causal fine-tunes (Self-Forcing, CausVid,
+the video adapter's ``VideoChunkCache``: the Wan2.1-T2V-1.3B causal fine-tunes (Self-Forcing, CausVid,
 LongLive) as a drop-in for the bundled DiT in ``sample_chunk`` / ``recache``.
 
 Nothing of diffusers' Wan code is forked. ``WanVideoModel`` installs two attention processors in
@@ -50,9 +50,10 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.nn import functional as F
 
-from ..core.cache import CacheStep, SinkWindowCache, chunk_causal_mask
-from ..core.errors import check, check_choice
+from ..core.cache import CacheStep
+from ..core.errors import check, check_choice, check_int, is_int
 from ..core.rope import Rope3D, RopeTables
+from .video import VideoChunkCache, chunk_causal_mask
 
 __all__ = ["POSITION_POLICIES", "WanCachedCrossAttnProcessor", "WanCachedSelfAttnProcessor", "WanStreamCache",
            "WanStreamingDecoder", "WanVideoModel", "check_window", "encode_prompts", "load_original_wan",
@@ -60,10 +61,6 @@ __all__ = ["POSITION_POLICIES", "WanCachedCrossAttnProcessor", "WanCachedSelfAtt
 
 POSITION_POLICIES = ("cache-order", "absolute")
 WAN_ROPE_THETA = 10000.0  # WanTransformer3DModel builds its WanRotaryPosEmbed with the default theta
-
-
-def _is_int(x, low: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
 def check_window(chunk_frames: int, sink_frames, window_frames, rope_frames: int) -> int | None:
@@ -76,8 +73,8 @@ def check_window(chunk_frames: int, sink_frames, window_frames, rope_frames: int
     up to the frames the model's positions tell apart (``mmspec.adapters.video.frame_limit``).
     Returns the window, None for every frame."""
     C, R = chunk_frames, rope_frames
-    check(_is_int(sink_frames, 0), "sink_frames", "an int >= 0 (latent frames)", sink_frames)
-    check(window_frames is None or _is_int(window_frames, -1), "window_frames",
+    check(is_int(sink_frames) and sink_frames >= 0, "sink_frames", "an int >= 0 (latent frames)", sink_frames)
+    check(window_frames is None or (is_int(window_frames) and window_frames >= -1), "window_frames",
           "an int >= 0 (latent frames), or None or -1 (every frame so far)", window_frames)
     window = None if window_frames in (None, -1) else window_frames
     check(sink_frames + (window or 0) + C <= R, "sink_frames + window_frames",
@@ -86,8 +83,8 @@ def check_window(chunk_frames: int, sink_frames, window_frames, rope_frames: int
     return window
 
 
-class WanStreamCache(SinkWindowCache):
-    """A ``SinkWindowCache`` that also counts the frames committed by chunks: the absolute frame
+class WanStreamCache(VideoChunkCache):
+    """A ``VideoChunkCache`` that also counts the frames committed by chunks: the absolute frame
     index of the next chunk, which Self-Forcing's absolute positions need once the cache has
     rolled (the cache itself only knows cache-order slots). Counting follows the chunk protocol:
     ``begin_chunk`` ... ``commit(latents)`` adds ``chunk`` frames, a re-cache adds none."""
@@ -257,7 +254,8 @@ class WanVideoModel(nn.Module):
         super().__init__()
         check(isinstance(transformer, WanTransformer3DModel), "transformer", "a diffusers WanTransformer3DModel",
               type(transformer).__name__)
-        check(_is_int(chunk_frames, 1), "chunk_frames", "an int >= 1 (latent frames per chunk)", chunk_frames)
+        check(is_int(chunk_frames) and chunk_frames >= 1, "chunk_frames", "an int >= 1 (latent frames per chunk)",
+              chunk_frames)
         check_choice("position_policy", position_policy, POSITION_POLICIES)
         cfg = transformer.config
         patch = tuple(cfg.patch_size)
@@ -314,7 +312,7 @@ class WanVideoModel(nn.Module):
 
     def _grid(self, h: int, w: int, name: str = "latents") -> tuple[int, int]:
         p = self.patch
-        check(_is_int(h, 1) and _is_int(w, 1) and h % p == 0 and w % p == 0, name,
+        check(is_int(h) and h >= 1 and is_int(w) and w >= 1 and h % p == 0 and w % p == 0, name,
               f"a latent height and width divisible by the patch size {p}", (h, w))
         check(max(h, w) // p <= self.rope_frames, name,
               f"at most {self.rope_frames * p} latent rows and columns (Wan's RoPE table)", (h, w))
@@ -349,7 +347,7 @@ class WanVideoModel(nn.Module):
         grows: ``mmspec.adapters.video.CachedStream`` builds and grows it. ``dtype`` of the K/V
         and latents defaults to the model's."""
         C = self.chunk_frames
-        check(_is_int(batch_size, 1), "batch_size", "an int >= 1", batch_size)
+        check_int(batch_size, "batch_size", 1)
         window = check_window(C, sink_frames, window_frames, self.rope_frames)
         check(window is not None, "window_frames", "an int >= 0 for new_cache (every frame so far, None or -1, is a "
               "cache that grows: CachedStream(model, rows, sink, None) or StreamingVideoPipeline)", window_frames)
@@ -362,13 +360,9 @@ class WanVideoModel(nn.Module):
                               rope=rope, dtype=dtype, device=self.device, frame_size=P, chunk=C,
                               latent_shape=(self.latent_channels, h, w), latent_dtype=dtype)
 
-    def reset_prompt_cache(self) -> None:
-        """Forget the memoised cross-attention K/V (after changing the transformer's weights)."""
-        self._prompt_kv.forget()
-
     # -- forward ------------------------------------------------------------------------------
     def forward(self, latents: torch.Tensor, t, prompt_embeds: torch.Tensor,
-                cache: SinkWindowCache | None = None, chunk_causal: bool = False) -> torch.Tensor:
+                cache: VideoChunkCache | None = None, chunk_causal: bool = False) -> torch.Tensor:
         """Flow velocity (B, F, C, h, w) of latents (B, F, C, h, w) at flow times ``t`` in [0, 1]
         (a number, (B,) or per frame (B, F)) under ``prompt_embeds`` (B, L, text_dim), in the
         latents' dtype.
@@ -422,7 +416,7 @@ class WanVideoModel(nn.Module):
     def _stream_call(self, cache, B, Fr, grid, prompt_embeds, device) -> _StreamCall:
         """Check the cache against the block (before it is touched), open its step, and say how
         the processors rotate."""
-        check(isinstance(cache, SinkWindowCache), "cache", "a SinkWindowCache (WanVideoModel.new_cache)",
+        check(isinstance(cache, VideoChunkCache), "cache", "a VideoChunkCache (WanVideoModel.new_cache)",
               type(cache).__name__)
         C, P = self.chunk_frames, grid[0] * grid[1]
         n = cache.open_frames
@@ -557,7 +551,7 @@ def encode_prompts(texts, text_encoder, tokenizer, max_length: int = 512) -> tor
     texts = [texts] if texts is None or isinstance(texts, str) else list(texts)
     check(len(texts) >= 1 and all(x is None or isinstance(x, str) for x in texts), "texts",
           "a string, None, or a non-empty list of them", texts)
-    check(_is_int(max_length, 1), "max_length", "an int >= 1 (tokens per prompt)", max_length)
+    check(is_int(max_length) and max_length >= 1, "max_length", "an int >= 1 (tokens per prompt)", max_length)
     texts = [prompt_clean(x or "") for x in texts]
     tokens = tokenizer(texts, padding="max_length", max_length=max_length, truncation=True,
                        add_special_tokens=True, return_attention_mask=True, return_tensors="pt")

@@ -1,10 +1,10 @@
 """The shared speculation core: modality-free, model-free.
 
 draft -> verify in one target pass -> accept -> commit the KV cache, for chains and trees, with
-exact and relaxed acceptance rules, a logits pipeline with classifier-free guidance, and static
+exact and relaxed acceptance rules, a logits processor with classifier-free guidance, and static
 or sink+window rolling caches. Adapters turn model families into its ``Target`` / ``Drafter``.
 Continuous tokens run through the same loop: per-position ``TokenDist``s from a
-``DensityPipeline`` instead of probabilities (``mmspec.core.distributions``).
+``DensityProcessor`` instead of probabilities (``mmspec.core.distributions``).
 
 The seams (``Target``, ``Drafter`` with ``DrafterBase``'s defaults, ``FeatureHead``, ``ParallelHeads``,
 ``AcceptanceRule``, ``DecodingSchedule`` -> ``SchedulePlan``, ``KVCache``) are typed in one place,
@@ -14,13 +14,13 @@ The seams (``Target``, ``Drafter`` with ``DrafterBase``'s defaults, ``FeatureHea
 from .acceptance import GreedyMatch, SpeculativeSampling
 from .cache import SinkWindowCache, SlotKVCache, StaticKVCache
 from .decoder import DecodeOutput, DecodeState, Job, Served, SpeculativeDecoder
-from .distributions import DensityPipeline, Draw, HeadMeter, Residual, TokenDist
+from .distributions import DensityProcessor, Draw, HeadMeter, Residual, TokenDist
 from .lookup import PromptLookupDrafter
 from .gate import GatedDrafter, SpeedGate
 from .drafters import (EagleTreeDrafter, JacobiDensityDrafter, JacobiDrafter, ModelChainDrafter, ModelTreeDrafter,
                        NullDrafter, ParallelHeadsDrafter)
-from .logits import LogitsPipeline
-from .relaxed import (GroupedAcceptance, GroupedAcceptanceConfig, LatentProximityAcceptance,
+from .logits import LogitsProcessor
+from .relaxed import (CSpDAcceptance, GroupedAcceptance, GroupedAcceptanceConfig, LatentProximityAcceptance,
                       LatentProximityConfig, latent_neighbours)
 from .schedule import NextSetSchedule, RasterSchedule
 from .stats import Stats
@@ -29,11 +29,11 @@ from .types import (Acceptance, AcceptanceRule, DecodingSchedule, Drafter, Draft
                     ModelOutput, ParallelHeads, SchedulePlan, Target, TokenHead)
 
 __all__ = [
-    "Acceptance", "AcceptanceRule", "DecodeOutput", "DecodeState", "DecodingSchedule", "DensityPipeline", "Draw",
+    "Acceptance", "AcceptanceRule", "CSpDAcceptance", "DecodeOutput", "DecodeState", "DecodingSchedule", "DensityProcessor", "Draw",
     "DraftTree", "Drafter", "DrafterBase", "EagleTreeDrafter", "FeatureHead", "GatedDrafter", "GreedyMatch",
     "HeadMeter", "GroupedAcceptance", "GroupedAcceptanceConfig", "JacobiDensityDrafter", "JacobiDrafter", "Job",
     "KVCache", "LatentProximityAcceptance",
-    "LatentProximityConfig", "LogitsPipeline", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter",
+    "LatentProximityConfig", "LogitsProcessor", "ModelChainDrafter", "ModelOutput", "ModelTreeDrafter",
     "NextSetSchedule", "NullDrafter", "ParallelHeads", "ParallelHeadsDrafter", "PromptLookupDrafter",
     "RasterSchedule", "Residual", "SchedulePlan", "Served",
     "SinkWindowCache", "SlotKVCache", "SpeculativeDecoder", "SpeedGate",

@@ -190,8 +190,8 @@ class SpeculativeSampling:
         for s in range(K):
             # the nodes with an s-th child whose earlier children were all rejected. Finding them
             # syncs once per round; running every round on all nodes with children instead (one
-            # sync per pass) measured slower here, 1.53 against 1.02 ms per pass on captured AR
-            # eagle trees, since accepted siblings end most nodes' rounds early
+            # sync per pass) measured slower on captured AR eagle trees (docs/costs.md), since
+            # accepted siblings end most nodes' rounds early
             live = ((children[..., s] >= 0) & (chosen < 0)).reshape(-1).nonzero().squeeze(1)
             if live.numel() == 0:
                 break

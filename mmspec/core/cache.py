@@ -21,10 +21,9 @@ committed entry before the last ``R + T`` slots is visible; the last ``R + T`` (
 nodes appended this round plus the block itself) are visible where the mask says so. Without a
 mask the block is causal and R = 0.
 
-Streaming video appends whole chunks of frames to ``SinkWindowCache`` with Self-Forcing's write
-semantics instead: ``begin_chunk()``, one ``step`` per denoising pass (all into the same slots),
-the clean pass, ``commit(latents)``; a prompt switch re-caches with ``begin_recache(keep_sink)``,
-one pass, ``commit()`` (see the class).
+``SinkWindowCache`` rolls: sink frames pinned, a window of recent ones, keys rotated by their
+position in the cache. Write protocols other than the decoder's block live with the modality that
+needs them, on top of it (``mmspec.adapters.video.VideoChunkCache``).
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ from ..kernels import dispatch as kernel_dispatch
 from ..kernels.rolling_attention import rolling_attention
 from ..kernels.torch_ops import visibility_mask
 from ..kernels.tree_attention import tree_attention
-from .errors import check
+from .errors import check, is_int
 from .shapes import static_shapes
 
 Rope = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -252,80 +251,46 @@ class StaticKVCache:
             self.gather(start, idx, n)
 
 
-def chunk_causal_mask(num_frames: int, chunk_frames: int, frame_size: int, batch_size: int,
-                      device=None) -> torch.Tensor:
-    """(B, T, T) in-block visibility of a block of whole chunks of ``frame_size``-token frames:
-    bidirectional inside a chunk, causal across chunks (CausVid's block-causal attention)."""
-    chunk = torch.arange(num_frames, device=device).div(chunk_frames, rounding_mode="floor")
-    chunk = chunk.repeat_interleave(frame_size)  # (T,)
-    return (chunk[None, :] <= chunk[:, None]).expand(batch_size, -1, -1)
-
-
 class SinkWindowCache(StaticKVCache):
     """StreamingLLM's rolling cache (Xiao et al., 2024, "Efficient Streaming Language Models with
     Attention Sinks") at token or frame granularity: keep the first ``sink`` frames and the last
-    ``window`` frames, a frame being ``frame_size`` tokens (``frame_size=1``: tokens, as for LMs).
+    ``window`` frames, a frame being ``frame_size`` tokens that enter and leave together
+    (``frame_size=1``: tokens, as for LMs).
 
     Keys are stored *before* RoPE and rotated on read by their position inside the cache, so after
     an eviction the kept entries sit at consecutive positions ``0 .. (sink + window) * frame_size
     - 1`` (sink first) and the next block continues from there: positions stay bounded for
-    unbounded streams. Position p of a video token is ``frame * frame_size + j`` (j its place in
-    the frame): a ``Rope3D`` with ``frame_shape`` (h, w), ``h * w == frame_size``, reads the time
-    axis as the frame's cache order and height/width as the token's place in the frame. Rolling
-    evicts whole frames. Memory is fixed at ``capacity`` frames (default ``sink + window +
-    max_block``), plus the clean latents of those frames when ``latent_shape`` is given.
+    unbounded streams. Position p of a token is ``frame * frame_size + j`` (j its place in the
+    frame): a ``Rope3D`` with ``frame_shape`` (h, w), ``h * w == frame_size``, reads the first axis
+    as the frame's cache order and the other two as the token's place in the frame. Rolling evicts
+    whole frames. Memory is fixed at ``capacity`` frames (default ``sink + window + max_block``).
 
-    Two ways to append:
-
-    - decoder blocks (LMs, speculation): ``step`` writes the block past the committed entries and
-      advances; ``keep_block`` / ``truncate`` keep part of it and roll.
-    - Self-Forcing chunks (video, needs ``chunk``): ``begin_chunk()`` opens the next ``chunk``
-      frames; every ``step`` until ``commit`` writes the chunk's K/V into the *same* slots
-      (denoising steps overwrite, nothing advances), visible to the chunk itself (bidirectional
-      inside it) after the committed context; the last pass before ``commit(latents)`` is the
-      clean one (t = 0), whose K/V stay. ``commit`` advances, stores the clean latents, and rolls.
-      ``begin_recache(keep_sink)`` + one forward at t = 0 under a new prompt + ``commit()`` is
-      LongLive's prompt-switch re-cache: the cached frames' K/V recomputed from their clean
-      latents, chunk-causally, at the same cache positions (or as LongLive's code does it: with
-      evicted frames in front and no mask, ``begin_recache(lead=..., bidirectional=True)``).
+    Decoder blocks (LMs, speculation): ``step`` writes the block past the committed entries and
+    advances; ``keep_block`` / ``truncate`` keep part of it and roll. Subclasses add other write
+    protocols on the same slots and positions (``mmspec.adapters.video.VideoChunkCache``: chunks
+    that denoising passes overwrite, and re-caches), through ``_roll`` and ``_evict``.
 
     Args:
         sink: pinned frames (``frame_size`` tokens each), >= 0.
         window: recent frames, >= 0.
-        max_block: frames of the largest block appended past them (a draft tree; the chunk for
-            video, default ``chunk``).
+        max_block: frames of the largest block appended past them (a draft tree).
         frame_size: tokens per frame.
-        chunk: frames per Self-Forcing chunk (enables ``begin_chunk`` / ``begin_recache``). Sink
-            and window need not be multiples of it: eviction is frame by frame, as the reference
-            repositories roll their caches (a chunk sees ``sink + window`` committed frames and
-            itself; a window shorter than a chunk keeps only the chunk's last frames).
         capacity: frame slots of the cache; ``sink + window + max_block`` when None.
-        latent_shape: shape of one frame's clean latent (e.g. (C, h, w)) kept for ``begin_recache``;
-            None keeps no latents.
-        latent_dtype: dtype of the kept latents.
     """
 
-    reset = None  # rolling state (positions, latents, an open chunk): built anew per stream, never pooled
+    reset = None  # rolling state (positions, and a subclass's open block): built anew per stream, never pooled
 
     def __init__(self, num_layers: int, batch_size: int, num_heads: int, head_dim: int, sink: int,
                  window: int, max_block: int | None = None, rope: Rope | None = None, dtype=torch.float32,
-                 device=None, *, frame_size: int = 1, chunk: int | None = None, capacity: int | None = None,
-                 latent_shape: tuple[int, ...] | None = None, latent_dtype=torch.float32):
-        def is_int(x, low):
-            return isinstance(x, int) and not isinstance(x, bool) and x >= low
-
+                 device=None, *, frame_size: int = 1, capacity: int | None = None):
         # every check before any buffer is allocated
-        check(is_int(frame_size, 1), "frame_size", "an int >= 1 (tokens per frame)", frame_size)
-        check(is_int(sink, 0), "sink", "an int >= 0 (pinned frames)", sink)
-        check(is_int(window, 0), "window", "an int >= 0 (recent frames kept)", window)
-        if chunk is not None:
-            check(is_int(chunk, 1), "chunk", "None or an int >= 1 (frames per chunk)", chunk)
-            max_block = chunk if max_block is None else max_block
-            check(is_int(max_block, 1) and max_block >= chunk, "max_block", f"an int >= chunk ({chunk})", max_block)
-        check(is_int(max_block, 1), "max_block", "an int >= 1 (frames of the largest block)", max_block)
+        check(is_int(frame_size) and frame_size >= 1, "frame_size", "an int >= 1 (tokens per frame)", frame_size)
+        check(is_int(sink) and sink >= 0, "sink", "an int >= 0 (pinned frames)", sink)
+        check(is_int(window) and window >= 0, "window", "an int >= 0 (recent frames kept)", window)
+        check(is_int(max_block) and max_block >= 1, "max_block", "an int >= 1 (frames of the largest block)", max_block)
         if capacity is None:
             capacity = sink + window + max_block
-        check(is_int(capacity, 1), "capacity", "None or an int >= 1 (frame slots)", capacity)
+        check(is_int(capacity) and capacity >= 1, "capacity", "None or an int >= 1 (frame slots)", capacity)
         check(sink + window <= capacity, "sink + window", f"<= capacity ({capacity} frames)", sink + window)
         check(sink + window + max_block <= capacity, "max_block",
               f"<= capacity - sink - window ({capacity - sink - window} frames): room for a block past the "
@@ -334,24 +299,14 @@ class SinkWindowCache(StaticKVCache):
         if frame_size > 1 and shape is not None:
             check(shape[0] * shape[1] == frame_size, "frame_size",
                   f"the rope's frame_shape {tuple(shape)} token count {shape[0] * shape[1]}", frame_size)
-        if latent_shape is not None:
-            latent_shape = tuple(latent_shape)
-            check(all(is_int(n, 1) for n in latent_shape), "latent_shape", "None or a tuple of ints >= 1",
-                  latent_shape)
 
         super().__init__(num_layers, batch_size, num_heads, head_dim, capacity * frame_size, rope, dtype, device)
-        self.frame_size, self.chunk, self.capacity = frame_size, chunk, capacity
+        self.frame_size, self.capacity = frame_size, capacity
         self.sink, self.window = sink * frame_size, window * frame_size  # tokens
         # position of every slot: committed slots are compact, so slot index == position; only
         # uncommitted draft-tree entries (depth-based positions) differ until the next commit
         self._arange = torch.arange(self.max_len, device=self.lengths.device).expand(batch_size, -1)
         self.pos = self._arange.clone()
-        self.latents = None if latent_shape is None else torch.zeros(
-            (batch_size, capacity) + latent_shape, dtype=latent_dtype, device=device)  # (B, capacity, *latent)
-        # (start (B,), tokens, "chunk" | "recache") of the open block, if any
-        self._open: tuple[torch.Tensor, int, str] | None = None
-        self._bidirectional = False  # the open re-cache attends to all of itself (LongLive's)
-        self._written = False  # a step wrote the open block
 
     @property
     def sink_frames(self) -> int:
@@ -361,113 +316,17 @@ class SinkWindowCache(StaticKVCache):
     def window_frames(self) -> int:
         return self.window // self.frame_size
 
-    @property
-    def open_frames(self) -> int | None:
-        """Frames of the open chunk or re-cache (what the next ``step`` must write), None when none
-        is open."""
-        return None if self._open is None else self._open[1] // self.frame_size
-
     def num_frames(self) -> torch.Tensor:
         """(B,) committed frames held (sink included), at most ``sink + window``."""
         return self.lengths // self.frame_size
 
-    def nbytes(self) -> int:
-        return super().nbytes() + (0 if self.latents is None else self.latents.nbytes)
-
-    def next_positions(self) -> torch.Tensor:
-        """(B,) where the next block goes: the open chunk's (re-cache's) start while one is open."""
-        return (self.lengths if self._open is None else self._open[0]).clone()
-
-    # -- Self-Forcing chunks and LongLive re-cache ----------------------------------------------
-    def begin_chunk(self) -> None:
-        """Open the next chunk: until ``commit``, every ``step`` (one per denoising step, then the
-        clean pass) writes the chunk's ``chunk * frame_size`` tokens into the same slots."""
-        check(self.chunk is not None, "chunk", "set at construction to use begin_chunk", None)
-        self._check_closed("begin_chunk")
-        self._open, self._written = (self.lengths.clone(), self.chunk * self.frame_size, "chunk"), False
-        self._bidirectional = False
-
-    def begin_recache(self, keep_sink: bool = True, lead: torch.Tensor | None = None,
-                      bidirectional: bool = False) -> torch.Tensor:
-        """Open a re-cache of the committed frames (the window; the sink too unless ``keep_sink``)
-        and return their clean latents (B, n, *latent_shape), n frames (possibly 0). Run the model
-        on them once at t = 0 under the new conditioning (one block, chunk-causal: the cache's
-        default mask), then ``commit()``: their K/V are then those of a fresh prefill of the same
-        frames at the same positions (the sink's kept or recomputed).
-
-        LongLive's own re-cache (Yang et al., 2025; NVlabs/LongLive v1.0,
-        ``pipeline/interactive_causal_inference.py::_recache_after_switch``) differs in two ways,
-        both options here: it runs its last ``local_attn_size`` frames, more than the cache keeps
-        after a commit, and it runs them in one pass without a mask.
-
-        - ``lead`` (B, E, *latent_shape): clean latents of the E frames just before the window (frames
-          the cache has evicted; E <= ``max_block``), re-encoded first in the same block, after the
-          sink: the block sees them and their K/V, and ``commit`` evicts them again.
-        - ``bidirectional``: the block attends to all of itself (no mask) instead of chunk-causally."""
-        check(self.chunk is not None, "chunk", "set at construction to use begin_recache", None)
-        check(self.latents is not None, "latent_shape", "set at construction: a re-cache re-encodes the "
-              "cached frames' clean latents", None)
-        check(isinstance(keep_sink, bool), "keep_sink", "True or False", keep_sink)
-        check(isinstance(bidirectional, bool), "bidirectional", "True or False", bidirectional)
-        self._check_closed("begin_recache")
-        n = int(self.lengths[0])
-        check(bool((self.lengths == n).all()), "lengths", "equal in every row for a re-cache",
-              self.lengths.tolist())
-        fs, latent = self.frame_size, tuple(self.latents.shape[2:])
-        E = 0 if lead is None else lead.shape[1]
-        if lead is not None:
-            room = self.capacity - n // fs
-            check(isinstance(lead, torch.Tensor) and lead.dim() == 2 + len(latent) and lead.shape[0] == self.batch_size
-                  and tuple(lead.shape[2:]) == latent and E <= room and n >= self.sink, "lead",
-                  f"None or ({self.batch_size}, frames <= {room}, {', '.join(map(str, latent))}) clean latents of "
-                  f"evicted frames, after a full sink ({self.sink_frames} frames)", getattr(lead, "shape", lead))
-        if E:  # the lead goes after the sink, the window's latents move E frames on (their K/V are rewritten)
-            s_f, n_f = self.sink // fs, n // fs
-            self.latents[:, s_f + E:n_f + E] = self.latents[:, s_f:n_f].clone()
-            self.latents[:, s_f:s_f + E] = lead.to(self.latents)
-        start = min(n, self.sink) if keep_sink else 0
-        end = n + E * fs
-        self._open, self._written = (torch.full_like(self.lengths, start), end - start, "recache"), False
-        self._bidirectional = bidirectional
-        return self.latents[:, start // fs: end // fs].clone()
-
-    def commit(self, latents: torch.Tensor | None = None) -> None:
-        """Close the open chunk or re-cache. A chunk advances the cache by its frames (its K/V are
-        what the last ``step`` wrote: run the clean t = 0 pass last), stores ``latents`` (B,
-        chunk, *latent_shape), its clean latents (required when the cache keeps latents), and rolls
-        (evicts whole frames down to sink + window). A re-cache takes no latents."""
-        if self._open is None:
-            raise RuntimeError("commit() without an open chunk: call begin_chunk() or begin_recache() first")
-        start, T, kind = self._open
-        if T and not self._written:
-            raise RuntimeError(f"commit() of a {kind} no step wrote: run its t = 0 pass first")
-        if kind == "chunk":
-            if self.latents is None:
-                check(latents is None, "latents", "None: this cache keeps no latents (latent_shape=None)",
-                      type(latents).__name__)
-            else:
-                want = (self.batch_size, T // self.frame_size) + tuple(self.latents.shape[2:])
-                check(latents is not None and tuple(latents.shape) == want, "latents",
-                      f"the chunk's clean latents of shape {want}", None if latents is None else tuple(latents.shape))
-                f = (start // self.frame_size)[:, None] + torch.arange(want[1], device=start.device)  # (B, n)
-                index = f.view(*f.shape, *[1] * (latents.dim() - 2)).expand(want)
-                self.latents.scatter_(1, index, latents.to(self.latents))
-            self.lengths = start + T
-        else:
-            check(latents is None, "latents", "None for a re-cache (the cache has them)", type(latents).__name__)
-            self.lengths = start + T  # past the window by the lead's frames, if any: evicted below
-        self._open = None
-        self._evict()
-        self.pos.copy_(self._arange)
-
     def grow(self, window_frames: int) -> None:
         """Widen the window to ``window_frames`` frames, keeping every committed entry where it is
         (same slots, same positions): a cache that grows instead of evicting (a full cache) calls
-        it before the chunk that would roll. Buffers are reallocated once per call, so double the
-        window each time for amortised constant cost. Between chunks only."""
-        self._check_closed("grow")
+        it before the block that would roll. Buffers are reallocated once per call, so double the
+        window each time for amortised constant cost."""
         old = self.window_frames
-        check(isinstance(window_frames, int) and not isinstance(window_frames, bool) and window_frames >= old,
+        check(is_int(window_frames) and window_frames >= old,
               "window_frames", f"an int >= the current window ({old} frames)", window_frames)
         extra = window_frames - old  # frames
         if extra == 0:
@@ -476,47 +335,19 @@ class SinkWindowCache(StaticKVCache):
         # the spare slot past max_len becomes an ordinary (unwritten, invisible) slot; a new one follows
         self.k = F.pad(self.k, (0, 0, 0, tokens))
         self.v = F.pad(self.v, (0, 0, 0, tokens))
-        if self.latents is not None:
-            self.latents = torch.cat([self.latents, self.latents.new_zeros(
-                (self.batch_size, extra) + tuple(self.latents.shape[2:]))], 1)
         self.max_len += tokens
         self.capacity += extra
         self.window += tokens
         self._arange = torch.arange(self.max_len, device=self.lengths.device).expand(self.batch_size, -1)
         self.pos = self._arange.clone()
 
-    def _check_closed(self, what: str) -> None:
-        if self._open is not None:
-            raise RuntimeError(f"{what}() while a chunk or re-cache is open: commit() it first")
-
-    # -- the core's step, with an open chunk ----------------------------------------------------
+    # -- the core's step --------------------------------------------------------------------------
     def step(self, positions: torch.Tensor, tree_mask: torch.Tensor | None = None) -> CacheStep:
-        """Without an open chunk: ``StaticKVCache.step`` (write past the committed entries, advance).
-        With one: write the block into the open slots without advancing; ``tree_mask`` (B, T, T)
-        defaults to chunk-causal (bidirectional inside each chunk, causal across). A default-masked
-        block of one chunk whose rows all end at the same slot sees every key: its step hands SDPA
-        no mask (``CacheStep.attn_mask`` None; ``mask`` an all-true view)."""
-        B, T = positions.shape
+        """``StaticKVCache.step`` on whole frames: write the block past the committed entries and
+        advance."""
+        T = positions.shape[1]
         check(T % self.frame_size == 0, "positions", f"whole frames of {self.frame_size} tokens", T)
-        if self._open is None:
-            return super().step(positions, tree_mask)
-        start, size, _ = self._open
-        check(T == size, "positions", f"the open block's {size} tokens", T)
-        # bidirectional inside itself: one chunk, or a re-cache opened bidirectional
-        one_chunk = tree_mask is None and (self._bidirectional or T <= self.chunk * self.frame_size)
-        if tree_mask is None and self._bidirectional:
-            tree_mask = torch.ones((1, 1, 1), dtype=torch.bool, device=positions.device).expand(B, T, T)
-        elif tree_mask is None:
-            tree_mask = chunk_causal_mask(T // self.frame_size, self.chunk, self.frame_size, B, positions.device)
-        slots = start[:, None] + torch.arange(T, device=positions.device)
-        ends = start + T
-        low, S = torch.stack(torch.aminmax(ends)).tolist()  # one host read, as the key range's end alone took
-        dense = one_chunk and low == S  # no row's keys end early: nothing is masked
-        mask = (torch.ones((1, 1, 1, 1), dtype=torch.bool, device=positions.device).expand(B, 1, T, S) if dense
-                else visibility_mask(ends, T, S, tree_mask))
-        step = CacheStep(self, positions, slots, mask, self._key_positions(slots, positions, S), tree_mask, dense)
-        self._written = True
-        return step
+        return super().step(positions, tree_mask)
 
     def _key_positions(self, slots, positions, S):
         self.pos.scatter_(1, slots, positions)
@@ -551,12 +382,14 @@ class SinkWindowCache(StaticKVCache):
                                  reference=lambda: F.scaled_dot_product_attention(*self._read(step, layer, q),
                                                                                   attn_mask=step.attn_mask))
 
-    def _evict(self) -> None:
-        """Keep the sink frames and the last ``window`` frames of every row (and their latents)."""
+    def _evict(self) -> torch.Tensor | None:
+        """Keep the sink frames and the last ``window`` frames of every row. Returns (B, sink +
+        window) the source frame of every kept frame slot when a row rolled (a subclass moves what
+        it keeps per frame the same way), None when nothing was evicted."""
         cap = self.sink + self.window
         over = self.lengths > cap
         if not bool(over.any()):
-            return
+            return None
         fs = self.frame_size
         sink_f, cap_f = self.sink // fs, cap // fs
         j = torch.arange(cap_f, device=self.lengths.device)
@@ -567,29 +400,29 @@ class SinkWindowCache(StaticKVCache):
         index = src[None, :, None, :, None].expand(L, B, H, cap, D)
         for buf in (self.k, self.v):
             buf[:, :, :, :cap] = buf.gather(3, index)
-        if self.latents is not None:
-            index = src_f.view(B, cap_f, *[1] * (self.latents.dim() - 2)).expand(B, cap_f, *self.latents.shape[2:])
-            self.latents[:, :cap_f] = self.latents.gather(1, index)
         self.lengths = self.lengths.clamp(max=cap)
+        return src_f
+
+    def _roll(self) -> None:
+        """Evict down to sink + window and reset every slot's position to its index (committed
+        entries are compact)."""
+        self._evict()
+        self.pos.copy_(self._arange)
 
     def load_row(self, row: int, other: "StaticKVCache", other_row: int) -> None:
         raise ValueError("SinkWindowCache cannot load a row from another cache (its entries roll by position): "
                          "continuous batching needs a StaticKVCache")
 
     def truncate(self, lengths: torch.Tensor) -> None:
-        self._check_closed("truncate")
         if self.frame_size > 1:
             check(bool((lengths % self.frame_size == 0).all()), "lengths",
                   f"whole frames (multiples of {self.frame_size} tokens)", lengths.tolist())
         super().truncate(lengths)
-        self._evict()
-        self.pos.copy_(self._arange)
+        self._roll()
 
     def gather(self, start, idx, n) -> None:
-        self._check_closed("gather")
         super().gather(start, idx, n)
-        self._evict()
-        self.pos.copy_(self._arange)
+        self._roll()
 
 
 class SlotKVCache(StaticKVCache):
@@ -626,8 +459,8 @@ class SlotKVCache(StaticKVCache):
         return CacheStep(self, positions, positions, mask, None)
 
     def load_row(self, row: int, other: "StaticKVCache", other_row: int) -> None:
-        raise ValueError("SlotKVCache cannot load a row from another cache (next-set lanes share an image's "
-                         "slots): continuous batching needs the raster schedule")
+        raise ValueError("SlotKVCache cannot load a row from another cache (next-set lanes share one "
+                         "prompt's slots): continuous batching needs the raster schedule")
 
     def reset(self) -> None:
         super().reset()

@@ -15,11 +15,11 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import torch
 
 from .acceptance import GreedyMatch, SpeculativeSampling
-from .distributions import DensityPipeline, HeadMeter
+from .distributions import DensityProcessor
 from .drafters import EagleTreeDrafter, ModelTreeDrafter, NullDrafter
-from .errors import check
+from .errors import check, check_int, is_int
 from .fused import fused_acceptance
-from .logits import LogitsPipeline
+from .logits import LogitsProcessor
 from .sampling import Generators, as_generators, repeat_rows, select_rows
 from .schedule import RasterSchedule
 from .stats import Stats
@@ -46,7 +46,7 @@ class Job:
         input_ids: its prompt, 1-D token ids (a sequence or a tensor).
         conditioning: keyword inputs of its prompt pass (a VLM's ``pixel_values`` for its own
             images), as ``generate(conditioning=...)`` takes them for a batch of one.
-        uncond_input_ids: its unconditional prompt; required exactly when the logits pipeline
+        uncond_input_ids: its unconditional prompt; required exactly when the logits processor
             has a guidance scale.
         generator: its randomness (``generate(generator=...)`` of the job alone); None: torch's
             global generator. Every job of a call has one, or none has.
@@ -116,7 +116,7 @@ class SpeculativeDecoder:
             for its defaults); ``None`` decodes with the target alone.
         rule: acceptance rule (``AcceptanceRule``); defaults to ``GreedyMatch`` for greedy logits
             and lossless ``SpeculativeSampling`` otherwise.
-        logits: the logits pipeline shared by draft and target.
+        logits: the logits processor shared by draft and target.
         schedule: which positions each pass decodes (``DecodingSchedule``, see
             ``mmspec.core.schedule``); default raster next-token order. Drafters and rules see the
             schedule's lanes as rows. A schedule keeps no per-call state, so decoders may share one.
@@ -126,13 +126,13 @@ class SpeculativeDecoder:
 
     Continuous tokens: a target with a non-empty ``token_shape`` (e.g. ``(2, d)``) returns
     features (``ModelOutput.cond``) and per-token heads instead of logits; ``logits`` is then a
-    ``DensityPipeline`` (the default), the rule one with ``continuous = True`` (speculative
+    ``DensityProcessor`` (the default), the rule one with ``continuous = True`` (speculative
     sampling on densities by default), drafts are chains and the order is raster. Prompts are still
     ids; the history holds them broadcast over the token shape in the target's ``token_dtype``.
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, rule: AcceptanceRule | None = None,
-                 logits: LogitsPipeline | DensityPipeline | None = None, schedule: DecodingSchedule | None = None,
+                 logits: LogitsProcessor | DensityProcessor | None = None, schedule: DecodingSchedule | None = None,
                  device: torch.device | str | None = None):
         self.target = target
         self.device = None if device is None else torch.device(device)
@@ -140,9 +140,9 @@ class SpeculativeDecoder:
         self.schedule = schedule if schedule is not None else RasterSchedule()
         self.drafter = drafter if drafter is not None else NullDrafter()
         if logits is None:
-            logits = DensityPipeline() if self.token_shape else LogitsPipeline()
-        self.logits = logits
-        self.rule = rule if rule is not None else (GreedyMatch() if self.logits.greedy else SpeculativeSampling())
+            logits = DensityProcessor() if self.token_shape else LogitsProcessor()
+        self.processor = logits
+        self.rule = rule if rule is not None else (GreedyMatch() if self.processor.greedy else SpeculativeSampling())
         for name, value, proto in (("drafter", self.drafter, Drafter), ("rule", self.rule, AcceptanceRule),
                                    ("schedule", self.schedule, DecodingSchedule)):
             check(isinstance(value, proto), name, f"a {proto.__name__} (members: {_members(proto)})",
@@ -150,9 +150,9 @@ class SpeculativeDecoder:
         if self.token_shape:
             self._check_continuous()
         else:
-            check(isinstance(self.logits, LogitsPipeline), "logits",
-                  "a LogitsPipeline for a token-id target (DensityPipeline is for continuous tokens)",
-                  type(self.logits).__name__)
+            check(isinstance(self.processor, LogitsProcessor), "logits",
+                  "a LogitsProcessor for a token-id target (DensityProcessor is for continuous tokens)",
+                  type(self.processor).__name__)
             check(not getattr(self.drafter, "token_shape", ()), "drafter",
                   "a drafter of token ids for a token-id target", type(self.drafter).__name__)
         dv = self.drafter.vocab_size
@@ -163,8 +163,8 @@ class SpeculativeDecoder:
     def _check_continuous(self) -> None:
         """What continuous tokens need of the other seams, refused with the reason."""
         shape = self.token_shape
-        check(isinstance(self.logits, DensityPipeline), "logits",
-              f"a DensityPipeline for continuous tokens (token_shape={shape})", type(self.logits).__name__)
+        check(isinstance(self.processor, DensityProcessor), "logits",
+              f"a DensityProcessor for continuous tokens (token_shape={shape})", type(self.processor).__name__)
         check(isinstance(self.schedule, RasterSchedule), "schedule",
               "RasterSchedule for continuous tokens (next-set orders need lane drafts of token ids)",
               type(self.schedule).__name__)
@@ -190,7 +190,7 @@ class SpeculativeDecoder:
         Args:
             input_ids: (B, S) tensor or a list of B token sequences of any lengths.
             uncond_input_ids: the unconditional prompts for classifier-free guidance (same forms);
-                required exactly when the logits pipeline has a guidance scale.
+                required exactly when the logits processor has a guidance scale.
             generator: the only source of randomness: one ``torch.Generator``, or a list of B
                 (diffusers' convention), row b drawing only from generator b (with guidance both
                 halves of a row share it), so that row b equals that prompt decoded alone with the
@@ -203,7 +203,7 @@ class SpeculativeDecoder:
             callback: called after every decode pass with (step, state); returning ``True``
                 stops decoding after that pass (diffusers' interrupt; rows keep what they emitted).
                 A pass is one target forward, committing a variable number of tokens per row;
-                ``step`` counts passes from 1. The callback may set ``state.logits`` to a pipeline
+                ``step`` counts passes from 1. The callback may set ``state.processor`` to a pipeline
                 of the same type differing only in ``guidance_scale`` (still guided exactly when
                 the call was: the batch's ``[cond; uncond]`` rows are fixed at prefill): drafts and
                 the target's verification use it from the next pass on, so the output equals a
@@ -212,21 +212,18 @@ class SpeculativeDecoder:
                 phase of each pass); the call's total ``Stats.wall_seconds`` is always measured.
         """
         t0 = time.perf_counter()
-        check(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1,
-              "max_new_tokens", "an int >= 1", max_new_tokens)
+        check_int(max_new_tokens, "max_new_tokens", 1)
         check(isinstance(profile, bool), "profile", "True or False", profile)
-        check(isinstance(pad_token_id, int) and not isinstance(pad_token_id, bool), "pad_token_id", "an int",
-              pad_token_id)
+        check(is_int(pad_token_id), "pad_token_id", "an int", pad_token_id)
         check(conditioning is None or isinstance(conditioning, Mapping), "conditioning",
               "None or a mapping of keyword inputs for the prompt pass", type(conditioning).__name__)
         check(callback is None or callable(callback), "callback", "None or a callable (step, state)", callback)
         eos = _eos_ids(eos_token_id)
-        continuous = bool(self.token_shape)
-        check(not continuous or eos is None, "eos_token_id", "None for continuous tokens", eos_token_id)
-        guided = self.logits.uses_guidance
+        self.processor.check_eos(eos, eos_token_id)
+        guided = self.processor.uses_guidance
         if guided and uncond_input_ids is None:
             raise ValueError("uncond_input_ids must be given when guidance_scale is set "
-                             f"(guidance_scale={self.logits.guidance_scale}); or set guidance_scale=None")
+                             f"(guidance_scale={self.processor.guidance_scale}); or set guidance_scale=None")
         if not guided and uncond_input_ids is not None:
             raise ValueError("uncond_input_ids is only used with guidance: set guidance_scale or drop it")
         device = self.device if self.device is not None else _device_of(self.target)
@@ -246,14 +243,12 @@ class SpeculativeDecoder:
         B = B * sched.lanes
         block = self.drafter.max_block
         capacity = ids.shape[1] + plan.lane_tokens + 2 * block + 1
-        if continuous:  # prompt ids broadcast over the token shape
-            dtype = getattr(self.target, "token_dtype", torch.float32)
-            ids = ids.to(dtype).view(*ids.shape, *(1,) * len(self.token_shape)).expand(*ids.shape, *self.token_shape)
-        history = torch.zeros((ids.shape[0], capacity) + self.token_shape, dtype=ids.dtype, device=device)
+        ids = self.processor.prompt_tokens(ids, self.target)  # (R, S, *token_shape): ids, or broadcast over it
+        history = torch.zeros((ids.shape[0], capacity) + tuple(ids.shape[2:]), dtype=ids.dtype, device=device)
         history[:, : ids.shape[1]] = ids
         conditioning = dict(conditioning or {})
-        meters = {"target": HeadMeter(), "draft": HeadMeter()} if continuous else None
-        state = DecodeState(history, lens.clone(), B, self.logits, generator, capacity,
+        meters = self.processor.new_meters()
+        state = DecodeState(history, lens.clone(), B, self.processor, generator, capacity,
                             prompt_lengths=lens.clone(), conditioning=conditioning, new_tokens=max_new_tokens,
                             meters=meters)
         stats = Stats(profile=profile, heads=meters)
@@ -276,10 +271,10 @@ class SpeculativeDecoder:
             finished = _host_read(state, done)
             step += 1
             if callback is not None:
-                logits = state.logits
+                logits = state.processor
                 stop = callback(step, state) is True
-                if state.logits is not logits:
-                    _check_swapped_logits(logits, state.logits)
+                if state.processor is not logits:
+                    _check_swapped_logits(logits, state.processor)
                 if stop:
                     break  # interrupted by the caller: every row keeps what it has emitted
 
@@ -330,12 +325,10 @@ class SpeculativeDecoder:
         prefill (one per job, plus one for the idle batch) and every batch pass.
         """
         t0 = time.perf_counter()
-        check(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and max_new_tokens >= 1,
-              "max_new_tokens", "an int >= 1", max_new_tokens)
-        check(isinstance(slots, int) and not isinstance(slots, bool) and slots >= 1, "slots", "an int >= 1", slots)
+        check_int(max_new_tokens, "max_new_tokens", 1)
+        check_int(slots, "slots", 1)
         check(isinstance(profile, bool), "profile", "True or False", profile)
-        check(isinstance(pad_token_id, int) and not isinstance(pad_token_id, bool), "pad_token_id", "an int",
-              pad_token_id)
+        check(is_int(pad_token_id), "pad_token_id", "an int", pad_token_id)
         jobs = list(jobs)
         check(len(jobs) > 0 and all(isinstance(j, Job) for j in jobs), "jobs", "a non-empty sequence of Job",
               [type(j).__name__ for j in jobs][:4])
@@ -344,11 +337,11 @@ class SpeculativeDecoder:
               "JacobiDrafter, ModelChainDrafter, ModelTreeDrafter, EagleTreeDrafter, ParallelHeadsDrafter, "
               "PromptLookupDrafter)", type(self.drafter).__name__)
         check(isinstance(self.schedule, RasterSchedule), "schedule",
-              "RasterSchedule for continuous batching (a next-set image's lanes share one cache)",
+              "RasterSchedule for continuous batching (a next-set prompt's lanes share one cache)",
               type(self.schedule).__name__)
         check(not self.token_shape, "target", "a token-id target for continuous batching", self.token_shape)
         eos = _eos_ids(eos_token_id)
-        guided = self.logits.uses_guidance
+        guided = self.processor.uses_guidance
         for i, job in enumerate(jobs):
             check((job.uncond_input_ids is not None) == guided, f"jobs[{i}].uncond_input_ids",
                   "given exactly when guidance_scale is set", job.uncond_input_ids is not None)
@@ -371,7 +364,7 @@ class SpeculativeDecoder:
         plan = self.schedule.start(ids, lens, max_new_tokens, eos)
         history = torch.zeros((R, capacity), dtype=torch.long, device=device)
         generator = tuple(torch.Generator() for _ in range(B)) if all(seeded) else None
-        state = DecodeState(history, lens.clone(), B, self.logits, generator, capacity, prompt_lengths=lens.clone(),
+        state = DecodeState(history, lens.clone(), B, self.processor, generator, capacity, prompt_lengths=lens.clone(),
                             conditioning={}, new_tokens=max_new_tokens)
         stats = Stats(profile=profile)
         draft_forwards_before = self.drafter.forwards
@@ -442,7 +435,7 @@ class SpeculativeDecoder:
         state, plan, cache = run.state, run.plan, run.cache
         generator = None if job.generator is None else (job.generator,)
         sub = DecodeState(torch.zeros((ids.shape[0], state.tokens.shape[1]), dtype=state.tokens.dtype,
-                                      device=ids.device), lens.clone(), 1, state.logits, generator, state.max_len,
+                                      device=ids.device), lens.clone(), 1, state.processor, generator, state.max_len,
                           prompt_lengths=lens.clone(), conditioning=dict(job.conditioning or {}),
                           new_tokens=state.new_tokens)
         sub.tokens[:, : ids.shape[1]] = ids
@@ -475,12 +468,7 @@ class SpeculativeDecoder:
         out = target(ids, positions, cache, **conditioning)
         cache.truncate(lens)
         rows, at = torch.arange(state.rows, device=device), (lens - 1).clamp(min=0)
-        if state.continuous:  # the (B,) distributions after each prompt's last position
-            last = ModelOutput(logits=None, cond=out.cond[rows, at][:, None], heads=out.heads)
-            probs = state.distribution(last, at[:, None], state.meters["target"])[:, 0]
-        else:
-            last = out.logits[rows, at]  # (R, V)
-            probs = state.logits(last)  # (B, V)
+        probs = state.processor.last_distribution(state, out, rows, at)  # (B,) after each prompt's last position
         sel = None if plan is None else plan.prefill_rows(state)
         B, generator = state.batch_size, state.generator
         first = state.tokens.new_zeros((B,) + state.token_shape)
@@ -497,8 +485,7 @@ class SpeculativeDecoder:
         """One decode pass over every row not ``done`` (B,): draft, verify in one target pass,
         accept, commit, emit. Returns the rows done after it (the plan's ``finished``)."""
         state, plan, target, cache, stats, device = run.state, run.plan, run.target, run.cache, run.stats, run.device
-        B, generator, meters = state.batch_size, state.generator, state.meters
-        continuous = state.continuous
+        B, generator = state.batch_size, state.generator
         fed, emitting = plan.step(state, done)
         # 2. draft a chain or tree from every row's root
         with stats.timed("draft", device):
@@ -512,7 +499,7 @@ class SpeculativeDecoder:
         with stats.timed("verify", device):
             out = target(state.expand(tokens), positions, cache, mask)
             # (B, T) distributions; token ids' (B, T, V) probabilities are built when read
-            probs = state.distribution(out, positions, meters["target"]) if continuous else None
+            probs = state.processor.pass_distribution(state, out, positions)
             stats.target_forwards += 1
         # 4. accept
         with stats.timed("accept", device):
@@ -530,18 +517,17 @@ class SpeculativeDecoder:
             idx = None if tree.is_chain else state.expand(acc.path.clamp(min=0))
             cache.keep_block(T, idx, state.expand(keep))
             if probs is None and getattr(self.drafter, "reads_target_probs", True):
-                probs = state.logits(out.logits)  # (B, T, V)
+                probs = state.processor(out.logits)  # (B, T, V)
             self.drafter.update(state, draft, acc, probs, out)
             if acc.tokens is not None:  # the rule emits other tokens than the drafts on the path
                 path_tokens = acc.tokens.to(tokens.dtype)  # (B, D, *token_shape)
             else:
                 path_tokens = gather_tokens(tokens, acc.path[:, 1:].clamp(min=0))  # (B, D)
-            new = torch.cat([path_tokens, path_tokens.new_zeros((B, 1) + self.token_shape)], 1)
+            new = torch.cat([path_tokens, path_tokens.new_zeros((B, 1) + state.token_shape)], 1)
             scatter_tokens_(new, acc.num_accepted[:, None], acc.next_token[:, None].to(new.dtype))
             emitted = torch.where(emitting, keep, 0)
             stats.record_step(plan.per_output(emitted))
-            if continuous:
-                stats.record_tests(draft.tokens.shape[1], acc.num_accepted[emitting])
+            state.processor.record_tests(stats, draft.tokens.shape[1], acc.num_accepted, emitting)
             self._emit(state, new, emitted)
             return plan.finished(state)
 
@@ -554,11 +540,11 @@ class SpeculativeDecoder:
         built here; otherwise the rule object decides on ``probs`` (given for continuous tokens,
         else built now from ``logits``). ``rows``: the lanes decided (None: all); ``draft`` and
         ``generator`` are already theirs, ``probs`` is all rows'."""
-        fused = fused_acceptance(self.rule, state.logits, draft, logits, generator, rows)
+        fused = fused_acceptance(self.rule, state.processor, draft, logits, generator, rows)
         if fused is not None:
             return fused, probs
         if probs is None:
-            probs = state.logits(logits)  # (B, T, V)
+            probs = state.processor(logits)  # (B, T, V)
         return self.rule(draft, probs if rows is None else probs[rows], generator), probs
 
     @staticmethod
@@ -580,10 +566,10 @@ def _host_read(state: DecodeState, done: torch.Tensor) -> bool:
 
 
 def _check_swapped_logits(old, new) -> None:
-    """A callback's new ``state.logits``: ``old`` with another guidance scale, still guided
+    """A callback's new ``state.processor``: ``old`` with another guidance scale, still guided
     exactly when ``old`` was (the uncond rows exist only when the prefill had them)."""
     same_kind = type(new) is type(old) and dataclasses.replace(new, guidance_scale=old.guidance_scale) == old
-    check(same_kind, "state.logits", f"a {type(old).__name__} differing from the call's only in guidance_scale",
+    check(same_kind, "state.processor", f"a {type(old).__name__} differing from the call's only in guidance_scale",
           new)
     check(new.uses_guidance == old.uses_guidance, "guidance_scale",
           "a number >= 0 (this call's batch has [cond; uncond] rows)" if old.uses_guidance else
@@ -602,8 +588,6 @@ def _eos_ids(eos_token_id) -> tuple[int, ...] | None:
     """None, an int, or a non-empty list/tuple of ints -> None or a tuple of ints."""
     if eos_token_id is None:
         return None
-    def is_int(x):
-        return isinstance(x, int) and not isinstance(x, bool)
     ids = [eos_token_id] if is_int(eos_token_id) else eos_token_id
     check(isinstance(ids, (list, tuple)) and len(ids) > 0 and all(is_int(i) and i >= 0 for i in ids),
           "eos_token_id", "None, an int >= 0, or a non-empty list of ints >= 0", eos_token_id)

@@ -14,7 +14,7 @@ for a verify pass, (B,) for one position per row), with
   log-densities alone;
 - indexing by batch dims and ``stack``.
 
-``DensityPipeline`` is the ``LogitsPipeline`` of continuous tokens: it turns a model output's
+``DensityProcessor`` is the ``LogitsProcessor`` of continuous tokens: it turns a model output's
 features (``ModelOutput.cond``) into a ``TokenDist`` through one of the model's heads
 (``ModelOutput.heads``), with classifier-free guidance and temperature applied identically to
 draft and target.
@@ -25,11 +25,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Mapping
 
 import torch
 
-from .errors import check, check_choice
+from .errors import check, check_choice, is_int
 from .sampling import Generators, rand, select_rows
 
 LOG_2PI = math.log(2 * math.pi)
@@ -39,6 +40,13 @@ def normal_log_prob(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> t
     """Elementwise float64 ``log N(x; mean, std**2)``."""
     x, mean, std = x.double(), mean.double(), std.double()
     return -0.5 * ((x - mean) / std) ** 2 - std.log() - 0.5 * LOG_2PI
+
+
+def state_latent_token(state: torch.Tensor, latent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(..., d) state and latent -> (..., 2, d) tokens in ``dtype``: the two-row layout of
+    continuous tokens whose backbone reads back a state (row 0) other than the emitted latent
+    (row 1); a diffusion head's chain ends at a state and emits its last step."""
+    return torch.stack([state, latent], -2).to(dtype)
 
 
 @dataclass
@@ -193,7 +201,7 @@ class Residual:
     """Tries drawn per pending row in one batched call (fewer Python rounds; the law is the same)."""
 
     def __init__(self, p: TokenDist, q: TokenDist, max_tries: int | None = 1000, meter: HeadMeter | None = None):
-        check(max_tries is None or (isinstance(max_tries, int) and max_tries >= 1), "max_tries",
+        check(max_tries is None or (is_int(max_tries) and max_tries >= 1), "max_tries",
               "None (no cap) or an int >= 1", max_tries)
         self.p, self.q, self.max_tries, self.meter = p, q, max_tries, meter
         self.token_shape, self.token_dtype = p.token_shape, p.token_dtype
@@ -262,8 +270,8 @@ class Residual:
 
 
 @dataclass(frozen=True)
-class DensityPipeline:
-    """Continuous tokens' ``LogitsPipeline``: model features -> per-position ``TokenDist``.
+class DensityProcessor:
+    """Continuous tokens' ``LogitsProcessor``: model features -> per-position ``TokenDist``.
 
     ``pipeline(out, index, num_tokens, meter)`` reads ``out.cond`` (R, T, H) through
     ``out.heads[head]``; with guidance the rows are ``[cond; uncond]`` and the result has half the
@@ -296,9 +304,7 @@ class DensityPipeline:
                   self.guidance_scale)
         check_choice("guidance_schedule", self.guidance_schedule, self.SCHEDULES)
         check(isinstance(self.head, str) and self.head != "", "head", "a head name such as 'mixture'", self.head)
-        check(self.residual_max_tries is None or (isinstance(self.residual_max_tries, int)
-                                                  and not isinstance(self.residual_max_tries, bool)
-                                                  and self.residual_max_tries >= 1),
+        check(self.residual_max_tries is None or (is_int(self.residual_max_tries) and self.residual_max_tries >= 1),
               "residual_max_tries", "None (no cap) or an int >= 1", self.residual_max_tries)
 
     greedy = False  # continuous tokens are always sampled
@@ -327,6 +333,39 @@ class DensityPipeline:
             cond, uncond = cond.chunk(2, dim=0)
             scale = self.scales(index, num_tokens)
         return heads[self.head].distribution(cond, uncond, scale, self, meter)
+
+    # -- the token space the decoder asks (``LogitsProcessor``'s same methods for token ids) ---------
+    def check_eos(self, eos: tuple[int, ...] | None, given) -> None:
+        """Continuous tokens have no end-of-sequence id."""
+        check(eos is None, "eos_token_id", "None for continuous tokens", given)
+
+    def prompt_tokens(self, ids: torch.Tensor, target) -> torch.Tensor:
+        """(R, S) prompt ids -> (R, S, *token_shape): broadcast over the target's token shape in
+        its ``token_dtype`` (float32 when it names none)."""
+        shape = tuple(target.token_shape)
+        ids = ids.to(getattr(target, "token_dtype", torch.float32))
+        return ids.view(*ids.shape, *(1,) * len(shape)).expand(*ids.shape, *shape)
+
+    def new_meters(self) -> dict[str, HeadMeter]:
+        """Per-call head counters of the target's and the draft's heads."""
+        return {"target": HeadMeter(), "draft": HeadMeter()}
+
+    def last_distribution(self, state, out: Any, rows: torch.Tensor, at: torch.Tensor) -> TokenDist:
+        """(B,) distributions of each row's first token, from the prompt pass's features at
+        ``(rows, at)`` (each prompt's last position), counted in the target meter."""
+        last = SimpleNamespace(cond=out.cond[rows, at][:, None], heads=out.heads)
+        return state.distribution(last, at[:, None], state.meters["target"])[:, 0]
+
+    def pass_distribution(self, state, out: Any, positions: torch.Tensor) -> TokenDist:
+        """A verify pass's (B, T) distributions (``DecodeState.distribution``), counted in the
+        target meter."""
+        return state.distribution(out, positions, state.meters["target"])
+
+    def record_tests(self, stats, drafted: int, accepted: torch.Tensor, emitting: torch.Tensor) -> None:
+        """Continuous tokens are verified in chains: count the accept tests of the ``emitting``
+        rows (``accepted`` (B,) prefix lengths; ``Stats.record_tests``, the per-token acceptance
+        ``alpha``)."""
+        stats.record_tests(drafted, accepted[emitting])
 
 
 def _real(x) -> bool:

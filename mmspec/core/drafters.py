@@ -25,7 +25,7 @@ import torch
 
 from ..kernels import residual_distribution
 from .distributions import Draw, Residual, TokenDist
-from .errors import check, check_choice
+from .errors import check, check_choice, check_int, is_int
 from .sampling import rand, randint, sample, select_rows
 from .tree import DraftTree, Tree, dynamic_tree, sampled_tree
 from .types import DecodeState, DrafterBase, FeatureHead, ModelOutput, ParallelHeads
@@ -214,12 +214,12 @@ class _ModelDrafter(DrafterBase):
 class ModelChainDrafter(_ModelDrafter):
     """Chain speculative decoding with a small draft model.
 
-    Samples ``gamma`` tokens from the draft's processed distribution q (same logits pipeline as
+    Samples ``gamma`` tokens from the draft's processed distribution q (same logits processor as
     the target, so with guidance the draft is guided too) and hands q to the acceptance rule.
     ``conditioned=False`` keeps the call's conditioning (e.g. images) from the draft model.
 
     Continuous tokens (a draft model with a ``token_shape``): q is the draft head's ``TokenDist``
-    through the call's ``DensityPipeline``, and the draws (with their denoising paths and log q)
+    through the call's ``DensityProcessor``, and the draws (with their denoising paths and log q)
     go to the rule with the tokens.
 
     ``warmup``: the first ``ceil(warmup * max_new_tokens)`` tokens of every row come from the
@@ -227,7 +227,7 @@ class ModelChainDrafter(_ModelDrafter):
     """
 
     def __init__(self, model, gamma: int = 4, conditioned: bool = True, warmup: float = 0.0):
-        check(isinstance(gamma, int) and gamma >= 1, "gamma", "an int >= 1", gamma)
+        check_int(gamma, "gamma", 1)
         check(isinstance(warmup, (int, float)) and not isinstance(warmup, bool) and 0.0 <= warmup < 1.0, "warmup",
               "a fraction in [0, 1) of the tokens to generate", warmup)
         super().__init__(model, conditioned)
@@ -252,7 +252,7 @@ class ModelChainDrafter(_ModelDrafter):
         logits = self.runner.root_logits(state)  # (R, V)
         toks, qs = [], []
         for i in range(self.gamma):
-            q = state.logits(logits[:, None])[:, 0]  # (B, V)
+            q = state.processor(logits[:, None])[:, 0]  # (B, V)
             x = sample(q, state.generator)
             toks.append(x)
             qs.append(q)
@@ -315,9 +315,9 @@ class ModelTreeDrafter(_ModelDrafter):
 def _tree_block(vocab_size, top_k, depth, total_tokens, mode) -> int:
     """Check the tree knobs; returns the largest block the target verifies (root included)."""
     check_choice("mode", mode, ("topk", "sample"))
-    check(isinstance(top_k, int) and 1 <= top_k <= vocab_size, "top_k", f"an int in [1, {vocab_size}]", top_k)
-    check(isinstance(depth, int) and depth >= 0, "depth", "an int >= 0", depth)
-    check(isinstance(total_tokens, int) and total_tokens >= 2, "total_tokens", "an int >= 2", total_tokens)
+    check(is_int(top_k) and 1 <= top_k <= vocab_size, "top_k", f"an int in [1, {vocab_size}]", top_k)
+    check_int(depth, "depth", 0)
+    check_int(total_tokens, "total_tokens", 2)
     nodes = top_k + depth * top_k * top_k
     return 1 + (min(nodes, total_tokens - 1) if mode == "topk" else nodes)
 
@@ -338,8 +338,8 @@ def _tree_slots(top_k: int, depth: int) -> int:
 def _node_scores(state: DecodeState, logits: torch.Tensor, mode: str) -> torch.Tensor:
     """(R, ..., V) draft logits -> what the tree builder ranks (B, ..., V)."""
     if mode == "topk":  # confidence: the draft's guided log-probabilities
-        return state.logits.merge_guidance(logits.float()).log_softmax(-1)
-    return state.logits(logits)  # sampled nodes come from the processed distribution
+        return state.processor.merge_guidance(logits.float()).log_softmax(-1)
+    return state.processor(logits)  # sampled nodes come from the processed distribution
 
 
 def _grow_tree(state: DecodeState, root_scores: torch.Tensor, step, knobs) -> DraftTree:
@@ -494,7 +494,7 @@ class ParallelHeadsDrafter(DrafterBase):
     def __init__(self, heads: ParallelHeads, top_k: int = 4, total_tokens: int = 16, depth: int | None = None):
         K = heads.num_heads
         depth = K if depth is None else depth
-        check(isinstance(depth, int) and 1 <= depth <= K, "depth", f"an int in [1, {K}] (the heads' count)", depth)
+        check(is_int(depth) and 1 <= depth <= K, "depth", f"an int in [1, {K}] (the heads' count)", depth)
         self.heads = heads
         self.vocab_size = heads.vocab_size
         self.top_k, self.depth, self.total_tokens, self.mode = top_k, depth, total_tokens, "topk"
@@ -595,18 +595,18 @@ class JacobiDrafter(DrafterBase):
     def __init__(self, vocab_size: int, window: int = 16, init: str = "random",
                  init_range: tuple[int, int] | None = None, grid_width: int | None = None,
                  coupling: str = "independent", interval: tuple[int, int] | None = None):
-        check(isinstance(window, int) and window >= 2, "window", "an int >= 2", window)
+        check_int(window, "window", 2)
         check_choice("init", init, ("random", "repeat", "spatial"))
         check_choice("coupling", coupling, ("independent", "maximal"))
         check(interval is None or (isinstance(interval, tuple) and len(interval) == 2
-                                   and all(isinstance(i, int) and not isinstance(i, bool) for i in interval)
+                                   and all(is_int(i) for i in interval)
                                    and interval[0] >= 0), "interval",
               "None or a tuple (l, r) of ints with l >= 0 (the reference's jacobi_loop_interval)", interval)
         lo, hi = init_range if init_range is not None else (0, vocab_size)
         check(0 <= lo < hi <= vocab_size, "init_range", f"(lo, hi) with 0 <= lo < hi <= {vocab_size}",
               init_range)
         if init == "spatial":
-            check(isinstance(grid_width, int) and grid_width >= 1, "grid_width",
+            check(is_int(grid_width) and grid_width >= 1, "grid_width",
                   "an int >= 1 (the token grid's width) with init='spatial'", grid_width)
         self.vocab_size, self.window, self.init, self.init_range = vocab_size, window, init, (lo, hi)
         self.grid_width, self.coupling, self.interval = grid_width, coupling, interval
@@ -749,10 +749,9 @@ class JacobiDensityDrafter(DrafterBase):
 
     def __init__(self, token_shape: tuple[int, ...], window: int = 8, coupling: str = "noise"):
         check(isinstance(token_shape, tuple) and len(token_shape) > 0 and all(
-            isinstance(n, int) and n >= 1 for n in token_shape), "token_shape",
+            is_int(n) and n >= 1 for n in token_shape), "token_shape",
               "a non-empty tuple of ints >= 1 (continuous tokens)", token_shape)
-        check(isinstance(window, int) and not isinstance(window, bool) and window >= 2, "window", "an int >= 2",
-              window)
+        check_int(window, "window", 2)
         check_choice("coupling", coupling, self.COUPLINGS)
         self.token_shape, self.window, self.coupling = token_shape, window, coupling
         self.max_block = window

@@ -1,8 +1,8 @@
 """The accept step through the fused guided-acceptance kernel (``mmspec.kernels.guided_accept``),
 where the kernels' dispatch picks Triton; ``None`` everywhere else, and the rule object decides.
 
-The kernel is the logits pipeline followed by a rule on a chain, from raw logits. It implements
-``GreedyMatch`` behind a greedy ``LogitsPipeline``, and ``SpeculativeSampling`` or
+The kernel is the logits processor followed by a rule on a chain, from raw logits. It implements
+``GreedyMatch`` behind a greedy ``LogitsProcessor``, and ``SpeculativeSampling`` or
 ``GroupedAcceptance`` (GSD) behind a sampling one: exactly those classes, since a subclass may
 change the test. Trees, the other rules (LANTERN, ...), densities and pipeline subclasses never
 reach it. Top-p and dtypes the kernel does not load are the dispatch's to refuse: auto mode falls
@@ -22,7 +22,7 @@ import torch
 from ..kernels import dispatch as kernel_dispatch
 from ..kernels.guided_accept import Grouping, accept_problem, guided_accept_triton
 from .acceptance import GreedyMatch, SpeculativeSampling
-from .logits import LogitsPipeline
+from .logits import LogitsProcessor
 from .relaxed import GroupedAcceptance
 from .sampling import Generators, rand
 from .tree import DraftTree
@@ -32,7 +32,7 @@ from .types import Acceptance
 def fused_knobs(rule, pipeline) -> dict | None:
     """The kernel's keyword arguments for ``rule`` behind ``pipeline`` (``top_p`` included), or
     None when the kernel does not implement the pair."""
-    if type(pipeline) is not LogitsPipeline:
+    if type(pipeline) is not LogitsProcessor:
         return None
     guidance = None if pipeline.guidance_scale is None else float(pipeline.guidance_scale)
     if pipeline.greedy:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 
 from .drafters import _empty_draft
-from .errors import check
+from .errors import check, check_int
 from .tree import DraftTree
 from .types import DecodeState, Drafter, DrafterBase
 
@@ -54,13 +54,12 @@ class SpeedGate:
                   "seconds per pass > 0", value)
         for name in ("every", "probe"):
             value = getattr(self, name)
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         check(isinstance(self.margin, (int, float)) and 0 <= self.margin < 1, "margin", "a number in [0, 1)",
               self.margin)
         check(self.prior_tau is None or (isinstance(self.prior_tau, (int, float)) and self.prior_tau >= 1),
               "prior_tau", "None or tokens per pass >= 1", self.prior_tau)
-        check(isinstance(self.prior_passes, int) and self.prior_passes >= 0, "prior_passes", "an int >= 0",
-              self.prior_passes)
+        check_int(self.prior_passes, "prior_passes", 0)
         check(isinstance(self.decay, (int, float)) and 0 <= self.decay <= 1, "decay", "a number in [0, 1]",
               self.decay)
 

@@ -1,4 +1,4 @@
-"""The logits pipeline: classifier-free guidance, temperature, top-k, top-p.
+"""The logits processor: classifier-free guidance, temperature, top-k, top-p.
 
 Draft and target logits go through the same pipeline, so the accept test compares the two
 distributions the user actually asked for; that is what keeps lossless rules lossless with CFG,
@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.torch_ops import cfg_merge, greedy_one_hot, logits_to_probs
-from .errors import check
+from .errors import check, is_int
 
-__all__ = ["LogitsPipeline", "argmax_ids", "cfg_merge", "greedy_one_hot"]
+__all__ = ["LogitsProcessor", "argmax_ids", "cfg_merge", "greedy_one_hot"]
 
 
 @dataclass(frozen=True)
-class LogitsPipeline:
+class LogitsProcessor:
     """Turns raw logits into the sampling distribution.
 
     Order follows every reference code base we read (LlamaGen, SJD, LANTERN, GSD): CFG merge
@@ -47,8 +47,7 @@ class LogitsPipeline:
         check(_real(self.temperature) and self.temperature >= 0, "temperature", ">= 0 (0 means greedy)",
               self.temperature)
         if self.top_k is not None:
-            check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and self.top_k >= 1, "top_k",
-                  "an int >= 1 or None", self.top_k)
+            check(is_int(self.top_k) and self.top_k >= 1, "top_k", "an int >= 1 or None", self.top_k)
         if self.top_p is not None:
             check(_real(self.top_p) and 0 < self.top_p <= 1, "top_p", "a float in (0, 1] or None", self.top_p)
         if self.guidance_scale is not None:
@@ -73,6 +72,33 @@ class LogitsPipeline:
         """(B or 2B, ..., V) raw logits -> (B, ..., V) float32 probabilities
         (``mmspec.kernels.torch_ops.logits_to_probs``)."""
         return logits_to_probs(logits, self.guidance_scale, self.temperature, self.top_k, self.top_p)
+
+    # -- the token space the decoder asks (token ids here; ``DensityProcessor``: continuous tokens) ----
+    def check_eos(self, eos: tuple[int, ...] | None, given) -> None:
+        """Refuse a ``generate`` call's ``eos_token_id`` this token space has none of: ids have."""
+
+    def prompt_tokens(self, ids: torch.Tensor, target) -> torch.Tensor:
+        """(R, S) prompt ids -> the history's prompt tokens: the ids themselves."""
+        return ids
+
+    def new_meters(self) -> None:
+        """Per-call head counters (``DecodeState.meters``, ``Stats.heads``): none for logits."""
+        return None
+
+    def last_distribution(self, state, out, rows: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+        """(B, V) probabilities of each row's first token, from the prompt pass's logits at
+        ``(rows, at)`` (each prompt's last position)."""
+        return self(out.logits[rows, at])
+
+    def pass_distribution(self, state, out, positions: torch.Tensor) -> None:
+        """A verify pass's distributions as the rule reads them: None for logits, whose (B, T, V)
+        probabilities are built when read (the fused acceptance kernel decides from raw logits)."""
+        return None
+
+    def record_tests(self, stats, drafted: int, accepted: torch.Tensor, emitting: torch.Tensor) -> None:
+        """Count a pass's accept tests (``accepted`` (B,) prefix lengths, of the ``emitting`` (B,)
+        rows) in ``stats`` where this token space reports them per test (``Stats.record_tests``):
+        token ids report acceptance per pass instead, and read nothing here (no host sync)."""
 
 
 def argmax_ids(p: torch.Tensor) -> torch.Tensor:

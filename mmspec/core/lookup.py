@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import check
+from .errors import check, check_int
 from .tree import DraftTree, Tree
 from .types import DecodeState, DrafterBase
 
@@ -56,7 +56,7 @@ class PromptLookupDrafter(DrafterBase):
 
     def __init__(self, num_tokens: int = 10, max_ngram: int = 2, min_ngram: int = 1):
         for name, value in (("num_tokens", num_tokens), ("max_ngram", max_ngram), ("min_ngram", min_ngram)):
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         check(min_ngram <= max_ngram, "min_ngram", f"an int <= max_ngram ({max_ngram})", min_ngram)
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.max_block = num_tokens + 1

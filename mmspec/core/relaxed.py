@@ -1,19 +1,23 @@
 """Relaxed (lossy) acceptance rules: they accept more drafts than the target's distribution allows.
 
-Each is a ``SpeculativeSampling`` with a different ``accept_prob``; the walk, the residual on
-rejection and the bookkeeping are shared. Their knobs trade quality for speed, so benchmarks
-report quality beside speed for them.
+On token ids (GSD's groups, LANTERN's proximity sets) each is a ``SpeculativeSampling`` with a
+different ``accept_prob``; the walk, the residual on rejection and the bookkeeping are shared. On
+densities, ``CSpDAcceptance`` tests the coupled outputs of draft and target along an aligned
+denoising chain (CSpD's reference rule) on chains. Their knobs trade quality for speed, so
+benchmarks report quality beside speed for them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .acceptance import SpeculativeSampling
-from .errors import check, check_choice
-from .sampling import Generators
+from .acceptance import SpeculativeSampling, check_chain
+from .distributions import TokenDist, normal_log_prob, state_latent_token
+from .errors import check, check_choice, check_int, is_int
+from .sampling import Generators, rand, randn, select_rows
 from .tree import DraftTree
 from .types import Acceptance
 
@@ -37,8 +41,7 @@ class GroupedAcceptanceConfig:
     def __post_init__(self):
         check(self.p_threshold >= 0, "p_threshold", ">= 0", self.p_threshold)
         check(self.d_threshold >= 0, "d_threshold", ">= 0", self.d_threshold)
-        check(isinstance(self.half_width, int) and self.half_width >= 1, "half_width", "an int >= 1",
-              self.half_width)
+        check_int(self.half_width, "half_width", 1)
 
 
 class GroupedAcceptance(SpeculativeSampling):
@@ -103,7 +106,7 @@ def latent_neighbours(codebook: torch.Tensor, count: int | None = None, normaliz
     e = codebook.detach().float()
     V = e.shape[0]
     count = V - 1 if count is None else count
-    check(isinstance(count, int) and 1 <= count <= V - 1, "count", f"an int in [1, {V - 1}]", count)
+    check(is_int(count) and 1 <= count <= V - 1, "count", f"an int in [1, {V - 1}]", count)
     if normalize:
         e = torch.nn.functional.normalize(e, dim=-1)
     d = torch.cdist(e, e)
@@ -144,7 +147,7 @@ class LatentProximityConfig:
     BUDGETS = ("per-token", "per-test")
 
     def __post_init__(self):
-        check(self.k is None or (isinstance(self.k, int) and self.k >= 1), "k", "None or an int >= 1", self.k)
+        check_int(self.k, "k", 1, optional=True)
         check(isinstance(self.delta, (int, float)) and 0.0 <= self.delta <= 1.0, "delta", "a float in [0, 1]",
               self.delta)
         check(self.lam is None or (isinstance(self.lam, (int, float)) and self.lam >= 1.0), "lam",
@@ -219,7 +222,7 @@ class LatentProximityAcceptance(SpeculativeSampling):
     set can only hold zero-mass codes (unless delta = 1 reaches the argmax) and ``lantern`` is
     exactly greedy EAGLE: nothing is relaxed. The reference's greedy branch instead reads the
     softmax of the guided logits, replaces p(x) by p(x) + S_j* in that vector and accepts x iff it
-    is then the argmax; that needs the untempered probabilities, which a greedy ``LogitsPipeline``
+    is then the argmax; that needs the untempered probabilities, which a greedy ``LogitsProcessor``
     does not pass, so it is not offered (the maintainers advise temperature 1 for LANTERN, issue #6).
 
     Args:
@@ -366,3 +369,107 @@ class LatentProximityAcceptance(SpeculativeSampling):
         star = p - scale[:, None] * load * p
         star = star.scatter_add(1, y, scale[:, None] * credit)
         return torch.where(moved[:, None], star.clamp(min=0), p)
+
+
+class CSpDAcceptance:
+    """CSpD's accept test and residual (Wang et al., 2025, "Continuous Speculative Decoding for
+    Autoregressive Image Generation"; reference code MarkXCloud/CSpD @ d91f721a,
+    ``DistributionProcessor.judge_accept`` / ``sample_distribution``), a named **lossy** option.
+
+    What it needs of the target's ``TokenDist`` (a diffusion head's ``DiffusionTokens`` has it):
+    ``aligned(draw)``, its own denoising chain rerun with the draw's noise, giving ``state`` (the
+    chain's last state), ``mu0`` (its emitted latent), ``sigma0`` (the last step's tempered std)
+    and ``log_sigma`` (the other steps' summed untempered log std), each (*batch, d); draws whose
+    ``aux`` holds the draft's ``sigma0`` and ``log_sigma``; and two-row tokens
+    (``state_latent_token``: state, then emitted latent).
+
+    The draft's chain for a token is rerun by the target with the same noise (``aligned``: K
+    sequential head calls per verify pass). With ``mu_q0 = x`` the draft's emitted latent, sigma_0
+    the last step's (tempered) std, L the summed untempered log sigma of the other steps and
+    ``tau = inner_temperature``, a drafted token is accepted when
+
+        u < exp(sum(L_p - L_q)) * prod(sigma_q0 / sigma_p0) * exp(-1/2 ||(x - mu_p0) / (tau sigma_p0)||^2)
+
+    a Gaussian kernel on the distance between the *coupled* outputs of draft and target, not a
+    density ratio: its bias grows with the tolerance ``tau sigma_0`` (at tau = 1 almost nothing
+    is accepted; the reference uses 42). On rejection ``y ~ N(mu_p0, sigma_p0^2)`` is accepted with
+    ``(p(y) - q(y) / fixed)^+ / p(y)`` (``fixed = exp(sum(L_p - L_q))``, Gaussians at the last
+    step, untempered by tau), at most ``max_tries`` times. Deviations forced by a causal loop:
+    each drafted token is conditioned on the drafted prefix (the reference verifies a block on
+    stale context), the chain ends at the first rejection (the reference tests every token), and
+    after ``max_tries`` failures the target's aligned output is emitted (the reference leaves zero
+    latents); fallbacks are counted in the target meter. CFG scale and temperature are the
+    pipeline's, the same for draft and target at every token (the reference verifies a block with
+    the draft's latest scale). Accepted tokens are the draft's own (state and latent); a corrected
+    token takes the target's aligned state.
+    """
+
+    continuous = True
+
+    def __init__(self, inner_temperature: float = 42.0, max_tries: int = 100):
+        check(isinstance(inner_temperature, (int, float)) and not isinstance(inner_temperature, bool)
+              and math.isfinite(inner_temperature) and inner_temperature > 0, "inner_temperature", "a float > 0",
+              inner_temperature)
+        check_int(max_tries, "max_tries", 1)
+        self.inner_temperature, self.max_tries = float(inner_temperature), max_tries
+
+    def sample(self, p: TokenDist, generator: Generators = None) -> torch.Tensor:
+        return p.sample(generator).token
+
+    def __call__(self, draft: DraftTree, p_all: TokenDist, generator: Generators = None) -> Acceptance:
+        check(callable(getattr(p_all, "aligned", None)), "p_all",
+              "a TokenDist with aligned(draw) (a denoising chain rerun with a draw's noise: the cspd rule needs "
+              "a diffusion head)", type(p_all).__name__)
+        check_chain(draft)
+        B, G = p_all.batch_shape[0], draft.tokens.shape[1]
+        device = p_all.device
+        rows = torch.arange(B, device=device)
+        n = torch.zeros(B, dtype=torch.long, device=device)
+        next_token = torch.zeros((B,) + tuple(p_all.token_shape), dtype=p_all.token_dtype, device=device)
+        if G > 0:
+            x = draft.draws
+            al = p_all[:, :G].aligned(x)  # (B, G, d) each
+            mu_q, sig_q = x.token[..., 1, :].double(), x.aux["sigma0"]
+            log_fixed = (al["log_sigma"] - x.aux["log_sigma"]).sum(-1)  # (B, G)
+            tau = self.inner_temperature
+            log_r = (log_fixed + (sig_q.log() - al["sigma0"].log()).sum(-1)
+                     - 0.5 * ((mu_q - al["mu0"]) / (tau * al["sigma0"])).pow(2).sum(-1))
+            ok = rand((B, G), generator, device, torch.float64).log() < log_r
+            n = ok.long().cumprod(1).sum(1)
+            r = rows[n < G]
+            if r.numel():
+                at = n[r]
+                pick = lambda t: t[r, at]  # noqa: E731
+                latent = self._residual(pick(al["mu0"]), pick(al["sigma0"]), pick(mu_q), pick(sig_q),
+                                        pick(log_fixed), select_rows(generator, r), p_all.meter)
+                next_token[r] = state_latent_token(pick(al["state"]), latent, next_token.dtype)
+        r = rows[n == G]
+        if r.numel():
+            next_token[r] = p_all[r, torch.full_like(r, G)].sample(select_rows(generator, r)).token.to(next_token.dtype)
+        depth = torch.arange(G + 1, device=device)
+        return Acceptance(path=torch.where(depth <= n[:, None], depth, -1), num_accepted=n, next_token=next_token)
+
+    def _residual(self, mu_p, sig_p, mu_q, sig_q, log_fixed, generator, meter):
+        """CSpD's residual sampler on the last step's Gaussians, capped; the target's aligned
+        output ``mu_p`` where every try failed."""
+        m, d = mu_p.shape
+        out = mu_p.clone()
+        pending = torch.arange(m, device=mu_p.device)
+        for _ in range(self.max_tries):
+            if pending.numel() == 0:
+                break
+            gen = select_rows(generator, pending)
+            mp, sp, mq, sq = mu_p[pending], sig_p[pending], mu_q[pending], sig_q[pending]
+            y = mp + sp * randn((pending.numel(), d), gen, mu_p.device, torch.float64)
+            logp = normal_log_prob(y, mp, sp).sum(-1)
+            logq = normal_log_prob(y, mq, sq).sum(-1)
+            ok = rand((pending.numel(),), gen, mu_p.device, torch.float64) < -torch.expm1(
+                logq - log_fixed[pending] - logp)
+            if meter is not None:
+                meter.residual_tries += pending.numel()
+            out[pending[ok]] = y[ok]
+            pending = pending[~ok]
+        if meter is not None:
+            meter.residual_rows += m
+            meter.residual_fallbacks += pending.numel()
+        return out

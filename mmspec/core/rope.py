@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from .errors import check, check_choice
+from .errors import check, check_choice, check_int, is_int
 
 LAYOUTS = ("half", "interleaved")
 PREFIX_ROPES = ("identity", "zero")  # GridRope2D: what its prefix (condition) tokens get
@@ -139,7 +139,7 @@ class RotaryEmbedding:
 
 
 def _check_dim(head_dim: int, multiple: int) -> None:
-    check(isinstance(head_dim, int) and head_dim >= multiple and head_dim % multiple == 0, "head_dim",
+    check(is_int(head_dim) and head_dim >= multiple and head_dim % multiple == 0, "head_dim",
           f"a positive multiple of {multiple}", head_dim)
 
 
@@ -170,9 +170,9 @@ class GridRope2D(RotaryEmbedding):
     def __init__(self, head_dim: int, grid_size: int, base: float = 10000.0, prefix: int = 1,
                  prefix_rope: str = "identity"):
         _check_dim(head_dim, 4)
-        check(isinstance(grid_size, int) and grid_size >= 1, "grid_size", "an int >= 1", grid_size)
+        check_int(grid_size, "grid_size", 1)
         check(base > 0, "base", "> 0", base)
-        check(isinstance(prefix, int) and prefix >= 0, "prefix", "an int >= 0", prefix)
+        check_int(prefix, "prefix", 0)
         check_choice("prefix_rope", prefix_rope, PREFIX_ROPES)
         freq = frequencies(head_dim // 2, base)  # == base ** (-4j / D)
         super().__init__(torch.cat([freq, freq]), sections=(head_dim // 4, head_dim // 4), layout="interleaved")
@@ -234,7 +234,7 @@ class Rope3D(RotaryEmbedding):
             sections = (head_dim // 2 - 2 * spatial, spatial, spatial)
         check(len(sections) == 3, "sections", "three pair counts (time, height, width)", list(sections))
         if frame_shape is not None:
-            check(len(frame_shape) == 2 and all(isinstance(n, int) and n >= 1 for n in frame_shape),
+            check(len(frame_shape) == 2 and all(is_int(n) and n >= 1 for n in frame_shape),
                   "frame_shape", "(height, width) ints >= 1", frame_shape)
         freq = torch.cat([frequencies(2 * int(s), theta) for s in sections])
         super().__init__(freq, sections, "interleaved")

@@ -19,7 +19,7 @@ import torch
 
 from .cache import SlotKVCache
 from .tokens import gather_tokens, token_mask
-from .errors import check, check_choice
+from .errors import check, check_choice, check_int, is_int
 from .types import Drafter, ModelOutput
 
 
@@ -131,10 +131,9 @@ class NextSetSchedule:
     MODES = ("paper", "reference")
 
     def __init__(self, grid_height: int, grid_width: int, window: int, mode: str = "paper"):
-        check(isinstance(grid_height, int) and grid_height >= 1, "grid_height", "an int >= 1", grid_height)
-        check(isinstance(grid_width, int) and grid_width >= 1, "grid_width", "an int >= 1", grid_width)
-        check(isinstance(window, int) and 1 <= window <= grid_width, "window",
-              f"an int in [1, grid_width={grid_width}]", window)
+        check_int(grid_height, "grid_height", 1)
+        check_int(grid_width, "grid_width", 1)
+        check(is_int(window) and 1 <= window <= grid_width, "window", f"an int in [1, grid_width={grid_width}]", window)
         check_choice("mode", mode, self.MODES)
         self.H, self.W, self.window, self.mode = grid_height, grid_width, window, mode
         self.lanes = grid_height

@@ -48,11 +48,6 @@ class Tree:
         return cls(parents, max_depth=length, max_children=1 if length else 0)
 
     @property
-    def num_nodes(self) -> int:
-        """Nodes including the root."""
-        return self.parents.shape[1] + 1
-
-    @property
     def is_chain(self) -> bool:
         return self.max_children <= 1 and self.max_depth == self.parents.shape[1]
 

@@ -25,8 +25,8 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 
 import torch
 
-from .distributions import DensityPipeline, HeadMeter, TokenDist
-from .logits import LogitsPipeline
+from .distributions import DensityProcessor, HeadMeter, TokenDist
+from .logits import LogitsProcessor
 from .sampling import Generators
 from .tokens import gather_tokens
 from .tree import DraftTree
@@ -40,7 +40,7 @@ class ModelOutput:
     # into its placeholders): what vision-aware drafters read from ``DecodeState.prefill``
     prompt_embeds: torch.Tensor | None = None
     # continuous tokens: the features z (B, T, H) the per-token heads read, and those heads by name
-    # (``TokenHead``s; ``DensityPipeline(head=...)`` picks one)
+    # (``TokenHead``s; ``DensityProcessor(head=...)`` picks one)
     cond: torch.Tensor | None = None
     heads: Mapping[str, Any] | None = None
 
@@ -80,14 +80,14 @@ class DecodeState:
     row r uses generator r.
 
     Continuous tokens (a target with a non-empty ``token_shape``) make ``tokens`` (R, capacity,
-    *token_shape) floats (prompt ids broadcast over the token shape), ``logits`` a
-    ``DensityPipeline`` and ``meters`` the call's head counters (``"target"``, ``"draft"``).
+    *token_shape) floats (prompt ids broadcast over the token shape), ``processor`` a
+    ``DensityProcessor`` and ``meters`` the call's head counters (``"target"``, ``"draft"``).
     """
 
     tokens: torch.Tensor  # (R, capacity[, *token_shape]) prompt then generated tokens, garbage past lengths
     lengths: torch.Tensor  # (R,)
     batch_size: int
-    logits: LogitsPipeline | DensityPipeline
+    processor: LogitsProcessor | DensityProcessor  # how the call turns model outputs into distributions
     generator: Generators
     max_len: int  # slots a cache needs for this call (prompt + new tokens + two blocks)
     # the target's prefill output, set only while ``Drafter.start`` runs (feature drafters read
@@ -118,11 +118,11 @@ class DecodeState:
 
     def distribution(self, out: ModelOutput, positions: torch.Tensor, meter: HeadMeter | None = None) -> TokenDist:
         """Continuous tokens: the (B, T) distributions of a model output scored at (R, T)
-        ``positions``, through the call's ``DensityPipeline`` (each output predicts the token
+        ``positions``, through the call's ``DensityProcessor`` (each output predicts the token
         after its position)."""
         B = self.batch_size
         index = positions[:B] - self.prompt_lengths[:B, None] + 1  # generated index of the predicted token
-        return self.logits(out, index, self.new_tokens, meter)
+        return self.processor(out, index, self.new_tokens, meter)
 
     def history(self, index: torch.Tensor) -> torch.Tensor:
         """``tokens[r, index[r, w]]`` for (R, W) ``index``, any token shape."""
@@ -304,14 +304,14 @@ class TokenHead(Protocol):
 
     ``head.distribution(cond, uncond, scale, pipeline, meter)``: ``cond`` (B, T, H) features,
     ``uncond`` the unconditional half's (or None without guidance), ``scale`` (B, T) float64 CFG
-    scales (or None), ``pipeline`` the ``DensityPipeline`` (temperature, residual cap), ``meter``
+    scales (or None), ``pipeline`` the ``DensityProcessor`` (temperature, residual cap), ``meter``
     where head calls are counted. Tokens have shape ``token_shape``.
     """
 
     token_shape: tuple[int, ...]
 
     def distribution(self, cond: torch.Tensor, uncond: torch.Tensor | None, scale: torch.Tensor | None,
-                     pipeline: DensityPipeline, meter: HeadMeter | None) -> TokenDist: ...
+                     pipeline: DensityProcessor, meter: HeadMeter | None) -> TokenDist: ...
 
 
 @runtime_checkable

@@ -6,7 +6,7 @@ target-only tokens) and ``sjd`` (a Jacobi window on densities: the target drafts
 tokens from its previous pass, no draft model; mixture head only); rules ``path`` (exact
 speculative sampling on a diffusion head's whole denoising path, emitting the target's last step) and ``cspd`` (CSpD's reference rule, lossy).
 Without a rule the decoder verifies the mixture head's exact densities. ``head_for(recipe)`` names
-the head a recipe decodes with (``DensityPipeline(head=...)``): ``"diffusion"`` with a ``path`` or
+the head a recipe decodes with (``DensityProcessor(head=...)``): ``"diffusion"`` with a ``path`` or
 ``cspd`` rule, ``"mixture"`` otherwise. Continuous tokens take chains only (no trees) and raster
 order. Components: ``target`` (``ContinuousARModel``), ``draft_model`` (a smaller one; not needed by
 ``sjd``; trained by ``DRAFT_TRAINING``).
@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core import JacobiDensityDrafter, ModelChainDrafter, SpeculativeSampling
+from ..core import CSpDAcceptance, JacobiDensityDrafter, ModelChainDrafter, SpeculativeSampling
 from ..core.errors import check
-from ..models.continuous_heads import CSpDAcceptance
 from .knobs import check_config, knob
-from .registry import REQUIRED, Component, Recipe, TrainingRecipe, register_method, register_modality, register_part
+from .registry import (REQUIRED, Component, MethodRecipe, TrainingRecipe, register_method, register_modality,
+                       register_part)
 
 MODALITY = "continuous"
 register_modality(MODALITY, components=("target",),
@@ -30,8 +30,8 @@ HEADS = {"path": "diffusion", "cspd": "diffusion"}
 """The head each rule part needs; recipes without one of these rules use the mixture head."""
 
 
-def head_for(recipe: Recipe) -> str:
-    """``"diffusion"`` or ``"mixture"``: the ``DensityPipeline(head=...)`` a continuous recipe uses."""
+def head_for(recipe: MethodRecipe) -> str:
+    """``"diffusion"`` or ``"mixture"``: the ``DensityProcessor(head=...)`` a continuous recipe uses."""
     return HEADS.get(recipe.part("rule"), "mixture")
 
 
@@ -117,13 +117,6 @@ DRAFT_MODEL = Component("draft_model", "mmspec.models.continuous:ContinuousARMod
 """The ``sd`` part's pipeline component."""
 
 
-def _train_draft(out_dir, *, tokenizer, target, distill, input_noise, **run) -> dict:
-    from ..training.recipes import train_continuous_draft
-
-    return train_continuous_draft(out_dir, tokenizer_dir=tokenizer, target_dir=target, distill=distill,
-                                  input_noise=input_noise, **run)
-
-
 def _check_draft(options) -> None:
     if options["distill"] > 0 and options["target"] is None:
         raise ValueError("--distill needs --target DIR (the continuous AR model it distills from)")
@@ -140,10 +133,11 @@ INPUT_NOISE = 0.5
 (``mmspec train continuous-ar``) and the drafts' (``continuous-sd`` / ``continuous-draft``) alike:
 the bundled target and drafts were trained with it (docs/continuous.md)."""
 
-# batch 32, 64 tokens of 8 channels: 0.07 s per plain draft step, 0.16 s per distilled draft step
-# at one thread each (the two bundled drafts side by side)
+_TRAIN = "mmspec.training.recipes.registered:"  # the recipe's train function, imported when run
+# sized from measured step times, plain and distilled, at one thread each (docs/costs.md)
 DRAFT_TRAINING = TrainingRecipe(
-    "continuous-sd", _train_draft, "heldout_loss", alias="continuous-draft", check_options=_check_draft,
+    "continuous-sd", _TRAIN + "continuous_sd", "heldout_loss", alias="continuous-draft",
+    check_options=_check_draft,
     report=report, defaults=dict(steps=4000, batch_size=32, lr=2e-3, dataset_size=16384),
     options=(("--tokenizer", str, REQUIRED, "folder written by 'mmspec train continuous-tokenizer'"),
              ("--input-noise", float, INPUT_NOISE, "std of extra noise on the teacher-forced input latents (training only)"),

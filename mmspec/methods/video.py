@@ -3,7 +3,8 @@ modality's methods, so the demo, ``mmspec batch`` and the CLI take their names a
 registry like every other modality.
 
 Methods (one part each, listed first the default): ``rolling`` (attention sinks + a rolling
-window on the core's ``SinkWindowCache``; Self-Forcing's chunk writes, StreamingLLM's sinks),
+window: the video adapter's ``VideoChunkCache``, the core's ``SinkWindowCache`` with Self-Forcing's
+chunk writes on top; StreamingLLM's sinks),
 ``window-recompute`` (no K/V kept: every denoising step re-encodes sinks + window from scratch,
 StreamingLLM's recompute baseline), ``full-cache`` (the cache grows; stops short of the RoPE
 range) and ``no-sink`` (the window alone: the attention-sink ablation). ``pipelines/video.py``
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 
 from ..core.errors import check
 from .knobs import check_config, knob
-from .registry import Recipe, register_method, register_modality, register_part
+from .registry import MethodRecipe, register_method, register_modality, register_part
 
 MODALITY = "video"
 register_modality(MODALITY, components=("target",),
@@ -99,8 +100,9 @@ class SinkWindowConfig:
 
 
 CACHE_MODES = {
-    "rolling": (SinkWindowConfig, "the core's SinkWindowCache: sink frames + a rolling window, K/V cached "
-                "(Self-Forcing's chunk writes, StreamingLLM's sinks); flat latency and memory"),
+    "rolling": (SinkWindowConfig, "the core's SinkWindowCache with the video adapter's chunk writes on top: "
+                "sink frames + a rolling window, K/V cached (Self-Forcing's chunk writes, StreamingLLM's sinks); "
+                "flat latency and memory"),
     "window-recompute": (SinkWindowConfig, "no K/V kept: every denoising step re-encodes sinks + window "
                          "(StreamingLLM's sliding window with recompute baseline)"),
     "full-cache": (FullCacheConfig, "every frame kept, up to the transformer's RoPE range (288 frames for "
@@ -110,10 +112,10 @@ CACHE_MODES = {
 """Cache mode -> (its config, one line); the pipeline's ``CACHE_MODES``, the default first."""
 
 
-def stream_kwargs(recipe: Recipe) -> dict:
+def stream_kwargs(recipe: MethodRecipe) -> dict:
     """``StreamingVideoPipeline.stream`` keyword arguments of a resolved video recipe:
     ``cache_mode`` and the mode's knobs (``None`` knobs are left to the pipeline's defaults)."""
-    check(isinstance(recipe, Recipe) and recipe.modality == MODALITY, "recipe", "a resolved 'video' recipe",
+    check(isinstance(recipe, MethodRecipe) and recipe.modality == MODALITY, "recipe", "a resolved 'video' recipe",
           recipe)
     mode = recipe.part("schedule")
     check(mode in CACHE_MODES, "method", "one of the cache modes " + ", ".join(map(repr, CACHE_MODES)),

@@ -18,7 +18,8 @@ so one backbone serves both heads; for the default cosine schedule ``b ~ 0.006``
   without Vector Quantization"; DDPM cosine schedule, learned-range variance, respaced sampling)
   -> ``DiffusionTokens``: densities on the whole denoising path, scored by the target in one
   batched head call, emitting the target's last step (the ``path`` rule).
-- ``CSpDAcceptance``: CSpD's reference accept test and residual (lossy, see its docstring).
+- ``CSpDAcceptance``: CSpD's reference accept test and residual (lossy), a relaxed rule of the
+  core (``mmspec.core.relaxed``), importable here too; it reads ``DiffusionTokens.aligned``.
 
 Densities are float64; networks run in their own dtype.
 """
@@ -33,13 +34,12 @@ from diffusers.models.embeddings import get_timestep_embedding
 from torch import nn
 from torch.nn import functional as F
 
-from ..core.acceptance import check_chain
-from ..core.distributions import LOG_2PI, DensityPipeline, Draw, HeadMeter, TokenDist, normal_log_prob
-from ..core.errors import check
+from ..core.distributions import (LOG_2PI, DensityProcessor, Draw, HeadMeter, TokenDist, normal_log_prob,
+                                  state_latent_token)
+from ..core.errors import check, check_int, is_int
 from ..core.logits import cfg_merge
-from ..core.sampling import Generators, inverse_cdf, rand, randn, sample, select_rows
-from ..core.tree import DraftTree
-from ..core.types import Acceptance
+from ..core.relaxed import CSpDAcceptance
+from ..core.sampling import Generators, inverse_cdf, rand, randn
 
 __all__ = ["CSpDAcceptance", "DiffusionHead", "DiffusionSchedule", "DiffusionTokens", "GaussianMixture",
            "GaussianMixtureHead", "SimpleMLPAdaLN"]
@@ -47,11 +47,6 @@ __all__ = ["CSpDAcceptance", "DiffusionHead", "DiffusionSchedule", "DiffusionTok
 
 def _std_normal_cdf(z: torch.Tensor) -> torch.Tensor:
     return 0.5 * torch.erfc(-z / math.sqrt(2.0))
-
-
-def _token(state: torch.Tensor, latent: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(..., d) state and latent -> (..., 2, d) tokens."""
-    return torch.stack([state, latent], -2).to(dtype)
 
 
 # ================================================================ Gaussian mixture head
@@ -137,7 +132,7 @@ class GaussianMixture(TokenDist):
         state = a * latent
         if b > 0:
             state = state + b * noise[:, 1 + d:]
-        draw = Draw(_token(state, latent, self.token_dtype))
+        draw = Draw(state_latent_token(state, latent, self.token_dtype))
         draw.log_prob = self.log_prob(draw)
         return draw
 
@@ -171,7 +166,7 @@ class GaussianMixtureHead(nn.Module):
     def __init__(self, dim: int, token_dim: int, components: int = 8, hidden: int = 128, sigma_min: float = 1e-2):
         super().__init__()
         for name, value in (("dim", dim), ("token_dim", token_dim), ("components", components), ("hidden", hidden)):
-            check(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         check(sigma_min > 0, "sigma_min", "> 0", sigma_min)
         self.token_dim, self.components, self.sigma_min = token_dim, components, float(sigma_min)
         self.net = nn.Sequential(nn.Linear(dim, hidden), nn.SiLU(), nn.Linear(hidden, components * (1 + 2 * token_dim)))
@@ -198,7 +193,7 @@ class GaussianMixtureHead(nn.Module):
         return -torch.logsumexp(log_pi + comp, -1)
 
     def distribution(self, cond: torch.Tensor, uncond: torch.Tensor | None, scale: torch.Tensor | None,
-                     pipeline: DensityPipeline, meter: HeadMeter | None) -> GaussianMixture:
+                     pipeline: DensityProcessor, meter: HeadMeter | None) -> GaussianMixture:
         z = cond if uncond is None else torch.cat([cond, uncond])
         if meter is not None:
             meter.record_call(z.shape[:-1].numel())
@@ -238,13 +233,12 @@ class DiffusionSchedule:
     """
 
     def __init__(self, train_steps: int = 1000, sampling_steps: int = 20, timesteps: list[int] | None = None):
-        check(isinstance(train_steps, int) and train_steps >= 2, "train_steps", "an int >= 2", train_steps)
+        check_int(train_steps, "train_steps", 2)
         if timesteps is None:
-            check(isinstance(sampling_steps, int) and 1 <= sampling_steps <= train_steps, "sampling_steps",
-                  f"an int in [1, {train_steps}]", sampling_steps)
+            check_int(sampling_steps, "sampling_steps", 1, train_steps)
             timesteps = _space_timesteps(train_steps, sampling_steps)
         timesteps = list(timesteps)
-        check(len(timesteps) >= 1 and all(isinstance(t, int) and 0 <= t < train_steps for t in timesteps)
+        check(len(timesteps) >= 1 and all(is_int(t) and 0 <= t < train_steps for t in timesteps)
               and timesteps == sorted(set(timesteps)), "timesteps",
               f"strictly increasing ints in [0, {train_steps})", timesteps)
         self.train_steps = train_steps
@@ -354,8 +348,8 @@ class DiffusionHead(nn.Module):
                  train_steps: int = 1000, sampling_steps: int = 20, timesteps: list[int] | None = None):
         super().__init__()
         for name, value in (("token_dim", token_dim), ("z_channels", z_channels), ("width", width)):
-            check(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
-        check(isinstance(blocks, int) and blocks >= 0, "blocks", "an int >= 0", blocks)
+            check_int(value, name, 1)
+        check_int(blocks, "blocks", 0)
         self.token_dim, self.learn_sigma = token_dim, bool(learn_sigma)
         self.net = SimpleMLPAdaLN(token_dim, width, token_dim * (2 if learn_sigma else 1), z_channels, blocks)
         self.schedule = DiffusionSchedule(train_steps, sampling_steps, timesteps)
@@ -439,7 +433,7 @@ class DiffusionHead(nn.Module):
         return mse + vb.to(mse.dtype)
 
     def distribution(self, cond: torch.Tensor, uncond: torch.Tensor | None, scale: torch.Tensor | None,
-                     pipeline: DensityPipeline, meter: HeadMeter | None) -> "DiffusionTokens":
+                     pipeline: DensityProcessor, meter: HeadMeter | None) -> "DiffusionTokens":
         return DiffusionTokens(cond, uncond, scale, self, float(pipeline.temperature), cond.dtype, meter,
                                pipeline.residual_max_tries)
 
@@ -508,7 +502,7 @@ class DiffusionTokens(TokenDist):
         x0, _, log_var0 = head.guided_step(x, torch.zeros(n, dtype=torch.long), z, z_u, s, self.meter)
         aux = {"path": torch.stack(path, 1), "noise": torch.stack(noise, 1), "log_sigma": log_sigma,
                "sigma0": T * (0.5 * log_var0).exp()}
-        return Draw(_token(x, x0, self.token_dtype), aux, logp)
+        return Draw(state_latent_token(x, x0, self.token_dtype), aux, logp)
 
     def score(self, draw: Draw) -> tuple[torch.Tensor, torch.Tensor]:
         head, T = self.head, self.temperature
@@ -526,7 +520,7 @@ class DiffusionTokens(TokenDist):
         logp = normal_log_prob(start, torch.zeros_like(start), torch.ones_like(start)).sum(-1)
         logp = logp + normal_log_prob(path[:, 1:], mean[:, :-1], std[:, :-1]).sum((-1, -2))
         state = draw.token[..., 0, :].reshape(n, d)
-        emitted = _token(state.double(), x0[:, -1], self.token_dtype)  # the target's last step
+        emitted = state_latent_token(state.double(), x0[:, -1], self.token_dtype)  # the target's last step
         return logp.view(batch), emitted.view(*batch, 2, d)
 
     def log_prob(self, draw: Draw) -> torch.Tensor:
@@ -550,102 +544,3 @@ class DiffusionTokens(TokenDist):
         x0, _, log_var0 = head.guided_step(x, torch.zeros(n, dtype=torch.long), z, z_u, s, self.meter)
         out = {"state": x, "mu0": x0, "sigma0": T * (0.5 * log_var0).exp(), "log_sigma": log_sigma}
         return {key: v.view(*batch, d) for key, v in out.items()}
-
-
-# ================================================================ CSpD's reference rule
-
-class CSpDAcceptance:
-    """CSpD's accept test and residual (Wang et al., 2025, "Continuous Speculative Decoding for
-    Autoregressive Image Generation"; reference code MarkXCloud/CSpD @ d91f721a,
-    ``DistributionProcessor.judge_accept`` / ``sample_distribution``), a named **lossy** option.
-
-    The draft's chain for a token is rerun by the target with the same noise (``aligned``: K
-    sequential head calls per verify pass). With ``mu_q0 = x`` the draft's emitted latent, sigma_0
-    the last step's (tempered) std, L the summed untempered log sigma of the other steps and
-    ``tau = inner_temperature``, a drafted token is accepted when
-
-        u < exp(sum(L_p - L_q)) * prod(sigma_q0 / sigma_p0) * exp(-1/2 ||(x - mu_p0) / (tau sigma_p0)||^2)
-
-    a Gaussian kernel on the distance between the *coupled* outputs of draft and target, not a
-    density ratio: its bias grows with the tolerance ``tau sigma_0`` (at tau = 1 almost nothing
-    is accepted; the reference uses 42). On rejection ``y ~ N(mu_p0, sigma_p0^2)`` is accepted with
-    ``(p(y) - q(y) / fixed)^+ / p(y)`` (``fixed = exp(sum(L_p - L_q))``, Gaussians at the last
-    step, untempered by tau), at most ``max_tries`` times. Deviations forced by a causal loop:
-    each drafted token is conditioned on the drafted prefix (the reference verifies a block on
-    stale context), the chain ends at the first rejection (the reference tests every token), and
-    after ``max_tries`` failures the target's aligned output is emitted (the reference leaves zero
-    latents); fallbacks are counted in the target meter. CFG scale and temperature are the
-    pipeline's, the same for draft and target at every token (the reference verifies a block with
-    the draft's latest scale). Accepted tokens are the draft's own (state and latent); a corrected
-    token takes the target's aligned state. Needs ``DiffusionTokens`` on both sides.
-    """
-
-    continuous = True
-
-    def __init__(self, inner_temperature: float = 42.0, max_tries: int = 100):
-        check(isinstance(inner_temperature, (int, float)) and not isinstance(inner_temperature, bool)
-              and math.isfinite(inner_temperature) and inner_temperature > 0, "inner_temperature", "a float > 0",
-              inner_temperature)
-        check(isinstance(max_tries, int) and not isinstance(max_tries, bool) and max_tries >= 1, "max_tries",
-              "an int >= 1", max_tries)
-        self.inner_temperature, self.max_tries = float(inner_temperature), max_tries
-
-    def sample(self, p: TokenDist, generator: Generators = None) -> torch.Tensor:
-        return p.sample(generator).token
-
-    def __call__(self, draft: DraftTree, p_all: TokenDist, generator: Generators = None) -> Acceptance:
-        check(isinstance(p_all, DiffusionTokens), "p_all", "DiffusionTokens (the cspd rule needs a diffusion head)",
-              type(p_all).__name__)
-        check_chain(draft)
-        B, G = p_all.batch_shape[0], draft.tokens.shape[1]
-        device = p_all.device
-        rows = torch.arange(B, device=device)
-        n = torch.zeros(B, dtype=torch.long, device=device)
-        next_token = torch.zeros((B,) + tuple(p_all.token_shape), dtype=p_all.token_dtype, device=device)
-        if G > 0:
-            x = draft.draws
-            al = p_all[:, :G].aligned(x)  # (B, G, d) each
-            mu_q, sig_q = x.token[..., 1, :].double(), x.aux["sigma0"]
-            log_fixed = (al["log_sigma"] - x.aux["log_sigma"]).sum(-1)  # (B, G)
-            tau = self.inner_temperature
-            log_r = (log_fixed + (sig_q.log() - al["sigma0"].log()).sum(-1)
-                     - 0.5 * ((mu_q - al["mu0"]) / (tau * al["sigma0"])).pow(2).sum(-1))
-            ok = rand((B, G), generator, device, torch.float64).log() < log_r
-            n = ok.long().cumprod(1).sum(1)
-            r = rows[n < G]
-            if r.numel():
-                at = n[r]
-                pick = lambda t: t[r, at]  # noqa: E731
-                latent = self._residual(pick(al["mu0"]), pick(al["sigma0"]), pick(mu_q), pick(sig_q),
-                                        pick(log_fixed), select_rows(generator, r), p_all.meter)
-                next_token[r] = _token(pick(al["state"]), latent, next_token.dtype)
-        r = rows[n == G]
-        if r.numel():
-            next_token[r] = p_all[r, torch.full_like(r, G)].sample(select_rows(generator, r)).token.to(next_token.dtype)
-        depth = torch.arange(G + 1, device=device)
-        return Acceptance(path=torch.where(depth <= n[:, None], depth, -1), num_accepted=n, next_token=next_token)
-
-    def _residual(self, mu_p, sig_p, mu_q, sig_q, log_fixed, generator, meter):
-        """CSpD's residual sampler on the last step's Gaussians, capped; the target's aligned
-        output ``mu_p`` where every try failed."""
-        m, d = mu_p.shape
-        out = mu_p.clone()
-        pending = torch.arange(m, device=mu_p.device)
-        for _ in range(self.max_tries):
-            if pending.numel() == 0:
-                break
-            gen = select_rows(generator, pending)
-            mp, sp, mq, sq = mu_p[pending], sig_p[pending], mu_q[pending], sig_q[pending]
-            y = mp + sp * randn((pending.numel(), d), gen, mu_p.device, torch.float64)
-            logp = normal_log_prob(y, mp, sp).sum(-1)
-            logq = normal_log_prob(y, mq, sq).sum(-1)
-            ok = rand((pending.numel(),), gen, mu_p.device, torch.float64) < -torch.expm1(
-                logq - log_fixed[pending] - logp)
-            if meter is not None:
-                meter.residual_tries += pending.numel()
-            out[pending[ok]] = y[ok]
-            pending = pending[~ok]
-        if meter is not None:
-            meter.residual_rows += m
-            meter.residual_fallbacks += pending.numel()
-        return out

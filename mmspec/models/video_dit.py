@@ -46,8 +46,8 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 from torch.nn import functional as F
 
-from ..core.cache import SinkWindowCache, chunk_causal_mask
-from ..core.errors import check
+from ..adapters.video import VideoChunkCache, chunk_causal_mask
+from ..core.errors import check, check_int, is_int
 from ..core.rope import RopeTables, Rope3D
 
 PROMPT_FIELDS = ("colour", "shape", "direction")
@@ -153,12 +153,12 @@ class ChunkPlan:
 
 
 def _chunks(num_frames, chunk, sink_frames, window_frames):
-    check(isinstance(chunk, int) and chunk >= 1, "chunk_frames", "an int >= 1", chunk)
-    check(isinstance(num_frames, int) and num_frames >= chunk and num_frames % chunk == 0, "num_frames",
+    check_int(chunk, "chunk_frames", 1)
+    check(is_int(num_frames) and num_frames >= chunk and num_frames % chunk == 0, "num_frames",
           f"a positive multiple of chunk_frames ({chunk})", num_frames)
-    check(isinstance(sink_frames, int) and sink_frames >= 0 and sink_frames % chunk == 0, "sink_frames",
+    check(is_int(sink_frames) and sink_frames >= 0 and sink_frames % chunk == 0, "sink_frames",
           f"a multiple of chunk_frames ({chunk}), >= 0", sink_frames)
-    check(window_frames is None or (isinstance(window_frames, int) and window_frames >= chunk
+    check(window_frames is None or (is_int(window_frames) and window_frames >= chunk
                                     and window_frames % chunk == 0), "window_frames",
           f"None or a positive multiple of chunk_frames ({chunk})", window_frames)
     return sink_frames // chunk, None if window_frames is None else window_frames // chunk
@@ -246,15 +246,15 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
         for name, value in dict(latent_channels=latent_channels, latent_size=latent_size, patch_size=patch_size,
                                 chunk_frames=chunk_frames, dim=dim, n_layers=n_layers, n_heads=n_heads,
                                 mlp_hidden=mlp_hidden, sample_steps=sample_steps).items():
-            check(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         check(latent_size % patch_size == 0, "patch_size", f"a divisor of latent_size ({latent_size})", patch_size)
         check(dim % n_heads == 0 and (dim // n_heads) % 2 == 0, "n_heads",
               f"a divisor of dim ({dim}) leaving an even head dimension", n_heads)
         _chunks(chunk_frames, chunk_frames, sink_frames, window_frames)
         check(0.0 <= prompt_dropout_prob <= 1.0, "prompt_dropout_prob", "a number in [0, 1]", prompt_dropout_prob)
         check(time_shift > 0, "time_shift", "> 0", time_shift)
-        check(isinstance(conv_head, int) and not isinstance(conv_head, bool) and (conv_head == 0 or (
-            conv_head >= 2 and conv_head % 2 == 0)), "conv_head", "0 (none) or an even int >= 2", conv_head)
+        check(is_int(conv_head) and (conv_head == 0 or (conv_head >= 2 and conv_head % 2 == 0)), "conv_head",
+              "0 (none) or an even int >= 2", conv_head)
         if prompt_vocab is None:
             prompt_vocab = {"colour": ["red", "green", "blue", "yellow"],
                             "shape": ["circle", "square", "triangle", "star"],
@@ -345,8 +345,8 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
         return int(2 * math.pi / float(self.rope.inv_freq[:pairs].min()))
 
     def new_cache(self, batch_size: int, sink_frames: int | None = None, window_frames: int | None = None,
-                  dtype=None) -> SinkWindowCache:
-        """A rolling ``SinkWindowCache`` for this model at frame granularity: ``frame_size`` =
+                  dtype=None) -> VideoChunkCache:
+        """A rolling ``VideoChunkCache`` for this model at frame granularity: ``frame_size`` =
         tokens per frame, Self-Forcing chunks of ``chunk_frames`` (``begin_chunk`` / ``commit``),
         the clean latents of the kept frames stored for LongLive's re-cache (``recache``). Sink and
         window in frames (default: the ones the model was trained with); sink + window + one chunk
@@ -361,7 +361,7 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
               f"must stay within the {R} frame positions this model's RoPE tells apart", sink + window)
         p = next(self.parameters())
         dtype = dtype or p.dtype
-        return SinkWindowCache(cfg.n_layers, batch_size, cfg.n_heads, cfg.dim // cfg.n_heads, sink, window,
+        return VideoChunkCache(cfg.n_layers, batch_size, cfg.n_heads, cfg.dim // cfg.n_heads, sink, window,
                                rope=self.rope, dtype=dtype, device=p.device, frame_size=self.tokens_per_frame,
                                chunk=cfg.chunk_frames,
                                latent_shape=(cfg.latent_channels, cfg.latent_size, cfg.latent_size),
@@ -446,13 +446,6 @@ class VideoDiTModel(ModelMixin, ConfigMixin):
 
 
 # -- decoder-style cache use ----------------------------------------------------------------
-def rewind(cache, num_tokens: int) -> None:
-    """Forget the block just appended (its slots are overwritten by the next step): the
-    decoder-style way (``step`` advances, ``truncate`` back) for a denoising step to reuse a
-    chunk's slots; ``sample_chunk`` uses the cache's ``begin_chunk`` / ``commit`` instead."""
-    cache.truncate(cache.lengths - num_tokens)
-
-
 def commit(cache) -> None:
     """Keep everything appended and roll: evict down to sink + window (decoder-style)."""
     cache.truncate(cache.lengths)
