@@ -13,9 +13,10 @@ requests of every user waiting at that moment are decoded together by continuous
 server listens on 127.0.0.1 unless ``--host`` says otherwise.
 
 Method dropdowns and knob inputs come from the method registry (``mmspec.methods``), so a new
-method shows up here by itself. A new modality is one ``*_tab()`` builder below, one entry in
-``TABS``, and its runner in ``mmspec/serve/``; what the tabs draw beside the outputs (the
-per-token picture, the frame strip, the stats lines) is in ``demos/render.py``.
+method shows up here by itself. The tabs are the served modalities' (``mmspec.serve.SPECS``, each
+spec's ``demo_tab``: a ``*_tab()`` builder below or one in another module), so a new modality's tab
+comes with its spec; what the tabs draw beside the outputs (the per-token picture, the frame strip,
+the stats lines) is in ``demos/render.py``.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 from demos import render  # noqa: E402
 from mmspec import methods, serve  # noqa: E402
+from mmspec.core.errors import check, is_int  # noqa: E402
 
 log = logging.getLogger("mmspec.demo")
 
@@ -115,8 +117,7 @@ def _collect_knobs(kind: str, method: str, names: list[str], values) -> dict:
 def _int(value, name: str) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{name} must be an int, got {value!r}")
+    check(is_int(value), name, "an int", value)
     return value
 
 
@@ -451,8 +452,13 @@ def video_tab():
 
 # ---------------------------------------------------------------- the app
 
-TABS = (("AR image", ar_tab), ("VLM", vlm_tab), ("Streaming video", video_tab),
-        ("Continuous tokens", continuous_tab))
+def tabs() -> list[tuple[str, object]]:
+    """``(title, builder)`` of every served modality with a tab (``mmspec.serve.SPECS``, in their
+    order): the spec's ``demo_tab`` names a builder of this module or a ``"module:function"``."""
+    from mmspec.utils.refs import load_ref
+
+    return [(spec.title, load_ref(spec.demo_tab) if ":" in spec.demo_tab else globals()[spec.demo_tab])
+            for spec in serve.SPECS.values() if spec.demo_tab is not None]
 
 
 def build() -> gr.Blocks:
@@ -462,7 +468,7 @@ def build() -> gr.Blocks:
                     "(CPU). The AR image, VLM and continuous-token tabs run the baseline and the chosen method on the "
                     "same seed; the streaming video tab shows chunks as they are decoded.")
         with gr.Tabs():
-            for label, tab in TABS:
+            for label, tab in tabs():
                 with gr.Tab(label, elem_id=f"tab-{label.lower().replace(' ', '-')}"):
                     tab()
     blocks.queue(default_concurrency_limit=CONCURRENCY, max_size=QUEUE_SIZE)

@@ -6,12 +6,13 @@
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
         --dynamo_backend no --main_process_port 0 -m mmspec batch jobs.jsonl --out out/
 
-A job is one JSON object per line (or one CSV row): ``id`` (a file name stem), ``kind``
-(``"ar-image"``, ``"vlm"``, ``"video"`` or ``"continuous"``), ``method`` (default ``"none"``;
-``"rolling"`` for video), ``seed`` (default 0), the kind's inputs (``prompt`` for ``ar-image`` and
-``continuous``; ``image`` (a path, relative to the jobs file) and ``question`` for ``vlm``;
-``prompt``, ``frames`` and ``switches`` for ``video``) and options (``guidance_scale``,
-``temperature``, ``max_new_tokens``, ...), and the method's knobs, flat (``"sjd_window": 16``) or
+A job is one JSON object per line (or one CSV row): ``id`` (a file name stem), ``kind`` (a served
+modality, ``mmspec.serve.SPECS``: ``"ar-image"``, ``"vlm"``, ``"video"`` or ``"continuous"``),
+``method`` (default ``"none"``; ``"rolling"`` for video), ``seed`` (default 0), the kind's inputs
+(``prompt`` for ``ar-image`` and ``continuous``; ``image`` (a path, relative to the jobs file) and
+``question`` for ``vlm``; ``prompt``, ``frames`` and ``switches`` for ``video``) and options
+(``guidance_scale``, ``temperature``, ``max_new_tokens``, ...: its spec's ``job_fields``), and the
+method's knobs, flat (``"sjd_window": 16``) or
 under ``"knobs"``. Every line is checked first, methods and knobs through the method registry: bad
 lines are reported by line number and nothing runs or is written.
 
@@ -61,11 +62,11 @@ import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
 
 from . import methods, serve
-from .core.errors import check
+from .core.errors import check, check_int, is_int
 from .utils.atomic import atomic_path
+from .utils.refs import load_ref
 
 MANIFEST = "manifest.jsonl"
 ATOMIC_TMP = re.compile(r"\..+\.[0-9a-f]{8}\.tmp(\.[A-Za-z0-9]+)?")
@@ -73,55 +74,8 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 # ---------------------------------------------------------------- what each kind takes
+# a kind's fields, output file and runner: its ``mmspec.serve.ModalitySpec`` (``serve.SPECS``)
 
-@dataclass(frozen=True)
-class Field:
-    type: type
-    default: Any = None
-    required: bool = False
-    optional: bool = False  # None allowed
-
-
-@dataclass(frozen=True)
-class KindSpec:
-    """A job kind: its inputs and options, output extension, and how it runs and is written."""
-
-    ext: str
-    fields: dict[str, Field]
-    per_job: tuple[str, ...]  # fields that may differ within one pipeline call
-    batchable: Callable[[str, float], bool]
-    method: str = "none"  # when the job names none
-
-
-KIND_SPECS: dict[str, KindSpec] = {
-    "ar-image": KindSpec(
-        ext=".png",
-        fields={"prompt": Field(str, required=True), "guidance_scale": Field(float, 2.0),
-                "temperature": Field(float, 1.0), "top_k": Field(int, None, optional=True),
-                "top_p": Field(float, None, optional=True)},
-        per_job=("prompt",),
-        batchable=serve.ar_batchable),
-    "vlm": KindSpec(
-        ext=".txt",
-        fields={"image": Field(str, required=True), "question": Field(str, required=True),
-                "max_new_tokens": Field(int, 64), "temperature": Field(float, 0.0)},
-        per_job=("image", "question"),
-        batchable=serve.vlm_batchable),
-    "video": KindSpec(
-        ext=".mp4",  # or .gif: the job's "format"
-        fields={"prompt": Field(str, required=True), "frames": Field(int, 48), "switches": Field(list, ()),
-                "format": Field(str, "mp4"), "fps": Field(int, 16), "scale": Field(int, 8)},
-        per_job=("prompt", "switches"),
-        batchable=serve.video_batchable,
-        method="rolling"),
-    "continuous": KindSpec(
-        ext=".png",
-        fields={"prompt": Field(str, required=True), "guidance_scale": Field(float, 2.0),
-                "temperature": Field(float, 1.0)},
-        per_job=("prompt",),
-        batchable=serve.continuous_batchable),
-}
-VIDEO_FORMATS = ("mp4", "gif")
 COMMON = {"id", "kind", "method", "seed", "knobs"}
 
 
@@ -138,11 +92,11 @@ class Job:
     @property
     def output(self) -> str:
         fmt = self.params.get("format")  # video: mp4 or gif
-        return self.id + (f".{fmt}" if fmt else KIND_SPECS[self.kind].ext)
+        return self.id + (f".{fmt}" if fmt else serve.spec(self.kind).output_ext)
 
     def group(self) -> str:
         """Jobs with the same group may share one pipeline call."""
-        spec = KIND_SPECS[self.kind]
+        spec = serve.spec(self.kind)
         shared = {k: v for k, v in self.params.items() if k not in spec.per_job}
         return json.dumps([self.kind, self.method, self.knobs, shared], sort_keys=True)
 
@@ -180,7 +134,7 @@ def _coerce(name: str, value, typ: type, optional: bool, from_csv: bool):
             value = {"true": True, "false": False}[value.lower()] if typ is bool else typ(value)
         except (ValueError, KeyError):
             raise ValueError(f"{name} must be {_WORDS[typ]}, got {value!r}") from None
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+    if typ is float and is_int(value):
         value = float(value)
     ok = isinstance(value, typ) and not (typ is not bool and isinstance(value, bool))
     check(ok, name, _WORDS[typ], value)
@@ -196,13 +150,13 @@ def parse_job(raw: dict, line: int, base: Path, from_csv: bool = False) -> Job:
     check(isinstance(job_id, str) and _ID.fullmatch(job_id) is not None, "id",
           "a file-name stem: letters, digits, '.', '_', '-' (at most 128, not starting with '.')", job_id)
     kind = raw.get("kind")
-    check(kind in KIND_SPECS, "kind", "one of " + ", ".join(repr(k) for k in KIND_SPECS), kind)
-    spec = KIND_SPECS[kind]
-    method = raw.get("method", spec.method)
+    check(kind in serve.SPECS, "kind", "one of " + ", ".join(repr(k) for k in serve.SPECS), kind)
+    spec = serve.spec(kind)
+    method = raw.get("method", spec.default_method)
     serve.resolve(kind, method, {})  # an unknown method: named, with the allowed ones
     seed = serve.check_seed(_coerce("seed", raw.get("seed", 0), int, False, from_csv))
     params = {}
-    for name, f in spec.fields.items():
+    for name, f in spec.job_fields.items():
         if name in raw:
             params[name] = _coerce(name, raw[name], f.type, f.optional, from_csv)
         else:
@@ -212,34 +166,15 @@ def parse_job(raw: dict, line: int, base: Path, from_csv: bool = False) -> Job:
     check(isinstance(knobs, dict), "knobs", "an object of knob values", raw.get("knobs"))
     allowed = methods.knobs(kind, method)
     for key, value in raw.items():
-        if key in COMMON or key in spec.fields:
+        if key in COMMON or key in spec.job_fields:
             continue
         if from_csv and key in allowed:
             k = allowed[key]
             value = _coerce(key, value, k.type, k.optional, True)
         knobs[key] = value
     serve.resolve(kind, method, knobs)  # unknown knobs, types, ranges: named, with what is allowed
-    if kind in ("ar-image", "continuous"):
-        params["prompt"] = serve.check_ar_prompt(params["prompt"])
-        check(params["guidance_scale"] >= 0, "guidance_scale", "a number >= 0", params["guidance_scale"])
-        if kind == "continuous":  # MAR's temperature scales the heads' noise: 0 is not greedy here
-            check(params["temperature"] > 0, "temperature", "a number > 0", params["temperature"])
-    elif kind == "video":
-        check(1 <= params["frames"] <= serve.VIDEO_MAX_FRAMES, "frames", f"an int in [1, {serve.VIDEO_MAX_FRAMES}]",
-              params["frames"])
-        params["switches"] = serve.video_schedule(params["prompt"], params["switches"], params["frames"])[1:]
-        serve.check_video_knobs(method, knobs)
-        check(params["format"] in VIDEO_FORMATS, "format", "one of " + ", ".join(map(repr, VIDEO_FORMATS)),
-              params["format"])
-        check(1 <= params["fps"] <= 120, "fps", "an int in [1, 120]", params["fps"])
-        check(1 <= params["scale"] <= 32, "scale", "an int in [1, 32]", params["scale"])
-    else:
-        path = (base / params["image"]).resolve()
-        check(path.is_file(), "image", "an existing image file (relative to the jobs file)", params["image"])
-        serve.open_image(path)
-        params["image"] = str(path)
-        check(params["question"].strip() != "", "question", "a non-empty question", params["question"])
-        check(1 <= params["max_new_tokens"] <= 512, "max_new_tokens", "an int in [1, 512]", params["max_new_tokens"])
+    if spec.check_job is not None:  # the kind's own checks between fields (paths, ranges, schedules)
+        spec.check_job(params, method, knobs, base)
     if "temperature" in params:
         check(params["temperature"] >= 0, "temperature", "a number >= 0", params["temperature"])
     return Job(line, job_id, kind, method, seed, params, knobs)
@@ -349,7 +284,7 @@ def make_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
     groups: dict[str, list[Job]] = {}
     batches: list[list[Job]] = []
     for job in jobs:
-        spec = KIND_SPECS[job.kind]
+        spec = serve.spec(job.kind)
         if batch_size > 1 and spec.batchable(job.method, job.params.get("temperature", 0.0)):
             group = groups.setdefault(job.group(), [])
             if not group:
@@ -364,7 +299,7 @@ def make_batches(jobs: list[Job], batch_size: int) -> list[list[Job]]:
 
 def make_streams(jobs: list[Job], slots: int, parts: int = 1) -> list[list[Job]]:
     """``--continuous``: ``make_batches``'s units, where every group of same-group jobs that may
-    share a call and whose kind has a slot runner (``serve.SLOT_RUNNERS``) is one *stream* per
+    share a call and whose kind has continuous batching (its spec's ``slot_jobs``) is one *stream* per
     process (the group cut into ``parts`` contiguous runs, so processes share it) instead of
     batches of ``slots``; a stream runs through continuous batching with ``slots`` rows. Other jobs
     are batched as ``make_batches`` does. In the order of each unit's first job."""
@@ -372,8 +307,8 @@ def make_streams(jobs: list[Job], slots: int, parts: int = 1) -> list[list[Job]]
     units: list[list[Job]] = []
     rest: list[Job] = []
     for job in jobs:
-        spec = KIND_SPECS[job.kind]
-        if job.kind in serve.SLOT_RUNNERS and spec.batchable(job.method, job.params.get("temperature", 0.0)):
+        spec = serve.spec(job.kind)
+        if spec.slot_jobs is not None and spec.batchable(job.method, job.params.get("temperature", 0.0)):
             group = streams.setdefault(job.group(), [])
             if not group:
                 units.append(group)
@@ -397,8 +332,9 @@ def run_stream(models: serve.Models, stream: list[Job], out: Path, slots: int) -
     records: list[dict] = []
     pending = set(range(len(stream)))
     try:
-        results = serve.SLOT_RUNNERS[first.kind](models, [j.params for j in stream], [j.seed for j in stream],
-                                                 first.method, first.knobs, slots)
+        slot_jobs = load_ref(serve.spec(first.kind).slot_jobs)
+        results = slot_jobs(models, [j.params for j in stream], [j.seed for j in stream], first.method, first.knobs,
+                            slots)
         for index, result in results:
             job = stream[index]
             _write(out, job, result)
@@ -413,18 +349,19 @@ def run_stream(models: serve.Models, stream: list[Job], out: Path, slots: int) -
 
 
 def _write(out: Path, job: Job, result: serve.Result) -> None:
-    """The job's file, whole or not at all: images and answers written to a temporary file and
-    renamed (``mmspec.utils.atomic``); videos through the pipeline's writer, which does the same."""
-    if job.kind == "video":
+    """The job's file, whole or not at all, by what the result holds: frames through the
+    pipeline's video writer (which writes a temporary file and renames it), an image as PNG or a
+    text written to a temporary file and renamed (``mmspec.utils.atomic``)."""
+    if result.frames is not None:
         p = job.params
-        serve.write_video(result.frames, out / job.output, fps=p["fps"], scale=p["scale"])
+        serve.write_video(result.frames, out / job.output, fps=p.get("fps", 16), scale=p.get("scale", 1))
     else:
         with atomic_path(out / job.output) as tmp:
-            tmp.write_bytes(_encode(job, result))
+            tmp.write_bytes(_encode(result))
 
 
-def _encode(job: Job, result: serve.Result) -> bytes:
-    if job.kind in ("ar-image", "continuous"):
+def _encode(result: serve.Result) -> bytes:
+    if result.image is not None:
         import PIL.Image
 
         buf = io.BytesIO()
@@ -435,8 +372,8 @@ def _encode(job: Job, result: serve.Result) -> bytes:
 
 def _run(models: serve.Models, batch: list[Job]) -> list[serve.Result]:
     first = batch[0]
-    return serve.runner(first.kind).run_jobs(models, [j.params for j in batch], [j.seed for j in batch], first.method,
-                                             first.knobs)
+    return serve.spec(first.kind).run_jobs(models, [j.params for j in batch], [j.seed for j in batch],
+                                           first.method, first.knobs)
 
 
 def _record(job: Job, status: str, stats: dict | None = None, error: str | None = None) -> dict:
@@ -484,8 +421,7 @@ def run(jobs_path: str | Path, out: str | Path, batch_size: int = 4, progress: b
     ``continuous``: same-group batchable jobs of a kind with a slot runner stream through
     continuous batching with ``batch_size`` slots (``make_streams``, ``run_stream``): a finished
     job's row is refilled at once, and its file and record are written as it ends."""
-    check(isinstance(batch_size, int) and not isinstance(batch_size, bool) and batch_size >= 1, "batch_size",
-          "an int >= 1", batch_size)
+    check_int(batch_size, "batch_size", 1)
     check(isinstance(continuous, bool), "continuous", "True or False", continuous)
     jobs = load_jobs(jobs_path)
     out = Path(out)
@@ -516,7 +452,8 @@ def run(jobs_path: str | Path, out: str | Path, batch_size: int = 4, progress: b
     mine_records: list[dict] = []
     with state.split_between_processes(batches) as mine:
         for batch in mine:
-            streamed = continuous and batch[0].kind in serve.SLOT_RUNNERS and KIND_SPECS[batch[0].kind].batchable(
+            spec = serve.spec(batch[0].kind)
+            streamed = continuous and spec.slot_jobs is not None and spec.batchable(
                 batch[0].method, batch[0].params.get("temperature", 0.0))
             mine_records.extend(run_stream(models, batch, out, batch_size) if streamed else
                                 run_batch(models, batch, out))

@@ -94,8 +94,8 @@ def test_generate_lists_the_registered_modalities_with_a_bundled_pipeline():
 
     gen = next(a for a in commands.build_parser()._actions if a.dest == "command").choices["generate"]
     kinds = next(a for a in gen._actions if a.dest == "kind").choices
-    assert tuple(kinds) == tuple(generate.MODALITIES) == ("vlm", "video", "ar-image", "continuous")
-    assert set(methods.modalities()) - set(generate.MODALITIES) == {"text"}  # no bundled text pipeline
+    assert tuple(kinds) == tuple(generate.commands()) == ("ar-image", "vlm", "video", "continuous")
+    assert set(methods.modalities()) - set(generate.commands()) == {"text"}  # no bundled text pipeline
     for name, parser in kinds.items():  # where a modality takes --method, its choices are the registry's names
         method = next((a for a in parser._actions if "--method" in a.option_strings), None)
         assert method is None or method.choices is None or (

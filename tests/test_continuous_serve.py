@@ -178,7 +178,7 @@ def _knobs(method: str) -> list:
 
 
 def test_demo_tab_side_by_side(app, models):
-    assert "Continuous tokens" in [label for label, _ in app.TABS]
+    assert "Continuous tokens" in [label for label, _ in app.tabs()]
     base, ours, base_md, ours_md, error = app.continuous_generate("a red circle", "cspd", 3, 2.0, *_knobs("cspd"))
     assert error == ""
     assert base.shape == ours.shape == (64, 64, 3) and base.dtype == ours.dtype == np.uint8

@@ -35,18 +35,18 @@ def test_dry_run_fills_the_schema(dry_report):
     report, summary, stdout = dry_report
     assert gc.validate_report(report) == []
     assert report["dry_run"] is True and report["machine"]["gpu_name"] is None
-    assert [s["name"] for s in report["steps"]] == list(gc.STEPS)
+    assert [s["name"] for s in report["steps"]] == list(gc.step_names())
     assert all(s["status"] == "skipped" and "dry run" in s["reason"] for s in report["steps"])
     tests = report["steps"][0]["summary"]
     # the marker selects the CUDA tests of every kernel's test file, and collecting them needs no GPU
     assert tests["selected"] >= 10
     assert {"tests/test_kernels.py", "tests/test_kernels_accept.py", "tests/test_kernels_attention.py"} <= set(
         tests["files"])
-    for name in gc.STEPS:
+    for name in gc.step_names():
         assert f"- {name}: skipped" in summary
     assert summary in stdout
     # the real-size Wan row is planned: Wan-1.3B's shapes built on the meta device through from_wan's presets
-    wan = report["steps"][gc.STEPS.index("real-size:wan")]["summary"]
+    wan = report["steps"][gc.step_names().index("real-size:wan")]["summary"]
     sf = wan["presets"]["self-forcing"]
     assert (wan["latent_hw"], wan["tokens_per_frame"], wan["chunks"]) == ([60, 104], 1560, 60)
     assert (sf["sink_frames"], sf["window_frames"], sf["key_tokens"], sf["frames"]) == (0, 18, 21 * 1560, 186)
@@ -62,7 +62,7 @@ def _complete_report() -> dict:
            "real-size": {"verify_ms": {"1": 1.0}, "draft_ms": 0.1, "loop": {}},
            "real-size:wan": {"presets": {}, "targets": {}, "errors": []},
            "vlm-heavy": {"rows": [], "errors": []}}
-    for name in gc.STEPS:
+    for name in gc.step_names():
         summary = ran.get(name, {"identity": [], "speed": {}, "offload": [], "problems": []})
         report["steps"].append({"name": name, "status": "passed", "seconds": 1.0, "summary": summary})
     return report
@@ -78,7 +78,7 @@ def test_schema_check_bites():
         "test counts missing": lambda r: r["steps"][0]["summary"].pop("passed"),
         "no machine": lambda r: r.pop("machine"),
         "no commit": lambda r: r.pop("commit"),
-        "a vlm-heavy summary without rows": lambda r: r["steps"][gc.STEPS.index("vlm-heavy")]["summary"].pop("rows"),
+        "a vlm-heavy summary without rows": lambda r: r["steps"][gc.step_names().index("vlm-heavy")]["summary"].pop("rows"),
     }
     for what, breakage in broken.items():
         report = _complete_report()
@@ -192,14 +192,14 @@ def test_pipeline_step_reads_its_child(monkeypatch, tmp_path):
     assert step["status"] == "error" and "no kernel image" in step["reason"]
 
 
-@pytest.mark.parametrize("name", gc.PIPELINES)
+@pytest.mark.parametrize("name", gc.pipeline_names())
 def test_pipeline_check_on_cpu(name):
     """The GPU step's own code on the CPU: float32 greedy identity holds (the project's CPU
     guarantee), bfloat16 runs, offload gives the same outputs, the speed rows are filled."""
     result = gc.check_pipeline(name, "cpu", dtypes=("float32", "bfloat16"), speed_dtype="bfloat16", rounds=1,
                                quick=True, compile_steps=False)
     assert result["problems"] == [], result["problems"]
-    spec = gc.SPECS[name]
+    spec = gc.pipeline_checks()[name]
     assert {(r["dtype"], r["method"]) for r in result["identity"]} == {
         (d, m) for d in ("float32", "bfloat16") for m in spec.methods}
     assert all(r["identical"] for r in result["identity"] if r["dtype"] == "float32")
@@ -216,7 +216,7 @@ def test_pipeline_check_on_cpu(name):
 
 def test_pipeline_check_reports_a_wrong_method(monkeypatch):
     """A method that changes one token, and an output that changes under offload, are problems."""
-    spec = gc.SPECS["ar-image"]
+    spec = gc.pipeline_checks()["ar-image"]
     call = spec.call
 
     def wrong(self, pipe, method, device, seed=0):
@@ -266,7 +266,7 @@ def test_the_compiled_speed_rows_on_cpu(monkeypatch):
     enable = SpeculativeARImagePipeline.enable_compiled_steps
     monkeypatch.setattr(SpeculativeARImagePipeline, "enable_compiled_steps",
                         lambda self, **kw: enable(self, backend="eager"))
-    monkeypatch.setattr(gc.SPECS["ar-image"], "speed_methods", ("none", "sd"))
+    monkeypatch.setattr(gc.pipeline_checks()["ar-image"], "speed_methods", ("none", "sd"))
     result = gc.check_pipeline("ar-image", "cpu", dtypes=(), speed_dtype="float32", rounds=1, quick=True,
                                offload=False)
     assert result["problems"] == [], result["problems"]

@@ -1,25 +1,45 @@
-"""``mmspec.serve``'s registry of runners, without loading a model: every batch job kind has a
-runner for a registry modality, and unknown kinds are refused naming the known ones."""
+"""``mmspec.serve``'s modality specs, without loading a model: every served kind is a registry
+modality with methods, what it references resolves, and unknown kinds and bad specs are refused
+naming what is allowed."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from mmspec import batch, methods, serve
+from mmspec import methods, serve
 
 
-def test_every_job_kind_has_a_runner_of_its_modality():
-    assert set(serve.RUNNERS) == set(batch.KIND_SPECS)
-    for kind, runner in serve.RUNNERS.items():
-        assert runner is serve.runner(kind) and runner.kind == kind and methods.names(kind)
-        assert runner.batchable is batch.KIND_SPECS[kind].batchable
+def test_every_served_kind_is_a_registry_modality_and_its_references_resolve():
+    from mmspec.commands.generate import GenerateCommand
+    from mmspec.utils.refs import load_ref
+
+    assert tuple(serve.SPECS) == ("ar-image", "vlm", "video", "continuous")  # the demo's tab order
+    for kind, spec in serve.SPECS.items():
+        assert spec is serve.spec(kind) and spec.kind == kind and methods.names(kind)
+        assert isinstance(load_ref(spec.generate), GenerateCommand)
+        for ref in (spec.slot_jobs, spec.device_check, spec.cost_target):
+            assert ref is None or callable(load_ref(ref))
+    assert [k for k, s in serve.SPECS.items() if s.slot_jobs] == ["ar-image", "vlm"]
+    assert [k for k, s in serve.SPECS.items() if s.cost_target] == ["ar-image", "vlm", "continuous"]
 
 
 def test_unknown_kinds_are_refused():
-    with pytest.raises(ValueError, match="kind must be one of 'ar-image', 'continuous', 'video', 'vlm', got 'image'"):
-        serve.runner("image")
+    with pytest.raises(ValueError, match="kind must be one of 'ar-image', 'vlm', 'video', 'continuous', got 'image'"):
+        serve.spec("image")
+    spec = serve.spec("ar-image")
     with pytest.raises(ValueError, match="modality must be one of"):
-        serve.base.register(serve.Runner("image", "SpeculativeARImagePipeline", serve.ar_batchable, serve.run_ar))
+        serve.register(dataclasses.replace(spec, kind="image"))
+    with pytest.raises(ValueError, match="kind must be a modality not served yet, got 'ar-image'"):
+        serve.register(spec)
+    with pytest.raises(ValueError, match="demo_tab must be None, a function name in demos/app.py or a "
+                                         "'module:function' string, got 'ar tab'"):
+        dataclasses.replace(spec, demo_tab="ar tab")
+    with pytest.raises(ValueError, match="per_job must be fields of job_fields"):
+        dataclasses.replace(spec, per_job=("image",))
+    with pytest.raises(ValueError, match="generate must be None or a 'module:attribute' string"):
+        dataclasses.replace(spec, generate="mmspec.commands.generate.AR_IMAGE")
     with pytest.raises(ValueError, match="kind must be one of"):
         serve.Models("/nonexistent").pipeline("image")  # refused before any folder is read
 

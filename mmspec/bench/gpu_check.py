@@ -63,14 +63,11 @@ from ..utils import one_line
 ROOT = Path(__file__).resolve().parents[2]
 ASSETS = ROOT / "assets"
 SCHEMA = 1
-PIPELINES = ("ar-image", "vlm", "continuous", "video", "wan-tiny")
-STEPS = ("cuda-tests", "kernels") + tuple(f"pipeline:{p}" for p in PIPELINES) + ("vlm-heavy", "real-size",
-                                                                                  "real-size:wan")
 STATUSES = ("passed", "failed", "error", "timeout", "skipped")
-STEP_SECONDS = {"cuda-tests": 80, "kernels": 90, "pipeline:ar-image": 100, "pipeline:vlm": 75,
-                "pipeline:continuous": 40, "pipeline:video": 30, "pipeline:wan-tiny": 45, "vlm-heavy": 180,
-                "real-size": 75, "real-size:wan": 170}
-"""Each step's time limit in seconds; the steps before ``real-size:wan`` together 715 s, past the
+STEP_SECONDS = {"cuda-tests": 80, "kernels": 90, "vlm-heavy": 180, "real-size": 75, "real-size:wan": 170}
+"""The time limit in seconds of each step that is not a pipeline's (a pipeline step's is its
+``PipelineCheck.seconds``: ar-image 100, vlm 75, video 30, continuous 40, wan-tiny 45). The steps
+before ``real-size:wan`` together 715 s, past the
 540 s budget since ``vlm-heavy`` (issue 47) was added: a full run gives the last steps what is left
 (``--steps`` picks the ones a session needs). ``real-size:wan`` (issue 44, about 170 s by its module's estimate) comes last and
 takes what they leave, up to 170 s: the driver gives no step more than the budget has left, and
@@ -138,9 +135,37 @@ def new_report(dry_run: bool, budget_s: float) -> dict:
             "steps": []}
 
 
+def pipeline_checks() -> dict[str, type]:
+    """The pipeline steps' drivers by name: every served modality's ``device_check``
+    (``mmspec.serve.SPECS``, in their order), then ``wan-tiny`` (diffusers' Wan classes behind the
+    video modality, not a modality of their own)."""
+    from .. import serve
+    from ..utils.refs import load_ref
+
+    found = {kind: load_ref(spec.device_check) for kind, spec in serve.SPECS.items() if spec.device_check}
+    return {**found, "wan-tiny": WanTinyCheck}
+
+
+def pipeline_names() -> tuple[str, ...]:
+    return tuple(pipeline_checks())
+
+
+def step_names() -> tuple[str, ...]:
+    """Every step, in the order a run takes them."""
+    return ("cuda-tests", "kernels") + tuple(f"pipeline:{p}" for p in pipeline_names()) + (
+        "vlm-heavy", "real-size", "real-size:wan")
+
+
+def step_seconds(name: str) -> float:
+    """A step's time limit: ``STEP_SECONDS``, or a pipeline step's ``PipelineCheck.seconds``."""
+    if name.startswith("pipeline:"):
+        return pipeline_checks()[name.split(":", 1)[1]].seconds
+    return STEP_SECONDS[name]
+
+
 def validate_report(report: dict) -> list[str]:
     """What is missing or wrong in a report (empty when it is complete): the top-level keys, one
-    entry per step in ``STEPS`` order, each with a known status, its seconds, a ``reason`` when
+    entry per step in ``step_names()`` order, each with a known status, its seconds, a ``reason`` when
     skipped, failed, timed out or in error, and the summary its kind of step fills when it ran."""
     problems = []
     for key, kind in (("check", str), ("schema", int), ("dry_run", bool), ("started", str),
@@ -155,8 +180,8 @@ def validate_report(report: dict) -> list[str]:
             problems.append(f"machine.{key}: missing")
     steps = report.get("steps") or []
     names = [s.get("name") for s in steps]
-    if names != list(STEPS):
-        problems.append(f"steps: {names} instead of {list(STEPS)}")
+    if names != list(step_names()):
+        problems.append(f"steps: {names} instead of {list(step_names())}")
     for s in steps:
         name, status = s.get("name"), s.get("status")
         if status not in STATUSES:
@@ -482,15 +507,17 @@ def step_real_size_wan(out: Path, timeout: float, dry_run: bool, device: str) ->
 
 
 def run(out: Path, *, dry_run: bool = False, budget_s: float = BUDGET_SECONDS, device: str = "cuda",
-        steps: tuple[str, ...] = STEPS, say: Callable[[str], None] = print) -> dict:
-    """Every step in order inside ``budget_s``; returns the report (also written to ``out``).
+        steps: tuple[str, ...] | None = None, say: Callable[[str], None] = print) -> dict:
+    """Every step in order inside ``budget_s`` (``steps``: the ones to run, the others reported as
+    not asked for; None: all); returns the report (also written to ``out``).
     Without CUDA and without ``dry_run`` the CUDA steps are skipped with that reason."""
     import torch
 
     t0 = time.perf_counter()
     report = new_report(dry_run, budget_s)
     no_cuda = device == "cuda" and not torch.cuda.is_available()
-    for name in STEPS:
+    steps = step_names() if steps is None else steps
+    for name in step_names():
         left = budget_s - (time.perf_counter() - t0)
         start = time.perf_counter()
         if name not in steps:
@@ -500,7 +527,7 @@ def run(out: Path, *, dry_run: bool = False, budget_s: float = BUDGET_SECONDS, d
         elif no_cuda and not dry_run and name != "cuda-tests":
             result = {"status": "skipped", "reason": "torch sees no CUDA device", "summary": {}}
         else:
-            timeout = min(STEP_SECONDS[name], left)
+            timeout = min(step_seconds(name), left)
             say(f"gpu-check: {name} (at most {timeout:.0f} s)")
             try:
                 if name == "cuda-tests":
@@ -565,10 +592,12 @@ def _max_abs_diff(a, b) -> float:
     return float((a - b).abs().max()) if a.shape == b.shape else float("inf")
 
 
-class _Spec:
-    """How the check drives one pipeline: load it, call it, read its comparable output."""
+class PipelineCheck:
+    """How the check drives one pipeline: load it, call it, read its comparable output (a served
+    modality names its subclass in ``ModalitySpec.device_check``)."""
 
     name: str
+    seconds: float = 60.0          # the step's time limit
     methods: tuple[str, ...]       # the lossless methods checked for greedy identity (after "none")
     speed_methods: tuple[str, ...]  # the interleaved speed run ("none" first)
     offload_methods: tuple[str, ...]
@@ -594,7 +623,8 @@ class _Spec:
         raise NotImplementedError
 
 
-class _ARImage(_Spec):
+class ARImageCheck(PipelineCheck):
+    seconds = 100
     name = "ar-image"
     compiles = True
     methods = ("sd", "eagle", "medusa", "sjd", "mcsjd")
@@ -617,7 +647,8 @@ class _ARImage(_Spec):
         return out.tokens
 
 
-class _VLM(_Spec):
+class VLMCheck(PipelineCheck):
+    seconds = 75
     name = "vlm"
     compiles = True
     methods = ("sd", "lookup", "eagle", "specvlm", "vispec", "medusa")
@@ -640,7 +671,8 @@ class _VLM(_Spec):
         return out.tokens
 
 
-class _Continuous(_Spec):
+class ContinuousCheck(PipelineCheck):
+    seconds = 40
     name = "continuous"
     greedy = False
     compiles = True
@@ -664,7 +696,8 @@ class _Continuous(_Spec):
         return out.latents
 
 
-class _Video(_Spec):
+class VideoCheck(PipelineCheck):
+    seconds = 30
     name = "video"
     greedy = False
     decodes = False
@@ -688,12 +721,13 @@ class _Video(_Spec):
         return out.frames
 
 
-class _WanTiny(_Video):
+class WanTinyCheck(VideoCheck):
     """diffusers' Wan classes through ``from_wan`` (``mmspec.bench.wan_tiny``, random weights, 128 x
     128 pixels): the attention processors and the core's cache on the GPU, rolling against
     recompute, offload."""
 
     name = "wan-tiny"
+    seconds = 45
     source = "mmspec.bench.wan_tiny (random weights, built in code)"
 
     def load(self, dtype, device):
@@ -710,7 +744,6 @@ class _WanTiny(_Video):
                                                                             else {}))
 
 
-SPECS = {"ar-image": _ARImage, "vlm": _VLM, "continuous": _Continuous, "video": _Video, "wan-tiny": _WanTiny}
 
 
 def count_syncs(call: Callable[[], Any]) -> tuple[int, int]:
@@ -765,7 +798,7 @@ def check_pipeline(name: str, device: str = "cuda", *, dtypes: tuple[str, ...] =
     import torch
 
     say = progress or (lambda msg: None)
-    spec = SPECS[name](Path(model_dir or ASSETS / name), quick)
+    spec = pipeline_checks()[name](Path(model_dir or ASSETS / name), quick)
     result: dict[str, Any] = {"pipeline": name, "device": device, "model_dir": spec.source,
                               "identity": [], "speed": {}, "offload": [], "problems": [], "errors": []}
     if not spec.greedy:
@@ -893,9 +926,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="every CUDA step reported as skipped")
     p.add_argument("--budget", type=float, default=BUDGET_SECONDS,
                    help=f"seconds for all steps (default {BUDGET_SECONDS:.0f})")
-    p.add_argument("--steps", nargs="+", choices=STEPS, default=list(STEPS), help="run only these steps")
+    p.add_argument("--steps", nargs="+", choices=step_names(), default=None, help="run only these steps")
     p.add_argument("--device", default="cuda", help="the pipelines' device (default cuda)")
-    p.add_argument("--pipeline", choices=PIPELINES, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--pipeline", choices=pipeline_names(), default=None, help=argparse.SUPPRESS)
     p.add_argument("--real-size", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--real-size-wan", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--vlm-heavy", action="store_true", help=argparse.SUPPRESS)
@@ -951,7 +984,8 @@ def cmd(args: argparse.Namespace) -> int:
                               progress=lambda m: print(m, flush=True)))
         return 0
     out = Path(args.out or os.environ.get("OUT") or DEFAULT_OUT)
-    report = run(out, dry_run=args.dry_run, budget_s=args.budget, device=args.device, steps=tuple(args.steps))
+    report = run(out, dry_run=args.dry_run, budget_s=args.budget, device=args.device,
+                 steps=None if args.steps is None else tuple(args.steps))
     print(format_summary(report))
     print(f"report: {out / 'report.json'}, {out / 'summary.txt'}")
     if report.get("schema_problems"):

@@ -6,6 +6,9 @@ samples ``/proc`` at the start, every ``interval`` seconds while the bench runs,
 "competing" CPU is what processes outside the bench's own process tree used between two samples, in
 cores. A run is ``quiet`` when no sample saw competing processes use ``BUSY_CORES`` or more.
 Linux only (``/proc``); elsewhere the record says ``available: False``.
+
+And what a bench's process holds: ``rss_mb`` (its resident set now) and ``trim_heap`` (glibc's
+``malloc_trim(0)``: the heap's free pages back to the OS, so the resident set reads live memory).
 """
 
 from __future__ import annotations
@@ -158,3 +161,34 @@ class LoadMonitor:
 
 
 __all__ = ["BUSY_CORES", "LoadMonitor"]
+
+
+# -- resident memory -----------------------------------------------------------------------------
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def trim_heap() -> bool:
+    """Hand the C heap's free memory back to the OS (glibc's ``malloc_trim(0)``), so the RSS
+    reads live memory rather than what earlier work freed; False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def rss_mb() -> float:
+    """This process's resident set size in MB (``/proc/self/statm``; the peak from
+    ``resource.getrusage`` where there is no /proc, which only grows)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * _PAGE / 2**20
+    except OSError:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / 2**20 if sys.platform == "darwin" else peak / 1024

@@ -210,11 +210,15 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     ``exact``: every ``check_every``-th round the row's answer equals the target alone's on a fork
     of the same stream. ``rss_mb_start`` / ``rss_mb_end``: the process's peak resident set before
     the first round and after the last; ``resident_mb_*``: its resident set after each round (mean
-    of the first and last 10% of rounds, and its slope in MB per 1,000 frames)."""
+    of the first and last 10% of rounds, and its slope in MB per 1,000 frames), and
+    ``trimmed_mb_*`` the same after glibc's ``malloc_trim(0)`` has returned the heap's free pages:
+    the first counts what the allocator keeps, the second what the process holds (None where
+    there is no glibc)."""
     import resource
 
     from ..pipelines import SpeculativeVLMPipeline
-    from .stats import fit_slope
+    from ..eval.stats import fit_slope
+    from .machine import rss_mb, trim_heap
 
     say = progress or (lambda msg: None)
     pipe = SpeculativeVLMPipeline.from_pretrained(cfg.pipeline_dir).to(cfg.device)
@@ -226,7 +230,7 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     sessions = {label: pipe.stream(chunk_frames=cfg.chunk_frames, **STREAM_POLICY) for label in labels}
     acc = {label: dict(ms=[], nfe=[], longest=0, checked=0, exact=True) for label in labels}
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    rss = []  # the process's resident set after each round, MB (Linux: /proc/self/statm)
+    rss, trimmed = [], []  # the process's resident set after each round, MB (machine.rss_mb)
     nbytes = {label: s.stream.cache.nbytes() for label, s in sessions.items()}
     for i in range(rounds):
         if i % 50 == 0:
@@ -248,7 +252,8 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
                 a["exact"] = a["exact"] and out.tokens == ref.tokens
             check(session.stream.cache.nbytes() == nbytes[label], "the stream's cache", "of a fixed size",
                   session.stream.cache.nbytes())
-        rss.append(_resident_mb())
+        rss.append(rss_mb())
+        trimmed.append(rss_mb() if trim_heap() else None)
     rows = []
     frames = [(i + 1) * cfg.chunk_frames for i in range(rounds)]
     tenth = max(1, rounds // 10)
@@ -262,29 +267,22 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
                          nfe_per_answer=sum(a["nfe"]) / rounds, longest_context=a["longest"],
                          cache_mb=nbytes[label] / 2 ** 20, wall_speedup=base / sum(a["ms"]),
                          exact=a["exact"] if a["checked"] else None, checked=a["checked"]))
-    rss_fit = fit_slope(frames, rss) if None not in rss else {}
+    rss_fit = fit_slope(frames, rss)
+    trim_fit = fit_slope(frames, trimmed) if None not in trimmed else {}
     setup = dict(scenario="stream", pipeline=cfg.pipeline_dir, device=cfg.device, frames=cfg.frames,
                  chunk_frames=cfg.chunk_frames, max_new_tokens=cfg.stream_new_tokens, policy=STREAM_POLICY,
                  threads=torch.get_num_threads(), rss_mb_start=rss0,
                  rss_mb_end=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                 resident_mb_first_10pct=None if None in rss else sum(rss[:tenth]) / tenth,
-                 resident_mb_last_10pct=None if None in rss else sum(rss[-tenth:]) / tenth,
+                 resident_mb_first_10pct=sum(rss[:tenth]) / tenth, resident_mb_last_10pct=sum(rss[-tenth:]) / tenth,
                  resident_slope_mb_per_1000_frames=rss_fit.get("slope"),
                  resident_slope_ci=[rss_fit.get("ci_low"), rss_fit.get("ci_high")],
+                 trimmed_mb_first_10pct=None if None in trimmed else sum(trimmed[:tenth]) / tenth,
+                 trimmed_mb_last_10pct=None if None in trimmed else sum(trimmed[-tenth:]) / tenth,
+                 trimmed_slope_mb_per_1000_frames=trim_fit.get("slope"),
+                 trimmed_slope_ci=[trim_fit.get("ci_low"), trim_fit.get("ci_high")],
                  wall_speedup=f"answer time of {labels[0]} over the row's, same stream contents",
                  order="rounds outer, rows inner; each row its own stream of the same frames and questions")
     return dict(bench="vlm", setup=setup, rows=rows, notes=[])
-
-
-def _resident_mb() -> float | None:
-    """The process's resident set now, in MB (``/proc/self/statm``; None where there is none)."""
-    import os
-
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2 ** 20
-    except OSError:
-        return None
 
 
 def run(cfg: VLMBenchConfig, progress=None) -> dict:

@@ -1,11 +1,16 @@
 """``mmspec generate MODALITY``: run a bundled pipeline: images (ar-image, continuous), answers (vlm)
-or videos (video). Method names and knobs come from the method registry (``mmspec.methods``)."""
+or videos (video). Method names and knobs come from the method registry (``mmspec.methods``).
+
+The subcommands are the served modalities (``mmspec.serve.SPECS``) whose spec names a
+``GenerateCommand`` (``ModalitySpec.generate``), in their registration order."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .common import (ROOT, existing_dir, image_file, non_empty, non_negative_float, non_negative_int, output_dir,
                      output_file, positive_float, positive_int, probability, set_threads)
@@ -17,8 +22,30 @@ def register_subcommand(subparsers) -> None:
     gen = subparsers.add_parser(NAME, help="run a bundled pipeline: images (ar-image, continuous), answers (vlm) "
                                            "or videos (video)")
     kinds = gen.add_subparsers(dest="kind", required=True)
-    for add in MODALITIES.values():
-        add(kinds)
+    for command in commands().values():
+        command.add(kinds)
+
+
+@dataclass(frozen=True)
+class GenerateCommand:
+    """One modality's ``mmspec generate KIND``, named by its ``ModalitySpec.generate``.
+
+    ``add(subparsers)`` adds the subcommand's parser (named after the kind); ``run(args) -> int``
+    runs it. ``registry_knobs``: whether ``--method`` and ``--knob`` resolve through the method
+    registry before any model loads (``args.method_knobs``); False where the command checks its own
+    options (video: cache modes)."""
+
+    add: Callable[[argparse._SubParsersAction], None]
+    run: Callable[[argparse.Namespace], int]
+    registry_knobs: bool = True
+
+
+def commands() -> dict[str, GenerateCommand]:
+    """``{kind: command}`` of the served modalities that have one, in registration order."""
+    from .. import serve
+    from ..utils.refs import load_ref
+
+    return {kind: load_ref(spec.generate) for kind, spec in serve.SPECS.items() if spec.generate is not None}
 
 
 def _add_common(p) -> None:
@@ -120,16 +147,10 @@ def _add_continuous(kinds) -> None:
     _add_common(c)
 
 
-MODALITIES = {"vlm": _add_vlm, "video": _add_video, "ar-image": _add_ar_image, "continuous": _add_continuous}
-"""``{modality: add_parser(subparsers)}`` in ``mmspec generate --help`` order: the registered
-modalities (``mmspec.methods.modalities()``) that have a bundled pipeline, each with options of
-its own (``"text"`` has no bundled pipeline)."""
-
-
 def check(args) -> None:
     """Method names and ``--knob`` items through the method registry (``ValueError`` naming them),
     before any model loads; the typed knobs go to ``args.method_knobs``."""
-    if args.kind != "video":
+    if commands()[args.kind].registry_knobs:
         args.method_knobs = _knobs(args.knob, args.kind, args.method)
 
 
@@ -170,18 +191,18 @@ def _knob_value(text: str, spec):
 
 
 def run(args) -> int:
+    set_threads(args.threads)
+    return commands()[args.kind].run(args)
+
+
+def _generate_images(args) -> int:
+    """Class prompts to PNGs through the kind's pipeline (ar-image, continuous)."""
     import torch
 
-    set_threads(args.threads)
-    if args.kind == "video":
-        return _generate_video(args)
-    if args.kind == "vlm":
-        return _generate_vlm(args, args.method_knobs)
-    from ..pipelines import SpeculativeARImagePipeline, SpeculativeContinuousARPipeline
+    from .. import serve
 
-    cls = SpeculativeContinuousARPipeline if args.kind == "continuous" else SpeculativeARImagePipeline
-    pipe = cls.from_pretrained(args.model)
-    pipe.set_progress_bar_config(disable=args.quiet)
+    pipe = serve.spec(args.kind).load(args.model)
+    pipe.set_progress_bar_config(disable=args.quiet)  # load() turned it off
     out = pipe(prompt=args.prompt, method=args.method, method_knobs=args.method_knobs,
                guidance_scale=args.guidance_scale, temperature=args.temperature,
                num_images_per_prompt=args.num_images, generator=torch.Generator().manual_seed(args.seed))
@@ -194,7 +215,7 @@ def run(args) -> int:
     return 0
 
 
-def _generate_vlm(args, knobs: dict) -> int:
+def _generate_vlm(args) -> int:
     import PIL.Image
     import torch
 
@@ -204,7 +225,7 @@ def _generate_vlm(args, knobs: dict) -> int:
         image = image.convert("RGB")  # as diffusers' load_image: a file's mode is not the caller's choice
     pipe = SpeculativeVLMPipeline.from_pretrained(args.model)
     pipe.set_progress_bar_config(disable=args.quiet)
-    out = pipe(images=[image], prompts=[args.prompt], method=args.method, method_knobs=knobs,
+    out = pipe(images=[image], prompts=[args.prompt], method=args.method, method_knobs=args.method_knobs,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                generator=torch.Generator().manual_seed(args.seed))
     s = out.stats
@@ -251,3 +272,9 @@ def _save_images(images, out: Path, method: str, prompts) -> list[Path]:
             image.save(tmp)
         paths.append(path)
     return paths
+
+
+AR_IMAGE = GenerateCommand(_add_ar_image, _generate_images)
+CONTINUOUS = GenerateCommand(_add_continuous, _generate_images)
+VLM = GenerateCommand(_add_vlm, _generate_vlm)
+VIDEO = GenerateCommand(_add_video, _generate_video, registry_knobs=False)

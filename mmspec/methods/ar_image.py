@@ -36,9 +36,8 @@ from .shared import SD, MedusaConfig, TreeConfig, agreement
 
 MODALITY = "ar-image"
 # the AR heads' tree: small, because this CPU verifies up to about 6 tokens at one token's cost on
-# the bundled target and not much more (``mmspec bench cost``'s curve). From a quiet interleaved
-# sweep of 12 images against target-only: (top_k, total_tokens) (1, 3) 0.89x, (1, 5) 1.09x,
-# (2, 4) 1.07x, (2, 6) 1.07x, (3, 6) 1.17x, (2, 8) 1.03x, (3, 8) 1.16x, (4, 10) 1.11x
+# the bundled target and not much more (``mmspec bench cost``'s curve); (3, 6) was the fastest of
+# a quiet sweep of (top_k, total_tokens) against target-only (docs/costs.md)
 MEDUSA_DEFAULTS = {"medusa_top_k": 3, "medusa_total_tokens": 6}
 register_modality(MODALITY, components=("target", "codebook"),
                   defaults=MEDUSA_DEFAULTS,
@@ -144,23 +143,11 @@ def _bind_to_target(head, components):
 COMPONENTS = {
     "sd": Component("draft_model", "mmspec.models.llamagen:LlamaGenModel", doc="a small LlamaGen-style draft model"),
     "eagle": Component("eagle_head", "mmspec.models.eagle:EagleDraftHead", _bind_to_target,
-                       doc="EAGLE's feature head on the target"),
+                       doc="EAGLE's feature head on the target", timing="features"),
     "medusa": Component("medusa_head", "mmspec.models.medusa:GridMedusaHeads", _bind_to_target,
-                        doc="parallel Medusa heads on the target's features"),
+                        doc="parallel Medusa heads on the target's features", timing="heads"),
 }
 """The pipeline component of each trained drafter part."""
-
-
-def _train_draft(kind: str):
-    """``train`` of the ``ar-draft`` recipe of ``kind`` (``mmspec.training.recipes.train_ar_draft``)."""
-
-    def train(out_dir, *, vq, target=None, heads=None, data=None, **run) -> dict:
-        from ..training.recipes import train_ar_draft
-
-        return train_ar_draft(out_dir, kind=kind, vq_dir=vq, target_dir=target, data_dir=data,
-                              **({} if heads is None else {"medusa_heads": heads}), **run)
-
-    return train
 
 
 def _report_draft(log: dict) -> str:
@@ -169,8 +156,8 @@ def _report_draft(log: dict) -> str:
     return f"{metric}, {log['wall_time_s']:.0f} s"
 
 
-# one thread, batch 16: ~0.33 s per eagle step (the frozen target's forward dominates), ~0.2 s per
-# chain step; about 5 and 3.5 minutes with tokenizing
+# sized from measured step times at one thread, batch 16 (the frozen target's forward dominates an
+# eagle step): minutes per run (docs/costs.md)
 _DRAFT_DEFAULTS = dict(steps=800, batch_size=16, lr=1e-3, dataset_size=4096)
 _VQ = ("--vq", str, REQUIRED, "folder written by 'mmspec train vq'")
 _TARGET = ("--target", str, REQUIRED, "the AR model it drafts for")
@@ -187,16 +174,17 @@ _HEAD_OPTIONS = (
                             "those of the LlamaGen config with its depth and width, GPT-B ... GPT-7B)"),
     ("--image-size", int, None, "when --vq is a LlamaGen VQ checkpoint: the image side it encodes (default 256)"),
 )
+_TRAIN = "mmspec.training.recipes.registered:"  # the recipes' train functions, imported when run
 TRAINING = {
     "sd": TrainingRecipe(
-        "ar-sd", _train_draft("chain"), "heldout_loss", alias="ar-draft --kind chain", report=_report_draft,
+        "ar-sd", _TRAIN + "ar_sd", "heldout_loss", alias="ar-draft --kind chain", report=_report_draft,
         options=(("--target", str, None, "folder written by 'mmspec train ar-image' (checked and recorded)"), _VQ),
         defaults=_DRAFT_DEFAULTS, doc="the AR image model's chain draft: a small AR model on the VQ's ids"),
     "eagle": TrainingRecipe(
-        "ar-eagle", _train_draft("eagle"), "heldout_top1", alias="ar-draft --kind eagle", report=_report_draft,
+        "ar-eagle", _TRAIN + "ar_eagle", "heldout_top1", alias="ar-draft --kind eagle", report=_report_draft,
         options=_HEAD_OPTIONS, defaults=_DRAFT_DEFAULTS, doc="EAGLE's feature head on the AR image model"),
     "medusa": TrainingRecipe(
-        "ar-medusa", _train_draft("medusa"), "heldout_top1", alias="ar-draft --kind medusa", report=_report_draft,
+        "ar-medusa", _TRAIN + "ar_medusa", "heldout_top1", alias="ar-draft --kind medusa", report=_report_draft,
         options=(*_HEAD_OPTIONS, ("--heads", int, None, "parallel heads, the tree's depth below the root (default 4, "
                                                        "less than the grid's width)")),
         defaults=_DRAFT_DEFAULTS, doc="Medusa heads on the AR image model's features (root token, token above, "

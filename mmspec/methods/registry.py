@@ -21,13 +21,13 @@ model exists.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
 from ..core.errors import check, check_choice
+from ..utils.refs import is_ref, load_ref
 from .knobs import KnobSpec, config_specs
 
 KINDS = ("schedule", "drafter", "rule")
@@ -129,6 +129,10 @@ def _identity(obj, components):
     return obj
 
 
+TIMINGS = ("tokens", "features", "heads", "span")
+"""How a ``Component``'s passes are timed (``Component.timing``)."""
+
+
 @dataclass(frozen=True)
 class Component:
     """A pipeline component a part needs (a trained drafter's model or head).
@@ -144,6 +148,12 @@ class Component:
         provides: the name parts ``require`` and ``build`` reads (default: ``name``), e.g. the
             VLM's ``draft_model`` provides ``"draft"``, its ``VLMTarget`` view.
         doc: one line: what it is.
+        timing: how ``mmspec bench cost`` times its passes (``TIMINGS``): ``"tokens"``, a model
+            called as ``forward(tokens, positions, cache, tree_mask)`` (a draft model);
+            ``"features"``, a head called as ``forward(features, tokens, positions, cache,
+            tree_mask)`` (EAGLE's); ``"heads"``, parallel heads scoring a whole draft from one
+            feature per row (Medusa's); ``"span"``, a transformers model run from its input
+            embedding to its LM head (a VLM draft model).
     """
 
     name: str
@@ -151,23 +161,20 @@ class Component:
     bind: Callable[[Any, Mapping[str, Any]], Any] = _identity
     provides: str = ""
     doc: str = ""
+    timing: str = "tokens"
 
     def __post_init__(self):
         check(isinstance(self.name, str) and re.fullmatch(r"[a-z][a-z0-9_]*", self.name) is not None, "name",
               "a lower-case identifier (the pipeline attribute)", self.name)
-        check(isinstance(self.cls, type) or (isinstance(self.cls, str) and re.fullmatch(
-            r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", self.cls) is not None), "cls", "a class or a 'module:Class' string",
-              self.cls)
+        check(isinstance(self.cls, type) or is_ref(self.cls), "cls", "a class or a 'module:Class' string", self.cls)
         check(callable(self.bind), "bind", "a callable bind(obj, components)", self.bind)
+        check_choice("timing", self.timing, TIMINGS)
         if not self.provides:
             object.__setattr__(self, "provides", self.name)
 
     def load_class(self) -> type:
         """The component's class (``cls`` imported when given as ``"module:Class"``)."""
-        if isinstance(self.cls, type):
-            return self.cls
-        module, _, name = self.cls.partition(":")
-        return getattr(importlib.import_module(module), name)
+        return load_ref(self.cls)
 
 
 class _Required:
@@ -193,7 +200,9 @@ class TrainingRecipe:
         train: ``train(out_dir, **options) -> dict`` (the training log), writing a checkpoint
             folder the component's class loads with ``from_pretrained``; ``options`` are the CLI
             options below plus ``steps``, ``batch_size``, ``lr``, ``seed``, ``dataset_size``,
-            ``log_every`` and ``log``.
+            ``log_every`` and ``log``. A callable, or ``"module:function"``, imported when the
+            recipe runs (``trainer``), so registering imports no training code (the bundled
+            drafters name ``mmspec.training.recipes.registered``'s functions so).
         options: the recipe's own CLI options: ``(flag, type, default, help)`` tuples, e.g.
             ``("--target", str, None, "the AR pipeline folder")``; the option's value is passed as
             the flag's name without dashes (``target=...``); a default of ``REQUIRED`` makes the
@@ -212,7 +221,7 @@ class TrainingRecipe:
     """
 
     name: str
-    train: Callable[..., dict | None]
+    train: Callable[..., dict | None] | str
     heldout_metric: str
     options: tuple[tuple[str, type, Any, str], ...] = ()
     defaults: Mapping[str, Any] = field(default_factory=lambda: dict(steps=100, batch_size=8, lr=1e-3,
@@ -225,7 +234,8 @@ class TrainingRecipe:
     def __post_init__(self):
         check(isinstance(self.name, str) and re.fullmatch(r"[a-z][a-z0-9-]*", self.name) is not None, "name",
               "a lower-case subcommand name", self.name)
-        check(callable(self.train), "train", "a callable train(out_dir, **options) -> dict", self.train)
+        check(callable(self.train) or is_ref(self.train), "train",
+              "a callable train(out_dir, **options) -> dict or a 'module:function' string", self.train)
         check(isinstance(self.heldout_metric, str) and self.heldout_metric != "", "heldout_metric",
               "the key of the training log to report", self.heldout_metric)
         for opt in self.options:
@@ -240,6 +250,17 @@ class TrainingRecipe:
         check(isinstance(self.alias, str) and (self.alias == "" or re.fullmatch(
             r"[a-z][a-z0-9-]*( --[a-z][a-z0-9-]* [a-z][a-z0-9_-]*)?", self.alias) is not None), "alias",
               "'' or a subcommand as typed, with at most one selecting option ('ar-draft --kind chain')", self.alias)
+
+    def trainer(self) -> Callable[..., dict | None]:
+        """The ``train`` callable (``train`` imported when given as ``"module:function"``); a name
+        that does not import raises ``ValueError`` naming the recipe."""
+        try:
+            fn = load_ref(self.train)
+        except (ImportError, AttributeError) as err:
+            raise ValueError(f"recipe {self.name!r}: train names {self.train}, which cannot be imported "
+                             f"({err})") from None
+        check(callable(fn), f"recipe {self.name!r}'s train", "a callable train(out_dir, **options)", fn)
+        return fn
 
     def option_values(self, given: Mapping[str, Any]) -> dict[str, Any]:
         """``{name: value}`` of the recipe's options (``--rollout-steps`` is ``rollout_steps``):
@@ -277,7 +298,7 @@ class Modality:
 
 
 @dataclass(frozen=True)
-class Recipe:
+class MethodRecipe:
     """A resolved method: validated parts and configs, no model involved.
 
     ``parts`` are part names in kind order (schedule, drafter, rule); ``configs`` maps each part to
@@ -469,7 +490,7 @@ def parts_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def resolve(modality_name: str, method: str, knobs: Mapping[str, Any] | None = None) -> Recipe:
+def resolve(modality_name: str, method: str, knobs: Mapping[str, Any] | None = None) -> MethodRecipe:
     """Validate ``method`` and ``knobs`` for a modality; no model is needed.
 
     ``method`` is a named method or a ``+`` composition of the modality's parts. Unknown methods,
@@ -502,12 +523,13 @@ def knobs(modality_name: str, method: str) -> dict[str, KnobSpec]:
     return out
 
 
-def build(recipe: Recipe, components: Mapping[str, Any]) -> Composition:
+def build(recipe: MethodRecipe, components: Mapping[str, Any]) -> Composition:
     """Build ``recipe``'s core objects from model ``components`` (``{"target": ..., ...}``).
 
     Unknown component names and a missing (or ``None``) component the recipe needs raise
     ``ValueError`` naming it, before any part is built."""
-    check(isinstance(recipe, Recipe), "recipe", "a Recipe from mmspec.methods.resolve", type(recipe).__name__)
+    check(isinstance(recipe, MethodRecipe), "recipe", "a MethodRecipe from mmspec.methods.resolve",
+          type(recipe).__name__)
     mod = modality(recipe.modality)
     check(isinstance(components, Mapping), "components", "a mapping of component names to objects",
           type(components).__name__)
@@ -531,7 +553,7 @@ def _method_choices(mod: Modality) -> str:
             f"composition of its parts ({grammar})")
 
 
-def _resolve(mod: Modality, name: str, spec: str, presets: Mapping[str, Any], given: dict, doc: str) -> Recipe:
+def _resolve(mod: Modality, name: str, spec: str, presets: Mapping[str, Any], given: dict, doc: str) -> MethodRecipe:
     tokens = [] if spec == "" or spec == "none" else spec.split("+")
     for t in tokens:
         check(t in mod.parts, "method", _method_choices(mod), name)
@@ -585,8 +607,8 @@ def _resolve(mod: Modality, name: str, spec: str, presets: Mapping[str, Any], gi
                   + ("" if kind in part.implies else " or none") + why, name)
     requires = tuple(dict.fromkeys(r for p in ordered for r in p.requires))
     doc = doc or " + ".join(p.doc for p in ordered) or "the target alone"
-    return Recipe(name, mod.name, tuple(p.name for p in ordered), tuple(p.kind for p in ordered), configs, values,
-                  requires, all(p.lossless for p in ordered), doc)
+    return MethodRecipe(name, mod.name, tuple(p.name for p in ordered), tuple(p.kind for p in ordered), configs,
+                        values, requires, all(p.lossless for p in ordered), doc)
 
 
 def _default_config(part: Part, mod: Modality):

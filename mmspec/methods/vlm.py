@@ -121,35 +121,14 @@ def _draft_view(model, components):
 
 COMPONENTS = {
     "sd": Component("draft_model", "transformers:LlavaForConditionalGeneration", _draft_view, provides="draft",
-                    doc="a small VLM with the target's tokenizer"),
-    **{h: Component(f"{h}_head", "mmspec.models.vlm_draft:VLMDraftHead", doc=f"the {h} draft head")
-       for h in HEADS},
-    "medusa": Component("medusa_head", "mmspec.models.medusa:MedusaHeads", doc="parallel Medusa heads"),
+                    doc="a small VLM with the target's tokenizer", timing="span"),
+    **{h: Component(f"{h}_head", "mmspec.models.vlm_draft:VLMDraftHead", doc=f"the {h} draft head",
+                    timing="features") for h in HEADS},
+    "medusa": Component("medusa_head", "mmspec.models.medusa:MedusaHeads", doc="parallel Medusa heads",
+                        timing="heads"),
 }
 """The pipeline component of each trained drafter part (the draft VLM may be any class the
 adapter takes: LLaVA, Qwen2-VL, Qwen2.5-VL)."""
-
-
-def _train_draft_vlm(out_dir, **run) -> dict:
-    from ..training.recipes import train_vlm
-
-    return train_vlm(out_dir, size="draft", **run)
-
-
-def _train_head(method: str):
-    """``train`` of the ``vlm-draft`` recipe of ``method`` (``mmspec.training.recipes.train_vlm_draft``)."""
-
-    def train(out_dir, *, target, rollout_steps=None, heads=None, data=None, image_folder=None, regenerate=None,
-              tau_tokens=None, init=None, **run) -> dict | None:
-        from ..training.recipes import train_vlm_draft
-
-        extra = {} if tau_tokens is None else {"tau_tokens": tau_tokens}
-        extra.update({} if init is None else {"init": init})
-        return train_vlm_draft(out_dir, method=method, target_dir=target, rollout_steps=rollout_steps, data=data,
-                               image_folder=image_folder, regenerate=regenerate,
-                               **({} if heads is None else {"medusa_heads": heads}), **extra, **run)
-
-    return train
 
 
 def _report_head(log: dict) -> str:
@@ -160,7 +139,7 @@ def _report_head(log: dict) -> str:
             f"{log['processes']} process(es)")
 
 
-# two threads, batch 32: ~0.1 s per draft-VLM step (the defaults of the target's recipe, 'mmspec train vlm')
+# the defaults of the target's recipe ('mmspec train vlm'); a draft-VLM step's time: docs/costs.md
 _DRAFT_VLM_DEFAULTS = dict(steps=1600, batch_size=32, lr=1e-3, dataset_size=16000)
 _HEAD_DEFAULTS = dict(steps=1000, batch_size=16, lr=1e-3, dataset_size=8000)
 _HEAD_OPTIONS = (
@@ -174,17 +153,19 @@ _HEAD_OPTIONS = (
     ("--rollout-steps", int, None, "anti-shortcut rollout steps (default: 2 for vispec, 1 otherwise)"),
     ("--init", str, None, "fine-tune this saved head of the same method (e.g. one trained for another "
                           "resolution of the target) instead of starting fresh"))
+_TRAIN = "mmspec.training.recipes.registered:"  # the recipes' train functions, imported when run
 TRAINING = {
     "sd": TrainingRecipe(
-        "vlm-sd", _train_draft_vlm, "heldout_loss", defaults=_DRAFT_VLM_DEFAULTS,
+        "vlm-sd", _TRAIN + "vlm_sd", "heldout_loss", defaults=_DRAFT_VLM_DEFAULTS,
         report=lambda log: f"held-out loss {log['heldout_loss']:.4f} nats/answer token, {log['wall_time_s']:.0f} s",
         doc="the small draft VLM of 'sd' (as 'mmspec train vlm --size draft')"),
-    **{h: TrainingRecipe(f"vlm-{h}", _train_head(h), "heldout_top1", options=_HEAD_OPTIONS, defaults=_HEAD_DEFAULTS,
+    **{h: TrainingRecipe(f"vlm-{h}", _TRAIN + f"vlm_{h}", "heldout_top1", options=_HEAD_OPTIONS,
+                         defaults=_HEAD_DEFAULTS,
                          report=_report_head, alias=f"vlm-draft --method {h}",
                          doc=f"the VLM's {h} draft head by online-logit distillation")
        for h in HEADS},
     "medusa": TrainingRecipe(
-        "vlm-medusa", _train_head("medusa"), "heldout_top1", defaults=_HEAD_DEFAULTS, report=_report_head,
+        "vlm-medusa", _TRAIN + "vlm_medusa", "heldout_top1", defaults=_HEAD_DEFAULTS, report=_report_head,
         options=_HEAD_OPTIONS + (("--heads", int, None, "parallel heads, the tree's depth below the root "
                                                         "(default 6)"),),
         alias="vlm-draft --method medusa", doc="the VLM's Medusa heads (root token + global image feature) by "

@@ -4,21 +4,37 @@ methods."""
 
 from __future__ import annotations
 
+import functools
+import json
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..core.errors import check
+from ..core.errors import check, is_int
 from .passes import passes_from_tokens
-from .base import Models, Result, Runner, generators, plain_stats, register, resolve
+from .base import JobField, ModalitySpec, Models, Result, generators, plain_stats, register, resolve
 
 
 def ar_prompts() -> tuple[str, ...]:
-    """The class prompts the bundled AR model draws (``"a red circle"``, ...)."""
-    from ..training.data.shapes import CLASS_PROMPTS
+    """The class prompts the bundled AR model draws (``"a red circle"``, ...), in class-id order:
+    the first name of each id in the ``id2label`` its transformer config saves
+    (``assets/ar-image/transformer/config.json``; the labels live with the weights, so this reads one
+    small JSON file and loads no model), lower case with single spaces."""
+    from .base import ASSETS
 
-    return tuple(CLASS_PROMPTS)
+    return _saved_prompts(str(ASSETS / "ar-image" / "transformer" / "config.json"))
+
+
+@functools.lru_cache(maxsize=None)
+def _saved_prompts(path: str) -> tuple[str, ...]:
+    config = json.loads(Path(path).read_text())
+    id2label = config.get("id2label") or {}
+    n = config.get("num_classes")
+    check(is_int(n) and all(str(i) in id2label for i in range(n)), path,
+          "a class-conditioned transformer config naming every class in id2label", sorted(id2label))
+    return tuple(" ".join(id2label[str(i)].split(",")[0].lower().split()) for i in range(n))
 
 
 def check_ar_prompt(prompt) -> str:
@@ -86,10 +102,23 @@ def class_confidence(models: Models, images: list[np.ndarray], prompts: list[str
     return [round(float(probs[i, c]), 4) for i, c in enumerate(labels)]
 
 
+def check_ar_job(params: dict, method: str, knobs: dict, base) -> None:
+    """A batch job's class prompt (normalised in place) and CFG scale."""
+    params["prompt"] = check_ar_prompt(params["prompt"])
+    check(params["guidance_scale"] >= 0, "guidance_scale", "a number >= 0", params["guidance_scale"])
+
+
 def _run_jobs(models: Models, jobs: list[dict], seeds: list[int], method: str, knobs: dict | None) -> list[Result]:
     p = jobs[0]
     return run_ar(models, [j["prompt"] for j in jobs], seeds, method, knobs, guidance_scale=p["guidance_scale"],
                   temperature=p["temperature"], top_k=p["top_k"], top_p=p["top_p"])
 
 
-register(Runner("ar-image", "SpeculativeARImagePipeline", ar_batchable, _run_jobs))
+register(ModalitySpec(
+    "ar-image", title="AR image", pipeline="SpeculativeARImagePipeline", batchable=ar_batchable, run_jobs=_run_jobs,
+    job_fields={"prompt": JobField(str, required=True), "guidance_scale": JobField(float, 2.0),
+                "temperature": JobField(float, 1.0), "top_k": JobField(int, None, optional=True),
+                "top_p": JobField(float, None, optional=True)},
+    per_job=("prompt",), output_ext=".png", check_job=check_ar_job, slot_jobs="mmspec.serve.slots:ar_slot_jobs",
+    generate="mmspec.commands.generate:AR_IMAGE", demo_tab="ar_tab",
+    device_check="mmspec.bench.gpu_check:ARImageCheck", cost_target="mmspec.bench.cost.targets:ARImageCost"))

@@ -10,9 +10,9 @@ import torch
 
 from .. import methods
 from ..core.errors import check
-from .ar_image import check_ar_prompt
+from .ar_image import check_ar_job, check_ar_prompt
 from .passes import commit_passes
-from .base import Models, Result, Runner, check_seed, generators, plain_stats, register, resolve
+from .base import JobField, ModalitySpec, Models, Result, check_seed, generators, plain_stats, register, resolve
 
 
 def continuous_batchable(method: str, temperature: float) -> bool:
@@ -62,10 +62,24 @@ def run_continuous(models: Models, prompts: list[str], seeds: list[int], method:
             for i, img in enumerate(images)]
 
 
+def _check_job(params: dict, method: str, knobs: dict, base) -> None:
+    """A batch job's class prompt (normalised in place), CFG scale and temperature: MAR's
+    temperature scales the heads' noise, so 0 is not greedy here."""
+    check_ar_job(params, method, knobs, base)
+    check(params["temperature"] > 0, "temperature", "a number > 0", params["temperature"])
+
+
 def _run_jobs(models: Models, jobs: list[dict], seeds: list[int], method: str, knobs: dict | None) -> list[Result]:
     p = jobs[0]
     return run_continuous(models, [j["prompt"] for j in jobs], seeds, method, knobs,
                           guidance_scale=p["guidance_scale"], temperature=p["temperature"])
 
 
-register(Runner("continuous", "SpeculativeContinuousARPipeline", continuous_batchable, _run_jobs))
+register(ModalitySpec(
+    "continuous", title="Continuous tokens", pipeline="SpeculativeContinuousARPipeline",
+    batchable=continuous_batchable, run_jobs=_run_jobs,
+    job_fields={"prompt": JobField(str, required=True), "guidance_scale": JobField(float, 2.0),
+                "temperature": JobField(float, 1.0)},
+    per_job=("prompt",), output_ext=".png", check_job=_check_job, generate="mmspec.commands.generate:CONTINUOUS",
+    demo_tab="continuous_tab", device_check="mmspec.bench.gpu_check:ContinuousCheck",
+    cost_target="mmspec.bench.cost.targets:ContinuousCost"))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..core.errors import check
+from ..core.errors import check, check_int
 from .base import Models, check_seed
 from .slots import run_vlm_continuous
 from .vlm import check_requests
@@ -56,7 +56,7 @@ class SharedQueue:
     """
 
     def __init__(self, models: Models, slots: int = 4, window_s: float = 0.05):
-        check(isinstance(slots, int) and not isinstance(slots, bool) and slots >= 1, "slots", "an int >= 1", slots)
+        check_int(slots, "slots", 1)
         check(isinstance(window_s, (int, float)) and not isinstance(window_s, bool) and window_s >= 0, "window_s",
               "a number of seconds >= 0", window_s)
         self.models, self.slots, self.window_s = models, slots, float(window_s)

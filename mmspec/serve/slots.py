@@ -6,19 +6,19 @@ row refilled with the next job's prefill while the other rows keep decoding
 in finishing order; each ``Result`` is the job's own (the same tokens as ``run_vlm`` / ``run_ar``
 on the job alone where the runner's ``batchable`` holds), its ``stats`` the job's: ``nfe`` (its
 prefill and the batch passes it was in), ``new_tokens``, ``wall_seconds`` (from the call's start
-to the job's end) and ``batch`` (the slots). ``SLOT_RUNNERS`` holds them by kind for
-``mmspec batch --continuous``.
+to the job's end) and ``batch`` (the slots). ``vlm_slot_jobs`` / ``ar_slot_jobs`` run
+``mmspec batch --continuous``'s jobs through them (their kinds' ``ModalitySpec.slot_jobs``).
 """
 
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
 
-from ..core.errors import check
+from ..core.errors import check, check_int
 from .ar_image import check_ar_prompt
 from .base import Models, Result, generators, plain_stats, resolve
 from .passes import commit_passes
@@ -26,7 +26,7 @@ from .vlm import check_requests, open_image
 
 
 def _check_slots(slots) -> int:
-    check(isinstance(slots, int) and not isinstance(slots, bool) and slots >= 1, "slots", "an int >= 1", slots)
+    check_int(slots, "slots", 1)
     return slots
 
 
@@ -78,23 +78,24 @@ def run_ar_continuous(models: Models, prompts: list[str], seeds: list[int], meth
         yield served.index, _result(served, t0, slots, image=image, extra={"lossless": lossless})
 
 
-def _vlm_jobs(models: Models, jobs: list[dict], seeds: list[int], method: str, knobs: dict | None,
-              slots: int) -> Iterator[tuple[int, Result]]:
+def vlm_slot_jobs(models: Models, jobs: list[dict], seeds: list[int], method: str, knobs: dict | None,
+                  slots: int) -> Iterator[tuple[int, Result]]:
+    """``mmspec batch --continuous``'s same-group VLM jobs (parsed dicts; the first job's options
+    apply to all) through continuous batching, yielding ``(index, Result)`` as each ends: the VLM
+    kind's ``ModalitySpec.slot_jobs``."""
     p = jobs[0]
     images = [open_image(j["image"]) for j in jobs]  # batch jobs name image files
     return run_vlm_continuous(models, images, [j["question"] for j in jobs], seeds, method, knobs,
                               max_new_tokens=p["max_new_tokens"], temperature=p["temperature"], slots=slots)
 
 
-def _ar_jobs(models: Models, jobs: list[dict], seeds: list[int], method: str, knobs: dict | None,
-             slots: int) -> Iterator[tuple[int, Result]]:
+def ar_slot_jobs(models: Models, jobs: list[dict], seeds: list[int], method: str, knobs: dict | None,
+                 slots: int) -> Iterator[tuple[int, Result]]:
+    """``mmspec batch --continuous``'s same-group AR image jobs (parsed dicts; the first job's
+    options apply to all) through continuous batching, yielding ``(index, Result)`` as each ends:
+    the AR image kind's ``ModalitySpec.slot_jobs``."""
     p = jobs[0]
     return run_ar_continuous(models, [j["prompt"] for j in jobs], seeds, method, knobs,
                              guidance_scale=p["guidance_scale"], temperature=p["temperature"], top_k=p["top_k"],
                              top_p=p["top_p"], slots=slots)
 
-
-SLOT_RUNNERS: dict[str, Callable[..., Iterator[tuple[int, Result]]]] = {"vlm": _vlm_jobs, "ar-image": _ar_jobs}
-"""``run(models, jobs, seeds, method, knobs, slots)`` by job kind: same-group jobs (``mmspec
-batch``'s parsed dicts; the first job's options apply to all) through continuous batching, yielding
-``(index, Result)`` as each ends."""

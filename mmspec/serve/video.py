@@ -12,8 +12,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ..core.errors import check
-from .base import ASSETS, Models, Result, Runner, check_seed, register, resolve
+from ..core.errors import check, check_int, is_int
+from .base import ASSETS, JobField, ModalitySpec, Models, Result, check_seed, register, resolve
 
 VIDEO_MAX_FRAMES = 10_000
 """Frames one ``stream_video`` call (a batch job) may ask for; the pipeline itself streams without end."""
@@ -45,8 +45,7 @@ def video_schedule(prompt: str, switches=(), num_frames: int | None = None,
           "switches", "a list of (frame, prompt) pairs", switches)
     schedule = [(0, prompt)]
     for frame, text in sorted(switches, key=lambda s: s[0] if isinstance(s[0], int) else -1):
-        check(isinstance(frame, int) and not isinstance(frame, bool) and frame > 0, "switch frame",
-              "an int > 0 (frame 0 is the prompt's)", frame)
+        check(is_int(frame) and frame > 0, "switch frame", "an int > 0 (frame 0 is the prompt's)", frame)
         low = frame // C * C
         check(frame % C == 0, "switch frame", f"a multiple of the model's chunk ({C} frames): prompts switch at "
               f"chunk boundaries, e.g. {low or C} or {low + C}", frame)
@@ -100,8 +99,7 @@ def stream_video(models: Models, prompt: str, seed: int, num_frames: int, method
     (``video_stats``). ``method`` is a cache mode (``methods.names("video")``) with its
     ``knobs``; ``switches`` ``(frame, prompt)`` pairs. Every input is checked here, before any
     model loads; the pipeline's own checks (the RoPE range) run before its first chunk."""
-    check(isinstance(num_frames, int) and not isinstance(num_frames, bool) and 1 <= num_frames <= VIDEO_MAX_FRAMES,
-          "num_frames", f"an int in [1, {VIDEO_MAX_FRAMES}]", num_frames)
+    check_int(num_frames, "num_frames", 1, VIDEO_MAX_FRAMES)
     schedule = video_schedule(prompt, switches, num_frames, models.assets)
     kwargs = check_video_knobs(method, knobs, models.assets)
     seed = check_seed(seed)
@@ -165,9 +163,31 @@ def write_video(frames: np.ndarray, path: str | Path, fps: int = 16, scale: int 
     return save_video([PIL.Image.fromarray(f) for f in frames], path, fps=fps, scale=scale)
 
 
+VIDEO_FORMATS = ("mp4", "gif")
+"""A video job's ``format``: its file's type."""
+
+
+def _check_job(params: dict, method: str, knobs: dict, base) -> None:
+    """A batch video job's length, prompt switches (as ``(frame, prompt)`` pairs after the first
+    prompt, in place), cache-mode knobs, file format, fps and scale."""
+    check(1 <= params["frames"] <= VIDEO_MAX_FRAMES, "frames", f"an int in [1, {VIDEO_MAX_FRAMES}]", params["frames"])
+    params["switches"] = video_schedule(params["prompt"], params["switches"], params["frames"])[1:]
+    check_video_knobs(method, knobs)
+    check(params["format"] in VIDEO_FORMATS, "format", "one of " + ", ".join(map(repr, VIDEO_FORMATS)),
+          params["format"])
+    check(1 <= params["fps"] <= 120, "fps", "an int in [1, 120]", params["fps"])
+    check(1 <= params["scale"] <= 32, "scale", "an int in [1, 32]", params["scale"])
+
+
 def _run_jobs(models: Models, jobs: list[dict], seeds: list[int], method: str, knobs: dict | None) -> list[Result]:
     return [run_video(models, j["prompt"], seed, j["frames"], method, knobs, j["switches"])
             for j, seed in zip(jobs, seeds)]
 
 
-register(Runner("video", "StreamingVideoPipeline", video_batchable, _run_jobs))
+register(ModalitySpec(
+    "video", title="Streaming video", pipeline="StreamingVideoPipeline", batchable=video_batchable,
+    run_jobs=_run_jobs,
+    job_fields={"prompt": JobField(str, required=True), "frames": JobField(int, 48), "switches": JobField(list, ()),
+                "format": JobField(str, "mp4"), "fps": JobField(int, 16), "scale": JobField(int, 8)},
+    per_job=("prompt", "switches"), output_ext=".mp4", default_method="rolling", check_job=_check_job,
+    generate="mmspec.commands.generate:VIDEO", demo_tab="video_tab", device_check="mmspec.bench.gpu_check:VideoCheck"))

@@ -14,18 +14,22 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from ..core.errors import check
+from ..core.errors import check, check_int, is_int
 from .passes import commit_passes, passes_from_tokens
-from .base import Models, Result, Runner, generators, plain_stats, register, resolve
+from .base import JobField, ModalitySpec, Models, Result, generators, plain_stats, register, resolve
 
 
 def scene(index: int) -> np.ndarray:
-    """Bundled procedural scene ``index`` (held out from training) as a (64, 64, 3) uint8 array."""
-    from ..bench.vlm import bench_prompts
+    """Bundled procedural scene ``index`` (held out from training) as a (64, 64, 3) uint8 array: the
+    PNG ``assets/vlm/scenes/<index>.png`` (two digits), one of the 16 held-out scenes the VLM bench
+    asks about first, saved by ``mmspec.training.recipes.vlm.save_heldout_scenes``."""
+    import PIL.Image
 
-    check(isinstance(index, int) and 0 <= index < 16, "scene", "an int in [0, 16)", index)
-    images, _ = bench_prompts(index + 1)
-    return (images[index].permute(1, 2, 0).clamp(0, 1).numpy() * 255).round().astype(np.uint8)
+    from .base import ASSETS
+
+    check(is_int(index) and 0 <= index < 16, "scene", "an int in [0, 16)", index)
+    with PIL.Image.open(ASSETS / "vlm" / "scenes" / f"{index:02d}.png") as im:
+        return np.array(im.convert("RGB"))
 
 
 def as_rgb(image) -> np.ndarray:
@@ -73,8 +77,7 @@ def check_requests(images: list, questions: list[str], seeds: list[int], method:
           "a non-empty question per image", questions)
     check(len(seeds) == len(images), "seeds", f"one seed per image ({len(images)})", seeds)
     resolve("vlm", method, knobs)
-    check(isinstance(max_new_tokens, int) and not isinstance(max_new_tokens, bool) and 1 <= max_new_tokens <= 512,
-          "max_new_tokens", "an int in [1, 512]", max_new_tokens)
+    check_int(max_new_tokens, "max_new_tokens", 1, 512)
     return images
 
 
@@ -148,6 +151,17 @@ def stream_vlm(models: Models, image, question: str, seed: int, method: str, kno
     yield Partial(result.tokens, result.commit_pass), result
 
 
+def _check_job(params: dict, method: str, knobs: dict, base) -> None:
+    """A batch VLM job's image (a readable file relative to the jobs file's folder ``base``; made
+    absolute in place), question and answer length."""
+    path = (Path(base) / params["image"]).resolve()
+    check(path.is_file(), "image", "an existing image file (relative to the jobs file)", params["image"])
+    open_image(path)
+    params["image"] = str(path)
+    check(params["question"].strip() != "", "question", "a non-empty question", params["question"])
+    check(1 <= params["max_new_tokens"] <= 512, "max_new_tokens", "an int in [1, 512]", params["max_new_tokens"])
+
+
 def _run_jobs(models: Models, jobs: list[dict], seeds: list[int], method: str, knobs: dict | None) -> list[Result]:
     p = jobs[0]
     images = [open_image(j["image"]) for j in jobs]  # batch jobs name image files
@@ -155,4 +169,11 @@ def _run_jobs(models: Models, jobs: list[dict], seeds: list[int], method: str, k
                    max_new_tokens=p["max_new_tokens"], temperature=p["temperature"])
 
 
-register(Runner("vlm", "SpeculativeVLMPipeline", vlm_batchable, _run_jobs))
+register(ModalitySpec(
+    "vlm", title="VLM", pipeline="SpeculativeVLMPipeline", batchable=vlm_batchable, run_jobs=_run_jobs,
+    job_fields={"image": JobField(str, required=True), "question": JobField(str, required=True),
+                "max_new_tokens": JobField(int, 64), "temperature": JobField(float, 0.0)},
+    per_job=("image", "question"), output_ext=".txt", check_job=_check_job,
+    slot_jobs="mmspec.serve.slots:vlm_slot_jobs",
+    generate="mmspec.commands.generate:VLM", demo_tab="vlm_tab",
+    device_check="mmspec.bench.gpu_check:VLMCheck", cost_target="mmspec.bench.cost.targets:VLMCost"))

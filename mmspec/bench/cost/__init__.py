@@ -1,7 +1,7 @@
 """``mmspec bench cost``: what each method can reach, from its forward costs and its acceptance (issue 14).
 
-For every bundled target that speculation applies to (``assets/ar-image``, ``assets/vlm``,
-``assets/continuous``), one run:
+For every target that speculation applies to (each served modality whose ``ModalitySpec`` names a
+``cost_target``: ``assets/ar-image``, ``assets/vlm``, ``assets/continuous``), one run:
 
 1. **Runs the methods** (``DEFAULT_ROWS``; one untimed warm-up call per row, then prompts outer and
    rows inner) with forward hooks (``PassTimer``) on the target and on every draft model. Each pass
@@ -34,13 +34,14 @@ drafter, loop overhead per target pass) every row also gets ``projected_x``: the
 priced by that file, a projection from assumptions, never a measurement.
 
 Layout: ``config`` (settings, the bundled targets' rows), ``timing`` (``PassTimer``: every pass of
-the calls), ``curves`` (probes on a warm cache, ``CurveSampler``), ``model`` (the passes priced by
-the curves or a GPU curve), ``targets`` (the bundled pipelines), ``report`` (tables, definitions),
-``runner`` (``run``).
+the calls; a drafting component is timed as its registry ``Component.timing`` says), ``curves``
+(probes on a warm cache, ``CurveSampler``), ``model`` (the passes priced by the curves or a GPU
+curve), ``targets`` (the bundled pipelines), ``report`` (tables, definitions), ``runner``
+(``run``).
 """
 
-from .config import (ASSETS, DEFAULT_ROWS, DRAFT_GRID_MAX, DRAFT_ROLES, SMALL_EAGLE, TARGET, TARGETS, VERIFY_WIDTHS,
-                     WITHIN, CostBenchConfig)
+from .config import (ASSETS, DEFAULT_ROWS, DRAFT_GRID_MAX, SMALL_EAGLE, TARGET, VERIFY_WIDTHS, WITHIN, CostBenchConfig,
+                     cost_targets, draft_roles)
 from .curves import CurveSampler, Probe, cached_probe, curve_points, heap_tree
 from .model import (GPU_KEYS, GPUCurve, add_speedups, ceiling_seconds, curve_seconds, interpolate, load_gpu_curve,
                     row_figures, target_prompt_seconds)
@@ -48,7 +49,8 @@ from .report import COST_COLUMNS, DEFINITIONS, columns, curve_rows, format_repor
 from .runner import run
 from .timing import CallRecord, Pass, PassTimer, measure_calls, warm_up
 
-__all__ = ["COST_COLUMNS", "CallRecord", "CostBenchConfig", "DEFAULT_ROWS", "GPUCurve", "Pass", "PassTimer",
+__all__ = ["COST_COLUMNS", "CallRecord", "CostBenchConfig", "DEFAULT_ROWS", "cost_targets", "draft_roles",
+           "GPUCurve", "Pass", "PassTimer",
            "VERIFY_WIDTHS", "add_speedups", "cached_probe", "ceiling_seconds", "columns", "curve_seconds",
            "format_report", "curve_points", "heap_tree", "interpolate", "load_gpu_curve", "measure_calls",
            "CurveSampler", "public", "row_figures", "run", "target_prompt_seconds", "warm_up"]

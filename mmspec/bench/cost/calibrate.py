@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 
 from ... import methods
-from ...core.errors import check, check_choice
+from ...core.errors import check, check_choice, check_int, is_int
 from ...methods import auto
 from .config import ASSETS
 
@@ -69,12 +69,11 @@ class CalibrateConfig:
         check_choice("modality", self.modality, auto.modalities())
         bs = self.batch_sizes
         check(isinstance(bs, tuple) and len(bs) > 0 and bs[0] == 1 and list(bs) == sorted(set(bs))
-              and all(isinstance(b, int) and b >= 1 for b in bs), "batch_sizes",
+              and all(is_int(b) and b >= 1 for b in bs), "batch_sizes",
               "increasing ints >= 1 starting at 1", bs)
         for name, low in (("prompts", 1), ("rounds", 1), ("min_gaps", 1), ("max_calls", 1)):
             value = getattr(self, name)
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= low, name, f"an int >= {low}",
-                  value)
+            check_int(value, name, low)
         if self.labels is not None:
             known = [c[0] for c in auto.CANDIDATES[self.modality]]
             check(isinstance(self.labels, tuple) and len(self.labels) > 0, "labels", "a non-empty tuple", self.labels)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from ...core.errors import check, check_choice
-from .config import DRAFT_ROLES, TARGET, WITHIN
+from ...core.errors import check, check_choice, is_int
+from .config import TARGET, WITHIN, draft_roles
 from .timing import CallRecord, Pass
 
 
@@ -163,7 +163,7 @@ def load_gpu_curve(source: str | os.PathLike | Mapping, name: str = "gpu_curve",
     check(isinstance(ratio, Mapping) and len(ratio) > 0, f"{name} verify_cost_ratio", what, ratio)
     verify = {}
     for T, value in ratio.items():
-        ok = (isinstance(T, int) and not isinstance(T, bool)) or (isinstance(T, str) and T.strip().isdigit())
+        ok = is_int(T) or (isinstance(T, str) and T.strip().isdigit())
         check(ok and int(T) >= 1, f"{name} verify_cost_ratio", what, T)
         check(_is_number(value) and value > 0, f"{name} verify_cost_ratio[{T!r}]", "a number > 0", value)
         verify[int(T)] = float(value)
@@ -175,9 +175,9 @@ def load_gpu_curve(source: str | os.PathLike | Mapping, name: str = "gpu_curve",
           {str(T): verify[T] for T in sorted(verify)})
     draft = source["draft_target_ratio"]
     check(isinstance(draft, Mapping), f"{name} draft_target_ratio",
-          f"an object {{drafter: draft pass / target pass}}, drafters among {', '.join(DRAFT_ROLES)}", draft)
+          f"an object {{drafter: draft pass / target pass}}, drafters among {', '.join(draft_roles())}", draft)
     for key, value in draft.items():
-        check_choice(f"{name} draft_target_ratio key", key, DRAFT_ROLES)
+        check_choice(f"{name} draft_target_ratio key", key, draft_roles())
         check(_is_number(value) and value > 0, f"{name} draft_target_ratio[{key!r}]", "a number > 0", value)
     missing = [d for d in drafters if d not in draft]
     check(not missing, f"{name} draft_target_ratio",

@@ -10,31 +10,31 @@ from typing import Mapping
 import torch
 
 from ... import methods
-from ...core.errors import check, check_choice
-from .config import DRAFT_ROLES, TARGET, TARGETS, CostBenchConfig
+from ...core.errors import check, check_choice, check_int, is_int
+from .config import TARGET, CostBenchConfig, cost_targets, draft_roles
 from .curves import CurveSampler, curve_points
 from .model import GPUCurve, add_speedups, load_gpu_curve, row_figures, target_prompt_seconds
 from .report import DEFINITIONS
-from .targets import _LOADERS
 from .timing import PassTimer, measure_calls, warm_up
 
 
 def _check(cfg: CostBenchConfig) -> dict[str, list]:
     """Every argument, before any model loads; returns each target's rows with their recipes."""
+    known = tuple(cost_targets())
     check(isinstance(cfg.targets, tuple) and len(cfg.targets) > 0 and len(set(cfg.targets)) == len(cfg.targets),
-          "targets", f"a non-empty tuple of distinct names among {', '.join(TARGETS)}", cfg.targets)
+          "targets", f"a non-empty tuple of distinct names among {', '.join(known)}", cfg.targets)
     for target in cfg.targets:
-        check_choice("targets", target, TARGETS)
+        check_choice("targets", target, known)
     for name in ("prompts", "repeats"):
         value = getattr(cfg, name)
-        check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, "an int >= 1", value)
-    check(isinstance(cfg.warmup, int) and cfg.warmup >= 0, "warmup", "an int >= 0", cfg.warmup)
+        check_int(value, name, 1)
+    check_int(cfg.warmup, "warmup", 0)
     w = cfg.widths
-    check(isinstance(w, tuple) and len(w) > 0 and w[0] == 1 and all(isinstance(t, int) and t >= 1 for t in w)
+    check(isinstance(w, tuple) and len(w) > 0 and w[0] == 1 and all(is_int(t) and t >= 1 for t in w)
           and list(w) == sorted(set(w)), "widths", "increasing ints >= 1 starting at 1 (c(1) is the unit)", w)
     plans = {}
     for target in cfg.targets:
-        rows = cfg.rows.get(target, ())
+        rows = cfg.target_rows(target)
         check(len(rows) > 0 and rows[0][:2] == ("none", "none"), f"rows[{target!r}]",
               "(label, method, knobs) rows starting with ('none', 'none', {}): the baseline of the ratios", rows)
         plans[target] = [(label, method, knobs, methods.resolve(target, method, knobs))
@@ -51,17 +51,19 @@ def _check(cfg: CostBenchConfig) -> dict[str, list]:
 @torch.no_grad()
 def run(cfg: CostBenchConfig, progress=None, loaders: Mapping | None = None) -> dict:
     """One run over ``cfg.targets`` (see the module docstring). ``loaders`` maps a target name to
-    an object like ``_ARImage`` (tests pass tiny pipelines' folders through ``cfg`` instead)."""
+    an object like ``ARImageCost`` (default: each served modality's ``cost_target``; tests pass tiny
+    pipelines' folders through ``cfg`` instead)."""
     say = progress or (lambda msg: None)
     plans = _check(cfg)
-    loaders = {**_LOADERS, **(loaders or {})}
+    loaders = {**cost_targets(), **(loaders or {})}
+    roles_of = draft_roles()
     rows, curves, notes, prefixes = [], {}, [], {}
     for target in cfg.targets:
         say(f"{target}: loading")
         bench = loaders[target](cfg)
         live = []
         for label, method, knobs, recipe in plans[target]:
-            role = DRAFT_ROLES.get(recipe.part("drafter"))
+            role = roles_of.get(recipe.part("drafter"))
             if role is not None and bench.component(role) is None:
                 notes.append(f"{target} {label}: skipped (no {role})")
             else:

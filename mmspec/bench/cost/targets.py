@@ -1,5 +1,6 @@
 """The bundled targets: each loads its pipeline, runs a row's call, watches its models and builds
-their probes."""
+their probes. A served modality names its class in ``ModalitySpec.cost_target``; the drafting
+components are watched as the registry says (``watch_components``)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,22 @@ from types import SimpleNamespace
 
 import torch
 
+from ... import methods
 from ...core.types import ModelOutput
 from .config import TARGET, CostBenchConfig
 from .curves import Probe, cached_probe
 from .timing import PassTimer
 
 
-class _ARImage:
+def watch_components(timer: PassTimer, pipe, roles: set[str]) -> None:
+    """Every drafting component in ``roles`` (pipeline attribute names) timed as its registry
+    ``Component.timing`` says (``PassTimer.watch_component``)."""
+    timings = {c.name: c.timing for c in methods.components(pipe.modality)}
+    for role in sorted(roles):
+        timer.watch_component(role, getattr(pipe, role), timings[role])
+
+
+class ARImageCost:
     """``assets/ar-image``: image i of class i % 16 with seed + i, CFG (two rows per pass)."""
 
     def __init__(self, cfg: CostBenchConfig):
@@ -35,12 +45,7 @@ class _ARImage:
 
     def watch(self, timer: PassTimer, roles: set[str]) -> None:
         timer.watch(TARGET, self.pipe.transformer, 0, 3)
-        if "draft_model" in roles:
-            timer.watch("draft_model", self.pipe.draft_model, 0, 3)
-        if "eagle_head" in roles:
-            timer.watch("eagle_head", self.pipe.eagle_head, 1, 4)
-        if "medusa_head" in roles:
-            timer.watch_heads("medusa_head", self.pipe.medusa_head)
+        watch_components(timer, self.pipe, roles)
 
     def probes(self, roles: set[str], width: int) -> tuple[int, dict[str, Probe]]:
         model = self.pipe.transformer
@@ -91,7 +96,7 @@ def _native_probes(model, models: dict, head, roles: set[str], width: int, prefi
     return prefix, probes
 
 
-class _Continuous(_ARImage):
+class ContinuousCost(ARImageCost):
     """``assets/continuous``: as the AR image target, CFG as ``mmspec bench continuous``."""
 
     def __init__(self, cfg: CostBenchConfig):
@@ -115,7 +120,7 @@ class _Continuous(_ARImage):
                               prefix=1 + model.num_image_tokens // 2, seed=self.cfg.seed)
 
 
-class _VLM:
+class VLMCost:
     """``assets/vlm``: held-out scene i with a description question, greedy, batch 1."""
 
     def __init__(self, cfg: CostBenchConfig):
@@ -136,15 +141,9 @@ class _VLM:
         return len(out.tokens[0])
 
     def watch(self, timer: PassTimer, roles: set[str]) -> None:
-        for role in (TARGET, "draft_model"):
-            model = self.pipe.target if role == TARGET else self.pipe.draft_model
-            if role in roles or role == TARGET:
-                timer.watch_span(role, model.get_input_embeddings(), model.get_output_embeddings(), model.base_model)
-        for role in roles - {"draft_model"}:
-            if role == "medusa_head":
-                timer.watch_heads(role, self.pipe.medusa_head)
-            else:
-                timer.watch(role, getattr(self.pipe, role), 1, 4)
+        model = self.pipe.target
+        timer.watch_span(TARGET, model.get_input_embeddings(), model.get_output_embeddings(), model.base_model)
+        watch_components(timer, self.pipe, roles)
 
     def probes(self, roles: set[str], width: int) -> tuple[int, dict[str, Probe]]:
         """Prompt 0 (with its image) plus half the new tokens on every cache; the heads are started
@@ -188,5 +187,3 @@ class _VLM:
                                         lambda T: (torch.randn(1, T, H, generator=g), tokens(T)))
         return prefix, probes
 
-
-_LOADERS = {"ar-image": _ARImage, "vlm": _VLM, "continuous": _Continuous}

@@ -9,6 +9,8 @@ from typing import Callable
 
 import torch
 
+from ...core.errors import check_choice
+
 
 @dataclass(frozen=True)
 class Pass:
@@ -39,6 +41,21 @@ class PassTimer:
 
     def new_call(self) -> None:
         self._seen, self._open = set(), None
+
+    def watch_component(self, role: str, module, timing: str) -> None:
+        """A method component's passes, timed as its registry ``Component.timing`` says:
+        ``"tokens"`` (draft models: ``watch(.., 0, 3)``), ``"features"`` (EAGLE-style heads:
+        ``watch(.., 1, 4)``), ``"heads"`` (``watch_heads``) or ``"span"`` (a transformers model
+        from its input embedding to its LM head: ``watch_span``)."""
+        if timing == "tokens":
+            self.watch(role, module, 0, 3)
+        elif timing == "features":
+            self.watch(role, module, 1, 4)
+        elif timing == "heads":
+            self.watch_heads(role, module)
+        else:
+            check_choice("timing", timing, ("tokens", "features", "heads", "span"))
+            self.watch_span(role, module.get_input_embeddings(), module.get_output_embeddings(), module.base_model)
 
     def watch(self, role: str, module: torch.nn.Module, tokens_arg: int, mask_arg: int) -> None:
         """A model whose forward takes the block's tokens at position ``tokens_arg`` (or keyword
