@@ -90,22 +90,20 @@ def use_triton(op: str, device: torch.device, unsupported: str | None = None,
 
 
 # -- where auto mode expects a kernel to win: every measured threshold, in one table ---------------
-# Measured on an H200 (the GPU check of 2026-11-28, docs/guides/kernels.md), before the key splits
-# of issue 43 (``splitk``), which were made for exactly the shapes that lost; `make gpu-check`
-# re-times kernel, reference and SDPA over 256 to 16,384 keys (``mmspec bench kernels``), and these
-# rules change only with such a measurement.
+# Measured on an H200 (the GPU check of 2026-11-28; the timings: docs/costs.md and
+# docs/guides/kernels.md), before the key splits of issue 43 (``splitk``), which were made for
+# exactly the shapes that lost; `make gpu-check` re-times kernel, reference and SDPA over 256 to
+# 16,384 keys (``mmspec bench kernels``), and these rules change only with such a measurement.
 #
 # - tree attention: the models' SDPA path with the dense mask beat the kernel in fp16 and bf16 at
-#   every shape timed, 2.5 to 3.7 times (a 60-node tree over 4,096 keys with Llama-7B heads: 0.105
-#   against 0.389 ms), and in fp32 over 512 keys (0.08 against 0.87 ms): never preferred.
+#   every shape timed, and in fp32 over 512 keys: never preferred.
 # - rolling attention: the kernel beat the models' SDPA path with sink + window = 255 keys (4
-#   queries: 0.19 against 0.21 ms in bf16, 0.21 against 0.51 in fp32) and with 64 keys (16
-#   queries, 3-D rope: 0.22 against 0.45 ms in bf16), and lost with 4,096 keys (a 60-node tree,
-#   Llama-7B heads, fp16: 3.0 against 0.41 ms); between 256 and 4,096 nothing was measured. Each
-#   query tile rotates every key it reads, so blocks of more than 128 queries (video chunks; the
-#   bench's projection: about 2x the attention's own tensor-core time for a Wan-sized chunk) take
+#   queries, bf16 and fp32) and with 64 keys (16 queries, 3-D rope, bf16), and lost with 4,096 keys
+#   (a 60-node tree, Llama-7B heads, fp16); between 256 and 4,096 nothing was measured. Each query
+#   tile rotates every key it reads, so blocks of more than 128 queries (video chunks; the bench
+#   projects the rotations above the attention's own tensor-core time for a Wan-sized chunk) take
 #   the reference (rotate once, then attend).
-# - guided acceptance: 4.5 to 5.4 times faster than its torch path at every shape timed.
+# - guided acceptance: faster than its torch path at every shape timed.
 # - residual: not timed on a GPU yet; preferred wherever it runs (it moves 5V elements per row
 #   against the reference's 11V, ``residual.py``).
 PREFERRED = {

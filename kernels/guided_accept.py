@@ -5,7 +5,7 @@ from given uniforms, without materialising the (B, G+1, V) probabilities.
 The rules are the core's (``mmspec.core.acceptance``, ``mmspec.core.relaxed``), on a chain of G
 drafts ``tokens`` (B, G) scored by the target at G + 1 positions:
 
-- the logits pipeline (``mmspec.core.logits.LogitsPipeline`` without top-p): ``l = l_u + s (l_c -
+- the logits processor (``mmspec.core.logits.LogitsProcessor`` without top-p): ``l = l_u + s (l_c -
   l_u)`` (Ho & Salimans, 2022; ``logits`` is then ``[cond; uncond]``, 2B rows), ``l / temperature``,
   top-k (ties with the k-th value kept), softmax; ``temperature = 0`` is greedy;
 - the accept test of draft g: lossless speculative sampling (Leviathan et al., 2023; Chen et al.,
@@ -100,7 +100,7 @@ def _check_inputs(logits, tokens, q, u_accept, u_sample, guidance_scale, tempera
 # -- the torch reference ------------------------------------------------------------------------
 def process_logits(logits: torch.Tensor, guidance_scale: float | None = None, temperature: float = 1.0,
                    top_k: int | None = None, top_p: float | None = None) -> torch.Tensor:
-    """(B or 2B, ..., V) -> (B, ..., V) float32 probabilities: the core's ``LogitsPipeline``
+    """(B or 2B, ..., V) -> (B, ..., V) float32 probabilities: the core's ``LogitsProcessor``
     (``torch_ops.logits_to_probs``)."""
     return logits_to_probs(logits, guidance_scale, temperature, top_k, top_p)
 

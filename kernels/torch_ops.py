@@ -51,7 +51,7 @@ def logits_to_probs(logits: torch.Tensor, guidance_scale: float | None = None, t
     """(B or 2B, ..., V) raw logits -> (B, ..., V) float32 probabilities: CFG merge of ``[cond;
     uncond]`` (with ``guidance_scale``), then greedy one-hot (``temperature`` 0), or temperature,
     top-k (ties with the k-th value kept) and top-p, then softmax (``mmspec.core.logits.
-    LogitsPipeline``, which checks the knobs and calls this)."""
+    LogitsProcessor``, which checks the knobs and calls this)."""
     logits = logits.float()
     if guidance_scale is not None:
         logits = cfg_merge(*logits.chunk(2, dim=0), guidance_scale)

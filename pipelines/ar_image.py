@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from diffusers.utils import BaseOutput
 
-from ..core import Job, LogitsPipeline
+from ..core import Job, LogitsProcessor
 from ..core.errors import check
 from . import checks
 from .base import SpeculativePipeline
@@ -115,7 +115,7 @@ class SpeculativeARImagePipeline(ClassLabelsMixin, SpeculativePipeline):
         check(generator is None or isinstance(generator, (list, tuple)), "generator",
               "None or a list of one torch.Generator per image for continuous batching", type(generator).__name__)
         guided = guidance_scale is not None and guidance_scale != 1.0
-        logits = LogitsPipeline(temperature=temperature, top_k=top_k, top_p=top_p,
+        logits = LogitsProcessor(temperature=temperature, top_k=top_k, top_p=top_p,
                                 guidance_scale=guidance_scale if guided else None)
         model = self.transformer
         uncond = model.uncond_prompts(1)[0] if guided else None
@@ -175,7 +175,7 @@ class SpeculativeARImagePipeline(ClassLabelsMixin, SpeculativePipeline):
         # 2. the conditioning: one class-token prompt per image (and the null class for CFG)
         labels = [c for c in labels for _ in range(num_images_per_prompt)]
         guided = guidance_scale is not None and guidance_scale != 1.0
-        logits = LogitsPipeline(temperature=temperature, top_k=top_k, top_p=top_p,
+        logits = LogitsProcessor(temperature=temperature, top_k=top_k, top_p=top_p,
                                 guidance_scale=guidance_scale if guided else None)
         N = self.transformer.num_image_tokens
 

@@ -67,7 +67,7 @@ from diffusers import DiffusionPipeline
 from diffusers.image_processor import VaeImageProcessor
 
 from .. import methods
-from ..core import LogitsPipeline, SpeculativeDecoder
+from ..core import LogitsProcessor, SpeculativeDecoder
 from ..core.decoder import DecodeOutput, DecodeState
 from ..core.errors import check, check_choice
 from ..core.gate import GatedDrafter, SpeedGate
@@ -196,7 +196,7 @@ class SpeculativePipeline(PipelineBase):
 
     def method_components(self, requires: tuple[str, ...]) -> dict[str, Any]:
         """The components ``methods.build`` takes (``"target"`` first) for a recipe that needs
-        ``requires`` (``Recipe.requires``): the base ones and each registry component the recipe
+        ``requires`` (``MethodRecipe.requires``): the base ones and each registry component the recipe
         needs, bound (``Component.bind``); ``None`` where missing or not needed."""
         out = self.base_components(requires)
         for component in methods.components(self.modality):
@@ -216,7 +216,7 @@ class SpeculativePipeline(PipelineBase):
 
     # -- inputs -----------------------------------------------------------------------------------
 
-    def onload_models(self, recipe: methods.Recipe) -> None:
+    def onload_models(self, recipe: methods.MethodRecipe) -> None:
         """Under model offload, move the target and the models ``recipe`` uses to the execution
         device now, before anything reads them outside ``forward`` (``new_cache``, heads reading
         the target's embedding and LM head, a VLM target's embeddings); without offload hooks
@@ -226,7 +226,7 @@ class SpeculativePipeline(PipelineBase):
         names = (*recipe.requires, "target")
         onload(*(getattr(self, self.component_attribute(name)) for name in names))
 
-    def check_method(self, method, method_knobs) -> methods.Recipe:
+    def check_method(self, method, method_knobs) -> methods.MethodRecipe:
         """``method`` and its knobs through the registry; a part that needs a component this
         pipeline lacks is refused naming it."""
         recipe = checks.check_method(self.modality, method, method_knobs)
@@ -237,7 +237,7 @@ class SpeculativePipeline(PipelineBase):
         return recipe
 
     def check_shared_inputs(self, *, method, method_knobs, batch_size: int, generator, return_dict,
-                            callback_on_step_end, callback_on_step_end_tensor_inputs) -> methods.Recipe:
+                            callback_on_step_end, callback_on_step_end_tensor_inputs) -> methods.MethodRecipe:
         """The arguments every speculative pipeline takes, checked before any model runs;
         ``batch_size`` is the number of output rows (a generator list has one per row). Returns the
         resolved recipe; ``method="auto"`` resolves to the method ``choose_method`` picks."""
@@ -298,7 +298,7 @@ class SpeculativePipeline(PipelineBase):
             return given
         return auto.find_profile(self.modality, *self.profile_identity())
 
-    def choose_method(self, method_knobs, batch_size: int, raster_only: bool = False) -> methods.Recipe:
+    def choose_method(self, method_knobs, batch_size: int, raster_only: bool = False) -> methods.MethodRecipe:
         """``method="auto"``: the recipe of the candidate ``auto.choose`` picks for ``batch_size``
         rows among those this pipeline holds the components for (raster-order ones only when
         callback tensor inputs are asked for); the choice is kept for ``decode`` (its online gate)
@@ -432,7 +432,7 @@ class SpeculativePipeline(PipelineBase):
         return [module for _, module in self._step_modules() if callable(getattr(module, "new_cache", None))]
 
     # -- decoding ---------------------------------------------------------------------------------
-    def decode(self, recipe: methods.Recipe, logits: LogitsPipeline, input_ids, max_new_tokens: int, *,
+    def decode(self, recipe: methods.MethodRecipe, logits: LogitsProcessor, input_ids, max_new_tokens: int, *,
                tokens_done: Callable[[DecodeState], int], callback_on_step_end=None,
                callback_on_step_end_tensor_inputs=(), on_step: Callable[[DecodeState], None] | None = None,
                guidance_scale: float | None = None, **generate_kwargs) -> DecodeOutput:
@@ -473,7 +473,7 @@ class SpeculativePipeline(PipelineBase):
                     returned = callback_on_step_end(self, step - 1, done, kwargs)
                     self.apply_callback_outputs(returned, state, callback_on_step_end_tensor_inputs, vocab)
                     if self._guidance_scale != applied:
-                        state.logits = _with_guidance(state.logits, self._guidance_scale)
+                        state.processor = _with_guidance(state.processor, self._guidance_scale)
                         applied = self._guidance_scale
                 return self.interrupt
 
@@ -484,7 +484,7 @@ class SpeculativePipeline(PipelineBase):
         out.stats.extra.update(self.auto_stats(gate))
         return out
 
-    def build_decoder(self, recipe: methods.Recipe, logits: LogitsPipeline, target=None) -> SpeculativeDecoder:
+    def build_decoder(self, recipe: methods.MethodRecipe, logits: LogitsProcessor, target=None) -> SpeculativeDecoder:
         """The ``SpeculativeDecoder`` of ``recipe``'s parts over this pipeline's models (onloaded):
         what ``decode`` runs, and what continuous batching serves jobs through
         (``serve_tokens``). Under ``method="auto"`` (``auto_online``) its drafter is gated
@@ -505,7 +505,7 @@ class SpeculativePipeline(PipelineBase):
         return SpeculativeDecoder(components["target"], drafter, rule=parts.rule, logits=logits,
                                   schedule=parts.schedule, device=self._execution_device)
 
-    def serve_tokens(self, recipe: methods.Recipe, logits: LogitsPipeline, jobs, max_new_tokens: int, *,
+    def serve_tokens(self, recipe: methods.MethodRecipe, logits: LogitsProcessor, jobs, max_new_tokens: int, *,
                      slots: int, **serve_kwargs):
         """Continuous batching: ``SpeculativeDecoder.serve`` of ``jobs`` (``mmspec.core.Job``) with
         ``recipe``'s parts, yielding each ``Served`` job as it finishes (``serve_kwargs``:
@@ -598,7 +598,7 @@ def onload(*modules) -> None:
 
 
 def _with_guidance(logits, scale):
-    """The call's logits pipeline with a callback's new guidance scale (see ``decode``)."""
+    """The call's logits processor with a callback's new guidance scale (see ``decode``)."""
     checks.check_number(scale, "guidance_scale", 0, optional=True)
     off = scale is None or scale == 1.0
     if not logits.uses_guidance:

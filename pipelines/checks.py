@@ -8,30 +8,17 @@ not turned into a generator, a grey or RGBA image is not converted, 0-255 floats
 from __future__ import annotations
 
 import math
-from numbers import Integral, Real
+from numbers import Real
 
 import numpy as np
 import PIL.Image
 import torch
 
-from ..core.errors import check, check_choice
-
-
-def is_int(x) -> bool:
-    return isinstance(x, Integral) and not isinstance(x, bool)
+from ..core.errors import check, check_choice, check_int, is_int  # noqa: F401 (the int check lives in core)
 
 
 def is_number(x) -> bool:
     return isinstance(x, Real) and not isinstance(x, bool) and math.isfinite(x)
-
-
-def check_int(value, name: str, low: int, high: int | None = None, optional: bool = False) -> None:
-    """An int (not a bool) in ``[low, high]``."""
-    if optional and value is None:
-        return
-    allowed = f"an int >= {low}" if high is None else f"an int in [{low}, {high}]"
-    ok = is_int(value) and value >= low and (high is None or value <= high)
-    check(ok, name, f"None or {allowed}" if optional else allowed, value)
 
 
 def check_number(value, name: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
@@ -159,7 +146,7 @@ def check_images(images, count: int, name: str = "images") -> list:
 
 
 def check_sampling(temperature, top_k=None, top_p=None, guidance_scale=None) -> None:
-    """The sampling arguments as ``LogitsPipeline`` takes them (temperature 0 is greedy)."""
+    """The sampling arguments as ``LogitsProcessor`` takes them (temperature 0 is greedy)."""
     check_number(temperature, "temperature", 0)
     check_int(top_k, "top_k", 1, optional=True)
     check_number(top_p, "top_p", 0, 1, low_open=True, optional=True)

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from diffusers.utils import BaseOutput
 
-from ..core import DensityPipeline
+from ..core import DensityProcessor
 from ..core.errors import check
 from ..methods.continuous import head_for
 from . import checks
@@ -106,8 +106,8 @@ class SpeculativeContinuousARPipeline(ClassLabelsMixin, SpeculativePipeline):
         checks.check_int(num_images_per_prompt, "num_images_per_prompt", 1)
         checks.check_number(temperature, "temperature", 0, low_open=True)
         checks.check_number(guidance_scale, "guidance_scale", 0, optional=True)
-        check(guidance_schedule in DensityPipeline.SCHEDULES, "guidance_schedule",
-              f"one of {', '.join(map(repr, DensityPipeline.SCHEDULES))}", guidance_schedule)
+        check(guidance_schedule in DensityProcessor.SCHEDULES, "guidance_schedule",
+              f"one of {', '.join(map(repr, DensityProcessor.SCHEDULES))}", guidance_schedule)
         checks.check_output_type(output_type, OUTPUT_TYPES)
         recipe = self.check_shared_inputs(method=method, method_knobs=method_knobs,
                                           batch_size=len(labels) * num_images_per_prompt, generator=generator,
@@ -165,7 +165,7 @@ class SpeculativeContinuousARPipeline(ClassLabelsMixin, SpeculativePipeline):
         labels = [c for c in labels for _ in range(num_images_per_prompt)]
         B = len(labels)
         guided = guidance_scale is not None and guidance_scale != 1.0
-        density = DensityPipeline(temperature=float(temperature),
+        density = DensityProcessor(temperature=float(temperature),
                                   guidance_scale=float(guidance_scale) if guided else None,
                                   guidance_schedule=guidance_schedule, head=head_for(recipe),
                                   residual_max_tries=residual_max_tries)

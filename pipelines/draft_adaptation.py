@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from ..core.errors import check
+from ..core.errors import check, check_int, is_int
 from ..models.vlm_distill import Rendered, collate_items, distill
 
 
@@ -44,10 +44,9 @@ class DraftAdaptation:
 
     def __init__(self, lr: float = 1e-4, every: int = 8, grad_clip: float = 0.5, rollout_steps: int = 1):
         check(isinstance(lr, (int, float)) and not isinstance(lr, bool) and lr > 0, "lr", "a number > 0", lr)
-        check(isinstance(every, int) and not isinstance(every, bool) and every >= 1, "every",
-              "an int >= 1 (answers per update)", every)
+        check(is_int(every) and every >= 1, "every", "an int >= 1 (answers per update)", every)
         check(isinstance(grad_clip, (int, float)) and grad_clip > 0, "grad_clip", "a number > 0", grad_clip)
-        check(isinstance(rollout_steps, int) and rollout_steps >= 1, "rollout_steps", "an int >= 1", rollout_steps)
+        check_int(rollout_steps, "rollout_steps", 1)
         self.lr, self.every, self.grad_clip, self.rollout_steps = float(lr), every, float(grad_clip), rollout_steps
         self.buffer: list[Rendered] = []
         self.updates, self.served = 0, 0

@@ -20,7 +20,7 @@ import torch
 from diffusers.utils import BaseOutput
 
 from ..adapters.vlm import VLMTarget
-from ..core import Job, LogitsPipeline
+from ..core import Job, LogitsProcessor
 from ..core.errors import check
 from ..methods import auto
 from . import checks
@@ -216,7 +216,7 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
                             generator=None if generator is None else generator[i]))
         sampling = sampling_from_generation_config(self.target.generation_config, temperature, top_k, top_p)
         eos = sampling.pop("eos_token_id")
-        for served in self.serve_tokens(recipe, LogitsPipeline(**sampling), jobs, max_new_tokens, slots=slots,
+        for served in self.serve_tokens(recipe, LogitsProcessor(**sampling), jobs, max_new_tokens, slots=slots,
                                         eos_token_id=eos, admit=admit):
             yield served, self.processor.tokenizer.decode(served.tokens.tolist(), skip_special_tokens=True)
 
@@ -283,7 +283,7 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
             return max(state.generated)
 
         # 3. decode the answers: one SpeculativeDecoder.generate
-        out = self.decode(recipe, LogitsPipeline(**sampling), ids, max_new_tokens, tokens_done=tokens_done,
+        out = self.decode(recipe, LogitsProcessor(**sampling), ids, max_new_tokens, tokens_done=tokens_done,
                           callback_on_step_end=callback_on_step_end,
                           callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
                           on_step=None if feed is None else feed.step, generator=generator, eos_token_id=eos,

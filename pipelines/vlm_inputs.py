@@ -17,7 +17,7 @@ import numpy as np
 import PIL.Image
 import torch
 
-from ..core.errors import check
+from ..core.errors import check, check_int, is_int
 
 # PIL modes that hold colour and nothing else: converting them to RGB loses nothing. Alpha (RGBA,
 # LA, PA, a palette with transparency), 1-bit, 16/32-bit integer and float modes are refused.
@@ -196,8 +196,7 @@ def sampling_from_generation_config(config, temperature=None, top_k=None, top_p=
 
     check(temperature is None or (number(temperature) and temperature >= 0), "temperature",
           "None or a number >= 0 (0 is greedy)", temperature)
-    check(top_k is None or (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1), "top_k",
-          "None or an int >= 1", top_k)
+    check_int(top_k, "top_k", 1, optional=True)
     check(top_p is None or (number(top_p) and 0 < top_p <= 1), "top_p", "None or a number in (0, 1]", top_p)
 
     sample = bool(config.do_sample)
@@ -211,7 +210,7 @@ def sampling_from_generation_config(config, temperature=None, top_k=None, top_p=
     eos = config.eos_token_id
     if eos is not None:
         eos = (eos,) if isinstance(eos, int) else tuple(eos)
-        check(len(eos) > 0 and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos),
+        check(len(eos) > 0 and all(is_int(i) and i >= 0 for i in eos),
               "generation_config.eos_token_id", "None, an int >= 0 or a non-empty list of them", config.eos_token_id)
     return dict(temperature=temperature, top_k=top_k, top_p=top_p, eos_token_id=eos)
 

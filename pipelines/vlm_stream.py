@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from ..adapters.vlm_stream import ContextTarget, StreamPolicy, VLMStream
-from ..core import LogitsPipeline
+from ..core import LogitsProcessor
 from ..core.errors import check
 from . import checks
 from .vlm_inputs import sampling_from_generation_config, user_message
@@ -110,7 +110,7 @@ class VLMStreamSession:
         context = self.stream.context_tokens()
         sampling = sampling_from_generation_config(self.pipe.target.generation_config, temperature, top_k, top_p)
         sampling.pop("eos_token_id")
-        decoder = self.pipe.build_decoder(recipe, LogitsPipeline(**sampling), target=ContextTarget(self.stream))
+        decoder = self.pipe.build_decoder(recipe, LogitsProcessor(**sampling), target=ContextTarget(self.stream))
         out = decoder.generate([q_ids], max_new_tokens, eos_token_id=self.eos, generator=generator)
         answer = out.sequences[0, : out.lengths[0]].tolist()
         ends = bool(self.end_of_turn) and answer[-1:] == self.end_of_turn

@@ -3,7 +3,7 @@ not a test: a wall-clock ratio only means something on an idle machine).
 
 Issue 14: a greedy target-only decode of a tiny Llama with Qwen2-VL's 152,064-token vocabulary.
 The target is wrapped so the time spent inside its forward is summed; the rest of ``generate``'s
-wall time, per pass, is the loop's overhead (logits pipeline, accept, cache bookkeeping, emit).
+wall time, per pass, is the loop's overhead (logits processor, accept, cache bookkeeping, emit).
 Measured on one thread after a warm-up call, best of 3 runs of 48 tokens each (the minimum damps
 noise from other processes); the loop's budget is 10% of the forward's time. What the budget
 rests on, the loop's vocabulary-wide work per pass, is tested without a clock in
@@ -19,7 +19,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mmspec.adapters.hf import HFCausalLMTarget
-from mmspec.core import LogitsPipeline, SpeculativeDecoder
+from mmspec.core import LogitsProcessor, SpeculativeDecoder
 
 QWEN_VOCAB = 152_064
 TOKENS = 48
@@ -50,7 +50,7 @@ def overhead_fraction(vocab: int = QWEN_VOCAB, hidden: int = 256, runs: int = 3,
                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
                          attn_implementation="sdpa")
     target = Timed(HFCausalLMTarget(LlamaForCausalLM(config).eval()))
-    decoder = SpeculativeDecoder(target, logits=LogitsPipeline(temperature=0))
+    decoder = SpeculativeDecoder(target, logits=LogitsProcessor(temperature=0))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

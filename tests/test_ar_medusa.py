@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from mmspec import commands
-from mmspec.core import LogitsPipeline, ParallelHeadsDrafter, SpeculativeDecoder
+from mmspec.core import LogitsProcessor, ParallelHeadsDrafter, SpeculativeDecoder
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index
 from mmspec.models import load_checkpoint
 from mmspec.models.llamagen import LlamaGenModel
@@ -40,13 +40,13 @@ def randomised(heads: GridMedusaHeads, std: float = 0.3, seed: int = 1) -> GridM
 
 
 def greedy_grids(model, labels, guided: bool):
-    pipeline = LogitsPipeline(temperature=0, guidance_scale=SCALE if guided else None)
+    pipeline = LogitsProcessor(temperature=0, guidance_scale=SCALE if guided else None)
     kwargs = {"uncond_input_ids": model.uncond_prompts(len(labels))} if guided else {}
     return SpeculativeDecoder(model, logits=pipeline).generate(model.class_prompts(labels), GRID * GRID, **kwargs)
 
 
 def decode(model, heads, labels, guided: bool, **tree):
-    pipeline = LogitsPipeline(temperature=0, guidance_scale=SCALE if guided else None)
+    pipeline = LogitsProcessor(temperature=0, guidance_scale=SCALE if guided else None)
     kwargs = {"uncond_input_ids": model.uncond_prompts(len(labels))} if guided else {}
     drafter = ParallelHeadsDrafter(heads, **{**TREE, **tree})
     return SpeculativeDecoder(model, drafter, logits=pipeline).generate(model.class_prompts(labels), GRID * GRID,
@@ -147,7 +147,7 @@ def test_trained_heads_are_accepted(target, trained_heads):
 
 
 N_SAMPLES, N_TOKENS, LABEL = 20_000, 3, 3
-GUIDED = LogitsPipeline(temperature=1.0, guidance_scale=2.0)
+GUIDED = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from mmspec.core import (GroupedAcceptance, GroupedAcceptanceConfig, JacobiDrafter, LogitsPipeline,
+from mmspec.core import (GroupedAcceptance, GroupedAcceptanceConfig, JacobiDrafter, LogitsProcessor,
                          ModelChainDrafter, ModelTreeDrafter, SpeculativeDecoder, SpeculativeSampling)
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index
 from mmspec.core.relaxed import LatentProximityAcceptance, LatentProximityConfig, latent_neighbours
@@ -37,7 +37,7 @@ def perturbed(model, seed, scale):
 
 
 def run(model, labels, drafter=None, rule=None, logits=None, schedule=None, guided=False, seed=0):
-    logits = logits or LogitsPipeline(temperature=0.0, guidance_scale=3.0 if guided else None)
+    logits = logits or LogitsProcessor(temperature=0.0, guidance_scale=3.0 if guided else None)
     dec = SpeculativeDecoder(model, drafter, rule=rule, logits=logits, schedule=schedule)
     kw = dict(uncond_input_ids=model.uncond_prompts(len(labels))) if guided else {}
     return dec.generate(model.class_prompts(labels), model.num_image_tokens,
@@ -59,7 +59,7 @@ def test_zipar_with_full_window_is_raster_order(guided):
 def test_zipar_with_full_window_samples_like_raster():
     """Sampled, B=1: only emitting rows draw randomness, so the streams coincide."""
     model = tiny()
-    sampled = LogitsPipeline(temperature=1.0, guidance_scale=2.0)
+    sampled = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
     ref = run(model, [2], logits=sampled, guided=True, seed=7)
     out = run(model, [2], logits=sampled, schedule=NextSetSchedule(4, 4, 4), guided=True, seed=7)
     assert torch.equal(out.sequences, ref.sequences)
@@ -69,7 +69,7 @@ def test_zipar_with_full_window_samples_like_raster():
 def test_zipar_nfe_matches_closed_form(window):
     model = tiny(grid=4)
     out = run(model, [0, 1], schedule=NextSetSchedule(4, 4, window), guided=True,
-              logits=LogitsPipeline(temperature=1.0, guidance_scale=3.0))
+              logits=LogitsProcessor(temperature=1.0, guidance_scale=3.0))
     assert out.stats.target_forwards == NextSetSchedule.closed_form_nfe(4, 4, window) == 3 * window + 4
     assert out.sequences.shape == (2, 16) and int(out.sequences.max()) < model.vocab_size
     # a pass emits one token per row in flight: 15 tokens after the prefill's first, <= 4 at once
@@ -94,7 +94,7 @@ def test_zipar_rows_see_only_what_the_window_allows():
 
 def test_zipar_plus_sjd_and_bad_knobs():
     model = tiny()
-    sampled = LogitsPipeline(temperature=1.0, guidance_scale=3.0)
+    sampled = LogitsProcessor(temperature=1.0, guidance_scale=3.0)
     out = run(model, [0, 2], JacobiDrafter(model.vocab_size, 4), logits=sampled,
               schedule=NextSetSchedule(4, 4, 2), guided=True)
     assert out.sequences.shape == (2, 16) and out.stats.target_forwards <= NextSetSchedule.closed_form_nfe(4, 4, 2)
@@ -120,7 +120,7 @@ def test_zipar_plus_sjd_and_bad_knobs():
 def test_every_sjd_iteration_commits_a_token(init):
     model = tiny()
     drafter = JacobiDrafter(model.vocab_size, 6, init=init, grid_width=4)
-    out = run(model, [0, 1, 2], drafter, logits=LogitsPipeline(temperature=1.0, guidance_scale=3.0), guided=True)
+    out = run(model, [0, 1, 2], drafter, logits=LogitsProcessor(temperature=1.0, guidance_scale=3.0), guided=True)
     steps = out.stats.accept_lengths  # (passes, B), 0 only once a row is done
     for b in range(3):
         live = steps[:, b][: int((steps[:, b] > 0).sum())]
@@ -140,7 +140,7 @@ def test_spatial_init_copies_the_token_above():
 
     W = 4
     history = torch.arange(100, 120)[None]  # prompt of 1, then 19 tokens
-    state = DecodeState(history.clone(), torch.tensor([12]), 1, LogitsPipeline(), None, 20,
+    state = DecodeState(history.clone(), torch.tensor([12]), 1, LogitsProcessor(), None, 20,
                         prompt_lengths=torch.tensor([1]))
     d = JacobiDrafter(200, 4, init="spatial", grid_width=W)
     d.start(state)
@@ -181,7 +181,7 @@ def test_lantern_relaxed_probability_and_rejections():
 def test_lantern_at_zero_relaxation_is_the_eagle_tree_bit_for_bit(config):
     model = tiny(vocab=32)
     draft = perturbed(model, 1, 0.3)
-    sampled = LogitsPipeline(temperature=1.0, top_k=8, guidance_scale=3.0)
+    sampled = LogitsProcessor(temperature=1.0, top_k=8, guidance_scale=3.0)
     tree = lambda: ModelTreeDrafter(draft, top_k=3, depth=3, total_tokens=10)  # noqa: E731
     ref = run(model, [0, 1, 2], tree(), logits=sampled, guided=True, seed=4)
     rule = LatentProximityAcceptance(latent_neighbours(model.tok_embeddings.weight), config)
@@ -208,7 +208,7 @@ def test_lantern_reference_rejection_at_zero_delta():
     tree = lambda: ModelTreeDrafter(draft, top_k=3, depth=3, total_tokens=10)  # noqa: E731
     rule = LatentProximityAcceptance(nn, LatentProximityConfig(k=4, delta=0.0, rejection="reference"))
     for top_k, same in ((None, True), (8, False)):
-        sampled = LogitsPipeline(temperature=1.0, top_k=top_k, guidance_scale=3.0)
+        sampled = LogitsProcessor(temperature=1.0, top_k=top_k, guidance_scale=3.0)
         ref = run(model, [0, 1, 2], tree(), rule=SiblingRounds(), logits=sampled, guided=True, seed=4)
         out = run(model, [0, 1, 2], tree(), rule=rule, logits=sampled, guided=True, seed=4)
         assert torch.equal(out.sequences, ref.sequences) == same
@@ -227,7 +227,7 @@ def test_lantern_bad_knobs():
 
 # -- distribution tests on the image model ---------------------------------------------------------
 N_SAMPLES, N_TOKENS, LABEL = 20_000, 3, 1
-GUIDED = LogitsPipeline(temperature=1.0, guidance_scale=2.0)
+GUIDED = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
 
 
 class NoResidual(SpeculativeSampling):
@@ -263,7 +263,7 @@ def test_lossless_methods_sample_the_guided_image_model(kind):
 
 def test_gsd_with_zero_thresholds_is_sjd_on_the_image_model():
     model = tiny()
-    sampled = LogitsPipeline(temperature=1.0, guidance_scale=3.0)
+    sampled = LogitsProcessor(temperature=1.0, guidance_scale=3.0)
     ref = run(model, [0, 1], JacobiDrafter(model.vocab_size, 6), logits=sampled, guided=True, seed=2)
     zero = GroupedAcceptance(model.tok_embeddings.weight, GroupedAcceptanceConfig(p_threshold=0.0, d_threshold=0.0))
     out = run(model, [0, 1], JacobiDrafter(model.vocab_size, 6), rule=zero, logits=sampled, guided=True, seed=2)
@@ -294,7 +294,7 @@ def interval_run(grid, L, interval, labels=(0,)):
     stub = PointMassRows(grid)
     N = grid * grid
     drafter = JacobiDrafter(32, L, init="repeat", interval=None if interval is None else (1, N - L - 2))
-    dec = SpeculativeDecoder(stub, drafter, logits=LogitsPipeline(temperature=1.0))
+    dec = SpeculativeDecoder(stub, drafter, logits=LogitsProcessor(temperature=1.0))
     return dec.generate(stub.model.class_prompts(list(labels)), N, generator=torch.Generator().manual_seed(0))
 
 

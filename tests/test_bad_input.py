@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mmspec.core import (JacobiDrafter, LogitsPipeline, ModelChainDrafter, ModelTreeDrafter,
+from mmspec.core import (JacobiDrafter, LogitsProcessor, ModelChainDrafter, ModelTreeDrafter,
                          SpeculativeDecoder)
 from tiny import tiny_lm
 
@@ -22,7 +22,7 @@ def target():
 ])
 def test_logits_pipeline_rejects(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LogitsPipeline(**kwargs)
+        LogitsProcessor(**kwargs)
 
 
 @pytest.mark.parametrize("gamma", [0, -3, 2.5])
@@ -38,7 +38,7 @@ def test_vocabulary_mismatch(target):
 
 
 def test_guidance_without_uncond(target):
-    dec = SpeculativeDecoder(target, logits=LogitsPipeline(guidance_scale=3.0))
+    dec = SpeculativeDecoder(target, logits=LogitsProcessor(guidance_scale=3.0))
     with pytest.raises(ValueError, match=r"uncond_input_ids must be given when guidance_scale is set"):
         dec.generate([[1, 2]], 4)
 
@@ -81,7 +81,7 @@ def test_generate_arguments(target, call, match):
 def test_logits_knobs_of_the_wrong_type(kwargs, match):
     """A wrong type is a ValueError naming the knob, not a bare TypeError from a comparison."""
     with pytest.raises(ValueError, match=match):
-        LogitsPipeline(**kwargs)
+        LogitsProcessor(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs,match", [

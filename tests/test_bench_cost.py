@@ -14,7 +14,7 @@ import torch
 
 from mmspec import commands
 from mmspec.bench import cost
-from mmspec.core import LogitsPipeline, ModelChainDrafter, ModelOutput, SpeculativeDecoder
+from mmspec.core import LogitsProcessor, ModelChainDrafter, ModelOutput, SpeculativeDecoder
 from mmspec.core.cache import StaticKVCache
 from mmspec.models.continuous_tokenizer import PatchPCATokenizer
 from mmspec.models.eagle import EagleDraftHead
@@ -140,7 +140,7 @@ def _prediction_run():
     table = 3 * torch.randn(8, 8, generator=g)
     target = SleepyBigram(table, 0.015, 0.001)
     draft = SleepyBigram(table + 0.5 * torch.randn(8, 8, generator=g), 0.008, 0.0005)  # agrees often
-    greedy = LogitsPipeline(temperature=0.0)
+    greedy = LogitsProcessor(temperature=0.0)
     decoders = {"none": SpeculativeDecoder(target, logits=greedy),
                 "sd": SpeculativeDecoder(target, ModelChainDrafter(draft, gamma=4), logits=greedy)}
     rows = [(label, lambda i, d=d: int(d.generate([[1 + i % 7, 2, 3]], 32).lengths.sum()))

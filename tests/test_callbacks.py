@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 import torch
 
-from mmspec.core import LogitsPipeline, SpeculativeDecoder
+from mmspec.core import LogitsProcessor, SpeculativeDecoder
 from mmspec.pipelines import SpeculativeContinuousARPipeline
 from test_ar_pipeline import pipe as ar  # noqa: F401  (the module fixture: tiny AR pipeline with every head)
 from test_continuous_pipeline import tiny_pipeline
@@ -83,17 +83,17 @@ def test_a_bad_scale_from_a_callback_is_refused(ar, bad):
 
 def test_the_decoder_takes_a_new_guidance_scale_only():
     target = tiny_lm(0)
-    dec = SpeculativeDecoder(target, logits=LogitsPipeline(temperature=0.0, guidance_scale=2.0))
+    dec = SpeculativeDecoder(target, logits=LogitsProcessor(temperature=0.0, guidance_scale=2.0))
     ids, uncond = torch.tensor([[1, 2, 3]]), torch.tensor([[0]])
 
     def hot(step, state):
-        state.logits = dataclasses.replace(state.logits, temperature=1.0)
+        state.processor = dataclasses.replace(state.processor, temperature=1.0)
 
-    with pytest.raises(ValueError, match="state.logits must be a LogitsPipeline differing from the call's only"):
+    with pytest.raises(ValueError, match="state.processor must be a LogitsProcessor differing from the call's only"):
         dec.generate(ids, 6, uncond_input_ids=uncond, callback=hot)
 
     def off(step, state):
-        state.logits = dataclasses.replace(state.logits, guidance_scale=None)
+        state.processor = dataclasses.replace(state.processor, guidance_scale=None)
 
     with pytest.raises(ValueError, match="guidance_scale must be a number >= 0"):
         dec.generate(ids, 6, uncond_input_ids=uncond, callback=off)

@@ -14,7 +14,7 @@ import torch
 
 from mmspec.adapters.hf import HFCacheAdapter
 from mmspec.adapters.vlm import VLMTarget
-from mmspec.core import (DrafterBase, Job, LogitsPipeline, NextSetSchedule, NullDrafter, SpeculativeDecoder,
+from mmspec.core import (DrafterBase, Job, LogitsProcessor, NextSetSchedule, NullDrafter, SpeculativeDecoder,
                          StaticKVCache)
 from mmspec.core.drafters import _empty_draft
 from mmspec.pipelines import SpeculativeARImagePipeline, SpeculativeVLMPipeline
@@ -118,7 +118,7 @@ def ar_jobs_and_alone(pipe, method: str, temperature: float, n_jobs: int = 5):
     """Decoder-level AR jobs (class prompts with their null-class uncond rows, guidance 2) and each
     decoded alone, ``NEW_TOKENS`` tokens of the grid, one generator per job."""
     recipe = pipe.check_method(method, None)
-    logits = LogitsPipeline(temperature=temperature, guidance_scale=2.0)
+    logits = LogitsProcessor(temperature=temperature, guidance_scale=2.0)
     model = pipe.transformer
     labels = [0, 3, 5, 1, 2][:n_jobs]
 
@@ -172,7 +172,7 @@ def test_text_drafters_restart_rows_with_eos_and_unequal_prompts(drafter, events
         def gen(i):
             return torch.Generator().manual_seed(100 + i)
 
-        logits = LogitsPipeline(temperature=temperature)
+        logits = LogitsProcessor(temperature=temperature)
         alone = []
         for i, p in enumerate(prompts):
             out = SpeculativeDecoder(target, make(), logits=logits).generate([p], 12, eos_token_id=7,
@@ -217,7 +217,7 @@ def test_refuses_what_cannot_refill_rows(ar):
     with pytest.raises(ValueError, match="generator"):
         next(SpeculativeDecoder(model).serve([Job([1], generator=torch.Generator()), Job([2])], 4, slots=1))
     with pytest.raises(ValueError, match="uncond_input_ids"):
-        next(SpeculativeDecoder(model, logits=LogitsPipeline(guidance_scale=2.0)).serve(jobs, 4, slots=1))
+        next(SpeculativeDecoder(model, logits=LogitsProcessor(guidance_scale=2.0)).serve(jobs, 4, slots=1))
 
 
 def test_refuses_qwen2_vl_whose_prompt_pass_keeps_per_row_rope_offsets():
@@ -227,7 +227,7 @@ def test_refuses_qwen2_vl_whose_prompt_pass_keeps_per_row_rope_offsets():
     target = VLMTarget(tiny_qwen2_vl())
     jobs = [Job(p, conditioning=target.vision_inputs(**row_images("qwen2-vl", images, b)))
             for b, p in enumerate(prompts)]
-    decoder = SpeculativeDecoder(target, logits=LogitsPipeline(temperature=0.0))
+    decoder = SpeculativeDecoder(target, logits=LogitsProcessor(temperature=0.0))
     with pytest.raises(ValueError, match="rope_deltas"):
         list(decoder.serve(jobs, 4, slots=1))
 
@@ -337,7 +337,7 @@ def test_admit_holds_jobs_until_they_may_enter():
     from tiny import spread, tiny_lm
 
     target = spread(tiny_lm(0, vocab_size=16, dim=32))
-    logits = LogitsPipeline(temperature=0.0)
+    logits = LogitsProcessor(temperature=0.0)
     prompts = [[1, 2, 3], [4, 5], [6, 7]]
     alone = [SpeculativeDecoder(target, None, logits=logits).generate([p], 8).sequences[0].tolist()
              for p in prompts]
@@ -375,7 +375,7 @@ def test_sampled_jobs_keep_the_target_law(small_vocab_pair, broken, monkeypatch)
             self.lengths[row] = other.lengths[other_row]
 
         monkeypatch.setattr(StaticKVCache, "load_row", length_only)
-    logits = LogitsPipeline(temperature=1.0)
+    logits = LogitsProcessor(temperature=1.0)
     g = torch.Generator().manual_seed(0)
     jobs = [Job(prompt, generator=torch.Generator().manual_seed(int(s)))
             for s in torch.randint(0, 2**62, (N,), generator=g)]

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from mmspec import methods
-from mmspec.core import DensityPipeline, Draw, JacobiDensityDrafter, SpeculativeSampling
+from mmspec.core import DensityProcessor, Draw, JacobiDensityDrafter, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, grid_chisquare_pvalue, ks_uniform_pvalue
 from mmspec.core.gate import GatedDrafter, SpeedGate
 from mmspec.core.types import Acceptance
@@ -138,7 +138,7 @@ def test_context_free_target_accepts_every_draft(coupling, window):
     prefill plus ceil((n - 1) / window) passes (target-only: n), alpha = 1, tau = window; the
     maximal coupling keeps every old draft (no residual draw)."""
     model, n = context_free_target(), 16
-    pipe = DensityPipeline(guidance_scale=2.0)  # constant scale: the same distribution at every index
+    pipe = DensityProcessor(guidance_scale=2.0)  # constant scale: the same distribution at every index
     out = generate(model, jacobi(model, coupling, window), pipe, [0, 1, 2], n, 0)
     stats = out.stats
     assert stats.target_forwards == 1 + -(-(n - 1) // window)
@@ -163,7 +163,7 @@ def test_bad_knobs_and_heads_are_refused_naming_the_argument(target):
     with pytest.raises(ValueError, match="token_shape must be a non-empty tuple"):
         JacobiDensityDrafter(())
     with pytest.raises(ValueError, match="the head must be one whose tokens are their own draws"):
-        generate(target, jacobi(target), DensityPipeline(head="diffusion"), [0], 3, 0)
+        generate(target, jacobi(target), DensityProcessor(head="diffusion"), [0], 3, 0)
     recipe = methods.resolve("continuous", "sjd")
     assert recipe.requires == () and recipe.lossless and recipe.knobs == {"sjd_window": 8, "sjd_coupling": "noise"}
     built = methods.build(recipe, {"target": target}).drafter
@@ -220,7 +220,7 @@ def test_coupling_reuses_the_rules_scores_bit_for_bit(target):
 def test_residual_reports_the_targets_log_density_of_its_draws(target):
     """``Residual.sample_with_log_p`` returns log p of each token it emits (what a Jacobi redraft
     records as its q), and the same tokens as ``sample`` from the same generator."""
-    from mmspec.core import DensityPipeline as DP
+    from mmspec.core import DensityProcessor as DP
     from mmspec.core.types import ModelOutput
 
     z = torch.randn(2, 4, target.config.dim, generator=gen(0), dtype=torch.float64)
@@ -235,7 +235,7 @@ def test_a_mixture_draw_is_a_function_of_its_noise(target):
     """``GaussianMixture.sample(g) == from_noise(noise(g))`` bit for bit (what the noise coupling
     relies on, with the old random stream kept), the same noise gives the same draw, and a
     distribution without noise refuses by name."""
-    from mmspec.core import DensityPipeline as DP, TokenDist
+    from mmspec.core import DensityProcessor as DP, TokenDist
     from mmspec.core.types import ModelOutput
 
     z = torch.randn(3, 5, target.config.dim, generator=gen(0), dtype=torch.float64)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmspec import commands
-from mmspec.core import EagleTreeDrafter, LogitsPipeline, ModelTreeDrafter, SpeculativeDecoder, SpeculativeSampling
+from mmspec.core import EagleTreeDrafter, LogitsProcessor, ModelTreeDrafter, SpeculativeDecoder, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index, total_variation
 from mmspec.models import load_checkpoint
 from mmspec.models.eagle import EagleDraftHead
@@ -40,9 +40,9 @@ def trained_head(target):
     with and without guidance, on both CFG halves: accepted often, so the drafter's bookkeeping
     decides whether it is (a wrong feature/token pairing would leave it near the random head)."""
     classes = list(range(CLASSES))
-    plain = SpeculativeDecoder(target, logits=LogitsPipeline(temperature=0)).generate(
+    plain = SpeculativeDecoder(target, logits=LogitsProcessor(temperature=0)).generate(
         target.class_prompts(classes), GRID * GRID).sequences
-    guided = SpeculativeDecoder(target, logits=LogitsPipeline(temperature=0, guidance_scale=SCALE)).generate(
+    guided = SpeculativeDecoder(target, logits=LogitsProcessor(temperature=0, guidance_scale=SCALE)).generate(
         target.class_prompts(classes), GRID * GRID, uncond_input_ids=target.uncond_prompts(CLASSES)).sequences
     ids = torch.cat([plain, guided, guided])
     labels = torch.tensor(classes + classes + [target.null_class] * CLASSES)
@@ -104,7 +104,7 @@ def test_root_output_matches_a_from_scratch_head_pass(target, random_head):
             torch.testing.assert_close(got.logits[r], ref.logits[0, -1], atol=1e-4, rtol=1e-4)
         checked.append(step)
 
-    out = SpeculativeDecoder(target, drafter, logits=LogitsPipeline(temperature=0, guidance_scale=SCALE)).generate(
+    out = SpeculativeDecoder(target, drafter, logits=LogitsProcessor(temperature=0, guidance_scale=SCALE)).generate(
         target.class_prompts(LABELS), GRID * GRID, uncond_input_ids=target.uncond_prompts(len(LABELS)),
         callback=compare)
     assert len(checked) == out.stats.target_forwards - 1 > 0
@@ -122,7 +122,7 @@ def test_a_tree_wider_than_its_block_fits_the_draft_cache(target, random_head, k
     knobs = dict(top_k=4, depth=4, total_tokens=3)  # 16 fed nodes, blocks of 3
     drafter = EagleTreeDrafter(random_head, **knobs) if kind == "eagle" else ModelTreeDrafter(target, **knobs)
     prompts = target.class_prompts(LABELS)
-    greedy = LogitsPipeline(temperature=0)
+    greedy = LogitsProcessor(temperature=0)
     want = SpeculativeDecoder(target, logits=greedy).generate(prompts, GRID * GRID).sequences
     got = SpeculativeDecoder(target, drafter, logits=greedy).generate(prompts, GRID * GRID).sequences
     assert torch.equal(got, want)
@@ -132,7 +132,7 @@ def test_needs_the_targets_features(random_head):
     from mmspec.core.decoder import DecodeState
 
     state = DecodeState(tokens=torch.zeros(1, 4, dtype=torch.long), lengths=torch.tensor([2]), batch_size=1,
-                        logits=LogitsPipeline(), generator=None, max_len=4)  # no prefill output
+                        logits=LogitsProcessor(), generator=None, max_len=4)  # no prefill output
     with pytest.raises(ValueError, match="needs the target's features"):
         EagleTreeDrafter(random_head).start(state)
 
@@ -142,7 +142,7 @@ def test_needs_the_targets_features(random_head):
 @pytest.mark.parametrize("guided", [False, True], ids=["plain", "cfg"])
 @pytest.mark.parametrize("batch", [1, 3], ids=["B=1", "B=3"])
 def test_greedy_bit_identical(target, trained_head, mode, guided, batch):
-    pipeline = LogitsPipeline(temperature=0, guidance_scale=SCALE if guided else None)
+    pipeline = LogitsProcessor(temperature=0, guidance_scale=SCALE if guided else None)
     labels = LABELS[:batch]
     kwargs = {"uncond_input_ids": target.uncond_prompts(batch)} if guided else {}
     reference = SpeculativeDecoder(target, logits=pipeline).generate(
@@ -157,7 +157,7 @@ def test_greedy_bit_identical(target, trained_head, mode, guided, batch):
 
 # 4. the distribution test with CFG ---------------------------------------------------------------
 N_SAMPLES, N_TOKENS, LABEL = 20_000, 3, 3
-GUIDED = LogitsPipeline(temperature=1.0, guidance_scale=2.0)
+GUIDED = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
 TREES = {"topk": dict(top_k=3, depth=2, total_tokens=8, mode="topk"),  # EAGLE-2's form, q = 1
          "sample": dict(top_k=2, depth=2, mode="sample")}  # nodes sampled without replacement
 

@@ -9,7 +9,7 @@ deliberately broken rules, which the same test must reject (p < 1e-3).
 import pytest
 import torch
 
-from mmspec.core import (JacobiDrafter, LogitsPipeline, ModelChainDrafter, ModelTreeDrafter,
+from mmspec.core import (JacobiDrafter, LogitsProcessor, ModelChainDrafter, ModelTreeDrafter,
                          SpeculativeDecoder, SpeculativeSampling)
 from mmspec.core.exactness import (P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index,
                                    total_variation)
@@ -78,8 +78,8 @@ def sample_pvalue(target, draft, kind, pipeline, rule=None, guided=False, seed=0
     return chisquare_pvalue(samples, probs), total_variation(samples, probs), out.stats
 
 
-PLAIN = LogitsPipeline(temperature=1.0)
-GUIDED = LogitsPipeline(temperature=0.8, top_k=5, guidance_scale=2.0)
+PLAIN = LogitsProcessor(temperature=1.0)
+GUIDED = LogitsProcessor(temperature=0.8, top_k=5, guidance_scale=2.0)
 
 
 @pytest.mark.parametrize("kind", ["chain", "tree-topk", "tree-sampled", "jacobi"])

@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from mmspec.bench.synthetic import IIDDrafter, IIDTarget, expected_tau, iid_pair_distributions
-from mmspec.core import LogitsPipeline, SpeculativeDecoder, SpeculativeSampling
+from mmspec.core import LogitsProcessor, SpeculativeDecoder, SpeculativeSampling
 
 ROWS, NEW_TOKENS = 2000, 120
 
 
 def measured_tau(alpha, gamma, rule=None):
     p, q = iid_pair_distributions(alpha)
-    dec = SpeculativeDecoder(IIDTarget(p), IIDDrafter(q, gamma), rule=rule, logits=LogitsPipeline())
+    dec = SpeculativeDecoder(IIDTarget(p), IIDDrafter(q, gamma), rule=rule, logits=LogitsProcessor())
     out = dec.generate(torch.zeros(ROWS, 1, dtype=torch.long), NEW_TOKENS, generator=torch.Generator().manual_seed(0))
     return out.stats.tau
 

@@ -174,12 +174,12 @@ def test_unsupported_methods_are_refused(pipes, method, arg):
 
 
 # -- exactness: sampled lossless methods draw the prior's own joint distribution -------------------
-from mmspec.core import LogitsPipeline  # noqa: E402
+from mmspec.core import LogitsProcessor  # noqa: E402
 from mmspec.core.acceptance import SpeculativeSampling  # noqa: E402
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, total_variation  # noqa: E402
 
 N_SAMPLES, N_TOKENS, TOP_K = 3000, 3, 3
-SAMPLING = LogitsPipeline(temperature=1.0, top_k=TOP_K)
+SAMPLING = LogitsProcessor(temperature=1.0, top_k=TOP_K)
 
 
 class SharpenedRule:

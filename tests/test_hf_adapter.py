@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from mmspec.adapters.hf import HFCausalLMTarget
-from mmspec.core import (JacobiDrafter, LogitsPipeline, ModelChainDrafter, ModelTreeDrafter,
+from mmspec.core import (JacobiDrafter, LogitsProcessor, ModelChainDrafter, ModelTreeDrafter,
                          SpeculativeDecoder, Tree)
 from mmspec.core.decoder import pad_prompts
 from mmspec.core.shapes import forced_static_shapes
@@ -82,7 +82,7 @@ def test_greedy_matches_transformers_generate(attn, drafter):
     assert all(len(set(row)) > 2 for row in expected), "the target's greedy text is trivially constant"
 
     decoder = SpeculativeDecoder(HFCausalLMTarget(model), DRAFTERS[drafter](model),
-                                 logits=LogitsPipeline(temperature=0))
+                                 logits=LogitsProcessor(temperature=0))
     out = decoder.generate(prompts, NEW_TOKENS)
 
     assert out.sequences.tolist() == expected

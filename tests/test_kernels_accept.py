@@ -1,6 +1,6 @@
 """Fused guided acceptance: the Triton kernels in Triton's interpreter on the CPU, decision for
 decision against the core's own rule objects (``SpeculativeSampling``, ``GroupedAcceptance``,
-``GreedyMatch``) behind the core's ``LogitsPipeline``, on the uniforms the core draws from the same
+``GreedyMatch``) behind the core's ``LogitsProcessor``, on the uniforms the core draws from the same
 seeded generator; the torch reference likewise.
 
 Tolerances: accepted lengths and tokens equal; accept probabilities within 1e-6 (fp32 softmax in a
@@ -19,7 +19,7 @@ import torch
 
 import mmspec.core.fused as fused_mod
 from mmspec.core import (GreedyMatch, GroupedAcceptance, GroupedAcceptanceConfig, JacobiDrafter,
-                         LatentProximityAcceptance, LogitsPipeline, ModelChainDrafter, ModelTreeDrafter,
+                         LatentProximityAcceptance, LogitsProcessor, ModelChainDrafter, ModelTreeDrafter,
                          NextSetSchedule, SpeculativeDecoder, SpeculativeSampling, latent_neighbours)
 from mmspec.core.fused import fused_acceptance, fused_knobs
 from mmspec.core.tree import DraftTree, Tree
@@ -43,12 +43,12 @@ def _case(B, G, V, *, guidance=None, temperature=1.0, top_k=None, drafted=True, 
     rows = 2 * B if guidance is not None else B
     logits = torch.randint(-3, 4, (rows, G + 1, V), generator=g).float() if ties else \
         2 * torch.randn(rows, G + 1, V, generator=g)
-    pipe = LogitsPipeline(temperature=temperature, top_k=top_k, guidance_scale=guidance)
+    pipe = LogitsProcessor(temperature=temperature, top_k=top_k, guidance_scale=guidance)
     target_logits = pipe.merge_guidance(logits)[:, :G]  # (B, G, V)
     q = None
     if drafted and temperature > 0:
         blurred = target_logits + 0.7 * torch.randn(B, G, V, generator=g)
-        q = LogitsPipeline(temperature=temperature, top_k=top_k)(blurred)  # (B, G, V)
+        q = LogitsProcessor(temperature=temperature, top_k=top_k)(blurred)  # (B, G, V)
         tokens = torch.multinomial(q.reshape(-1, V), 1, generator=g).view(B, G)
     else:
         tokens = target_logits.argmax(-1)
@@ -162,7 +162,7 @@ def test_gsd_groups_are_not_trivial():
 def test_reference_with_top_p_is_the_pipeline():
     """Top-p is not fused; the reference (which the dispatcher takes for it) applies the pipeline's."""
     case = CASES["exact-drafted-cfg"]
-    pipe = LogitsPipeline(temperature=1.0, top_p=0.8, guidance_scale=3.0)
+    pipe = LogitsProcessor(temperature=1.0, top_p=0.8, guidance_scale=3.0)
     B, G = case["tokens"].shape
     core = SpeculativeSampling()(DraftTree(case["tokens"], Tree.chain(B, G), case["q"]), pipe(case["logits"]),
                                  torch.Generator().manual_seed(SEED))
@@ -217,8 +217,8 @@ def _decoders():
     """name -> (decoder kwargs, generator factory, whether the fused kernel implements the pair)."""
     target = tiny_lm(0, vocab_size=24, dim=16, n_layers=1)
     draft = noisy_copy(target, 0.3)
-    sampled = LogitsPipeline(temperature=1.0, guidance_scale=2.0)
-    greedy = LogitsPipeline(temperature=0, guidance_scale=2.0)
+    sampled = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
+    greedy = LogitsProcessor(temperature=0, guidance_scale=2.0)
     gsd = GroupedAcceptance(target.embed.weight, GroupedAcceptanceConfig(0.1, 8.0, 3))
     per_row = lambda: [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)]  # noqa: E731
     one = lambda: torch.Generator().manual_seed(3)  # noqa: E731
@@ -226,7 +226,7 @@ def _decoders():
     return target, {
         "sd-greedy": (dict(drafter=ModelChainDrafter(draft, 3), logits=greedy), one, True),
         "sd-sampled": (dict(drafter=ModelChainDrafter(draft, 3), logits=sampled), per_row, True),
-        "sd-top-k": (dict(drafter=ModelChainDrafter(draft, 3), logits=LogitsPipeline(0.7, top_k=5)), one, True),
+        "sd-top-k": (dict(drafter=ModelChainDrafter(draft, 3), logits=LogitsProcessor(0.7, top_k=5)), one, True),
         "gsd": (dict(drafter=jacobi(), rule=gsd, logits=sampled), per_row, True),
         "target-only": (dict(logits=sampled), per_row, True),
         "zipar+sjd": (dict(drafter=JacobiDrafter(24, window=3, init="repeat"), logits=sampled,
@@ -234,7 +234,7 @@ def _decoders():
         "tree": (dict(drafter=ModelTreeDrafter(draft, top_k=2, depth=2, total_tokens=5), logits=sampled), one, False),
         "lantern": (dict(drafter=jacobi(), rule=LatentProximityAcceptance(latent_neighbours(target.embed.weight)),
                          logits=sampled), per_row, False),
-        "top-p": (dict(drafter=jacobi(), logits=LogitsPipeline(1.0, top_p=0.8)), one, False),
+        "top-p": (dict(drafter=jacobi(), logits=LogitsProcessor(1.0, top_p=0.8)), one, False),
         "greedy-rule-sampled": (dict(drafter=jacobi(), rule=GreedyMatch(), logits=sampled), one, False),
         "exact-rule-greedy": (dict(drafter=jacobi(), rule=SpeculativeSampling(), logits=greedy), one, False),
     }
@@ -285,15 +285,15 @@ def test_fused_acceptance_forced_refuses_what_the_kernel_cannot_take(monkeypatch
     logits = torch.randn(B, G + 1, V)
     draft = DraftTree(torch.randint(V, (B, G)), Tree.chain(B, G), None)
     with pytest.raises(dispatch.KernelUnavailableError, match="top-p"):
-        fused_acceptance(SpeculativeSampling(), LogitsPipeline(top_p=0.9), draft, logits, None)
+        fused_acceptance(SpeculativeSampling(), LogitsProcessor(top_p=0.9), draft, logits, None)
     with pytest.raises(dispatch.KernelUnavailableError, match="float64"):
-        fused_acceptance(SpeculativeSampling(), LogitsPipeline(), draft, logits.double(), None)
+        fused_acceptance(SpeculativeSampling(), LogitsProcessor(), draft, logits.double(), None)
     lantern = LatentProximityAcceptance(latent_neighbours(torch.randn(V, 4)))
-    assert fused_acceptance(lantern, LogitsPipeline(), draft, logits, None) is None
-    assert fused_knobs(GreedyMatch(), LogitsPipeline(temperature=0, top_p=0.5, top_k=2))["top_p"] is None
+    assert fused_acceptance(lantern, LogitsProcessor(), draft, logits, None) is None
+    assert fused_knobs(GreedyMatch(), LogitsProcessor(temperature=0, top_p=0.5, top_k=2))["top_p"] is None
     monkeypatch.delenv("TRITON_INTERPRET")
     with pytest.raises(dispatch.KernelUnavailableError, match="TRITON_INTERPRET=1"):
-        fused_acceptance(SpeculativeSampling(), LogitsPipeline(), draft, logits, None)
+        fused_acceptance(SpeculativeSampling(), LogitsProcessor(), draft, logits, None)
 
 
 # -- compiled kernels on a GPU --------------------------------------------------------------------

@@ -37,7 +37,7 @@ torch.set_num_threads(1)
 import importlib
 rolling_mod = importlib.import_module("mmspec.kernels.rolling_attention")  # the package's names are the dispatchers
 tree_mod = importlib.import_module("mmspec.kernels.tree_attention")
-from mmspec.core import LogitsPipeline, ModelTreeDrafter, SpeculativeDecoder
+from mmspec.core import LogitsProcessor, ModelTreeDrafter, SpeculativeDecoder
 from mmspec.models import TinyCausalLM
 from tiny import tiny_lm
 from mmspec.bench.synthetic import perturbed_copy
@@ -52,7 +52,7 @@ for name, mod, attr in (("tree", tree_mod, "tree_attention_triton"),
 
 V = 48
 PROMPTS = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
-greedy = LogitsPipeline(temperature=0)
+greedy = LogitsProcessor(temperature=0)
 target = tiny_lm(0, vocab_size=V, dim=32, n_layers=2, init_std=0.5)
 draft = perturbed_copy(target, noise=0.05, seed=1)
 
@@ -110,7 +110,7 @@ import sys, torch
 sys.path.insert(0, sys.argv[1])
 torch.set_num_threads(1)
 import mmspec.core.fused as fused_mod
-from mmspec.core import (GroupedAcceptance, GroupedAcceptanceConfig, JacobiDrafter, LogitsPipeline,
+from mmspec.core import (GroupedAcceptance, GroupedAcceptanceConfig, JacobiDrafter, LogitsProcessor,
                          ModelChainDrafter, NextSetSchedule, SpeculativeDecoder)
 from tiny import tiny_lm
 from mmspec.bench.synthetic import perturbed_copy
@@ -125,9 +125,9 @@ V, N = 48, 16
 PROMPTS, UNCOND = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], [[0], [0, 0]]
 target = tiny_lm(0, vocab_size=V, dim=32, n_layers=2, init_std=0.5)
 draft = perturbed_copy(target, noise=0.05, seed=1)
-greedy = LogitsPipeline(temperature=0, guidance_scale=2.0)
-sampled = LogitsPipeline(temperature=1.0, guidance_scale=2.0)
-top_k = LogitsPipeline(temperature=0.8, top_k=12, guidance_scale=2.0)
+greedy = LogitsProcessor(temperature=0, guidance_scale=2.0)
+sampled = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
+top_k = LogitsProcessor(temperature=0.8, top_k=12, guidance_scale=2.0)
 # groups wide enough to hold other tokens (the tiny LM's embeddings are ~16 apart, squared)
 gsd = GroupedAcceptance(target.embed.weight, GroupedAcceptanceConfig(p_threshold=0.1, d_threshold=24.0,
                                                                      half_width=4))

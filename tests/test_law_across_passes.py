@@ -59,7 +59,7 @@ import torch
 
 from contract_util import NoKnobs, exact_law, tiny_ar_pipeline
 from mmspec import methods
-from mmspec.core import LogitsPipeline, SpeculativeSampling
+from mmspec.core import LogitsProcessor, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, sequence_index
 
 MODALITY = "ar-image"
@@ -92,7 +92,7 @@ class _Sampler:
     def _joint(self) -> torch.Tensor:
         """(V,) * LAST: the target's exact probability of every first ``LAST`` tokens."""
         model = self.pipe.transformer
-        logits = LogitsPipeline(temperature=1.0, guidance_scale=GUIDANCE)
+        logits = LogitsProcessor(temperature=1.0, guidance_scale=GUIDANCE)
         prefixes = torch.tensor(list(itertools.product(range(VOCAB), repeat=LAST - 1)))  # (V**7, 7)
         rows = [torch.cat([torch.full((len(prefixes), 1), c), prefixes], 1) for c in (AR_CLASS, model.null_class)]
         probs = logits(torch.cat([model(r).logits for r in rows])).double()  # (V**7, LAST, V): every conditional
@@ -153,7 +153,7 @@ def test_the_window_law_is_the_contract_law():
     first 3 tokens, and sums to 1."""
     s = _sampler()
     model = s.pipe.transformer
-    logits = LogitsPipeline(temperature=1.0, guidance_scale=GUIDANCE)
+    logits = LogitsProcessor(temperature=1.0, guidance_scale=GUIDANCE)
 
     def score(prefixes):
         ids = torch.tensor(prefixes, dtype=torch.long).view(len(prefixes), -1)

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from mmspec.adapters.hf import HFCausalLMTarget
-from mmspec.core import LogitsPipeline, SpeculativeDecoder
+from mmspec.core import LogitsProcessor, SpeculativeDecoder
 from mmspec.core import acceptance
 
 VOCAB = 5003  # odd, so no other dimension of the tiny model equals it
@@ -65,7 +65,7 @@ def vocab_ops_per_pass(tokens: int = 16) -> tuple[float, Counter]:
                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
     mode = VocabOps(VOCAB)
     decoder = SpeculativeDecoder(Uncounted(HFCausalLMTarget(LlamaForCausalLM(config).eval()), mode),
-                                 logits=LogitsPipeline(temperature=0))
+                                 logits=LogitsProcessor(temperature=0))
     short = decoder.generate([[1, 2, 3, 4]], 2)  # the prefill and one pass, subtracted below
     with mode:
         decoder.generate([[1, 2, 3, 4]], 2)
@@ -101,11 +101,11 @@ def test_the_overhead_bench_runs():
 def test_the_target_probabilities_are_built_only_when_read(monkeypatch):
     """Issue 42, item 5: where the fused acceptance kernel decides from raw logits (simulated here:
     the rule on the pipeline's output, computed inside the fake, uncounted), the decoder applies
-    the logits pipeline to the target's verify logits only for a drafter whose ``update`` reads
+    the logits processor to the target's verify logits only for a drafter whose ``update`` reads
     the probabilities: never for ``sd``, once a pass for ``sjd``; on the torch path once a pass."""
     from contract_util import tiny_ar_pipeline
     from mmspec.core import decoder as decoder_module
-    from mmspec.core.logits import LogitsPipeline as Pipeline
+    from mmspec.core.logits import LogitsProcessor as Pipeline
 
     pipe = tiny_ar_pipeline(grid_size=4)
     target = pipe.transformer

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from mmspec.core import (JacobiDrafter, LogitsPipeline, ModelChainDrafter, ModelTreeDrafter,
+from mmspec.core import (JacobiDrafter, LogitsProcessor, ModelChainDrafter, ModelTreeDrafter,
                          SpeculativeDecoder, SpeculativeSampling)
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index, total_variation
 from mmspec.core.rope import GridRope2D
@@ -148,7 +148,7 @@ GREEDY_DRAFTERS = {
 def test_greedy_cfg_bit_identical(model, drafts, reference, method, draft_kind):
     """B=3 rows with different classes, a full 6x6 grid, CFG scale 3."""
     dec = SpeculativeDecoder(model, GREEDY_DRAFTERS[method](drafts.get(draft_kind)),
-                             logits=LogitsPipeline(temperature=0, guidance_scale=SCALE))
+                             logits=LogitsProcessor(temperature=0, guidance_scale=SCALE))
     out = dec.generate(model.class_prompts(LABELS), GRID * GRID,
                        uncond_input_ids=model.uncond_prompts(len(LABELS)))
     assert out.sequences.tolist() == reference
@@ -158,7 +158,7 @@ def test_greedy_cfg_bit_identical(model, drafts, reference, method, draft_kind):
 
 # 4. sampled exactness with CFG ----------------------------------------------------------------
 N_SAMPLES, N_TOKENS, LABEL = 20_000, 3, 3
-GUIDED = LogitsPipeline(temperature=1.0, top_k=6, guidance_scale=2.0)
+GUIDED = LogitsProcessor(temperature=1.0, top_k=6, guidance_scale=2.0)
 
 
 class NoResidual(SpeculativeSampling):

@@ -1,4 +1,4 @@
-"""``LogitsPipeline`` against transformers' logits processors on random logits.
+"""``LogitsProcessor`` against transformers' logits processors on random logits.
 
 Reference: ``transformers.generation.logits_process`` ``TemperatureLogitsWarper``,
 ``TopKLogitsWarper``, ``TopPLogitsWarper`` applied in that order (the order of
@@ -23,7 +23,7 @@ import torch
 from transformers.generation.logits_process import (ClassifierFreeGuidanceLogitsProcessor, TemperatureLogitsWarper,
                                                     TopKLogitsWarper, TopPLogitsWarper)
 
-from mmspec.core import LogitsPipeline
+from mmspec.core import LogitsProcessor
 
 V, ROWS = 1000, 512
 
@@ -64,7 +64,7 @@ SETTINGS = [
 @pytest.mark.parametrize("knobs", SETTINGS, ids=lambda k: ",".join(f"{a}={b}" for a, b in k.items()))
 def test_warpers_match_transformers(knobs):
     logits = random_logits()
-    ours = LogitsPipeline(**knobs)(logits)
+    ours = LogitsProcessor(**knobs)(logits)
     ref = hf_probs(logits, **knobs)
     assert torch.equal(ours, ref)
     kept = (ours > 0).sum(-1)
@@ -77,7 +77,7 @@ def test_warpers_match_transformers(knobs):
                          ids=["cfg", "cfg+warpers"])
 def test_guidance_matches_transformers(knobs):
     logits = random_logits(2 * ROWS, seed=1)  # [cond; uncond]
-    ours = LogitsPipeline(**knobs)(logits)
+    ours = LogitsProcessor(**knobs)(logits)
     assert ours.shape == (ROWS, V)
     assert torch.equal(ours, hf_probs(logits, **knobs))
 
@@ -85,7 +85,7 @@ def test_guidance_matches_transformers(knobs):
 def test_a_broken_pipeline_fails_the_comparison():
     """The comparison can fail: top-p applied before top-k (the wrong order) does not match."""
     logits = random_logits()
-    wrong = LogitsPipeline(top_k=200)(LogitsPipeline(top_p=0.5)(logits).clamp_min(1e-30).log())
+    wrong = LogitsProcessor(top_k=200)(LogitsProcessor(top_p=0.5)(logits).clamp_min(1e-30).log())
     assert not torch.equal(wrong, hf_probs(logits, top_k=200, top_p=0.5))
 
 
@@ -93,7 +93,7 @@ def test_top_p_ties_on_the_boundary_keep_the_lower_ids():
     """p = (.25, .5, .25, 0), top_p = 0.6: the nucleus needs one of the two tied .25 tokens. We keep
     token 0 (stable descending sort), transformers keeps token 2; both keep the same mass."""
     logits = torch.tensor([[0.25, 0.5, 0.25, 1e-9]]).log()
-    ours = LogitsPipeline(top_p=0.6)(logits)
+    ours = LogitsProcessor(top_p=0.6)(logits)
     ref = hf_probs(logits, top_p=0.6)
     assert ours[0].tolist() == pytest.approx([1 / 3, 2 / 3, 0.0, 0.0])
     assert ref[0].tolist() == pytest.approx([0.0, 2 / 3, 1 / 3, 0.0])
@@ -101,14 +101,14 @@ def test_top_p_ties_on_the_boundary_keep_the_lower_ids():
 
 def test_top_k_ties_on_the_boundary_are_all_kept_by_both():
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 0.0]])
-    ours = LogitsPipeline(top_k=2)(logits)
+    ours = LogitsProcessor(top_k=2)(logits)
     assert torch.equal(ours, hf_probs(logits, top_k=2))
     assert (ours > 0).sum().item() == 3  # 3.0 and both 2.0s
 
 
 def test_greedy_is_the_argmax():
     logits = random_logits(64)
-    ours = LogitsPipeline(temperature=0)(logits)
+    ours = LogitsProcessor(temperature=0)(logits)
     assert torch.equal(ours.argmax(-1), logits.argmax(-1)) and torch.equal(ours.sum(-1), torch.ones(64))
     with pytest.raises(ValueError):
         TemperatureLogitsWarper(0.0)  # transformers: greedy is do_sample=False instead
@@ -117,7 +117,7 @@ def test_greedy_is_the_argmax():
 def test_guidance_scales_at_most_one_are_ours_only():
     logits = random_logits(2 * 8, seed=2)
     cond, uncond = logits.chunk(2)
-    assert torch.equal(LogitsPipeline(guidance_scale=1.0).merge_guidance(logits), uncond + 1.0 * (cond - uncond))
-    assert torch.equal(LogitsPipeline(guidance_scale=0.0)(logits), uncond.softmax(-1))
+    assert torch.equal(LogitsProcessor(guidance_scale=1.0).merge_guidance(logits), uncond + 1.0 * (cond - uncond))
+    assert torch.equal(LogitsProcessor(guidance_scale=0.0)(logits), uncond.softmax(-1))
     with pytest.raises(ValueError):
         ClassifierFreeGuidanceLogitsProcessor(1.0)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from mmspec import methods
-from mmspec.core import JacobiDrafter, LogitsPipeline, NextSetSchedule, SpeculativeDecoder
+from mmspec.core import JacobiDrafter, LogitsProcessor, NextSetSchedule, SpeculativeDecoder
 from mmspec.core.drafters import maximal_coupling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index, total_variation
 from mmspec.core.relaxed import GroupedAcceptance, GroupedAcceptanceConfig
@@ -106,8 +106,8 @@ def test_coupling_draws_row_r_from_generator_r():
 
 
 # -- through the decoder ---------------------------------------------------------------------------
-PLAIN = LogitsPipeline(temperature=1.0)
-GUIDED = LogitsPipeline(temperature=0.8, top_k=5, guidance_scale=2.0)
+PLAIN = LogitsProcessor(temperature=1.0)
+GUIDED = LogitsProcessor(temperature=0.8, top_k=5, guidance_scale=2.0)
 
 
 def toy_pvalue(target, drafter, pipeline, guided=False):
@@ -147,7 +147,7 @@ def tiny_image(seed=5, vocab=8, grid=4, init=0.3):
                          mlp_hidden=64, initializer_range=init).eval()
 
 
-IMAGE = LogitsPipeline(temperature=1.0, guidance_scale=2.0)
+IMAGE = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
 
 
 def image_pvalue(drafter, label=1):
@@ -188,7 +188,7 @@ def test_mcsjd_with_coupled_non_one_hot_drafts():
 
 def test_greedy_mcsjd_equals_the_baseline():
     model = tiny_image(seed=0, vocab=32)
-    greedy = LogitsPipeline(temperature=0.0, guidance_scale=3.0)
+    greedy = LogitsProcessor(temperature=0.0, guidance_scale=3.0)
 
     def run(drafter):
         return SpeculativeDecoder(model, drafter, logits=greedy).generate(
@@ -202,7 +202,7 @@ def test_maximal_coupling_accepts_more_than_independent_redrafts():
     """The point of MC-SJD: on the tiny guided image model (V = 32, 4x4 grid, 256 images, window 6),
     coupled redrafts agree with the previous ones more often, so more drafts pass per target pass."""
     model = tiny_image(seed=0, vocab=32, init=0.2)
-    sampled = LogitsPipeline(temperature=1.0, guidance_scale=2.0)
+    sampled = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
 
     def tau(coupling):
         dec = SpeculativeDecoder(model, JacobiDrafter(32, 6, coupling=coupling), logits=sampled)
@@ -216,7 +216,7 @@ def test_maximal_coupling_accepts_more_than_independent_redrafts():
 def test_mcsjd_generator_lists():
     """Row r draws from generator r: a batch equals its rows decoded alone, bit for bit."""
     model = tiny_image(seed=0, vocab=32, init=0.2)
-    sampled = LogitsPipeline(temperature=1.0, guidance_scale=2.0)
+    sampled = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
 
     def run(labels, seeds):
         dec = SpeculativeDecoder(model, JacobiDrafter(32, 4, coupling="maximal"), logits=sampled)
@@ -251,7 +251,7 @@ def test_mcsjd_composes_where_sjd_does():
 
 def test_gsd_at_zero_thresholds_on_mcsjd_is_mcsjd():
     model = tiny_image(seed=0, vocab=32)
-    sampled = LogitsPipeline(temperature=1.0, guidance_scale=3.0)
+    sampled = LogitsProcessor(temperature=1.0, guidance_scale=3.0)
 
     def run(rule):
         dec = SpeculativeDecoder(model, JacobiDrafter(32, 6, coupling="maximal"), rule=rule, logits=sampled)

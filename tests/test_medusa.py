@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from mmspec.adapters.vlm import VLMTarget
-from mmspec.core import LogitsPipeline, ParallelHeadsDrafter, SpeculativeDecoder, SpeculativeSampling
+from mmspec.core import LogitsProcessor, ParallelHeadsDrafter, SpeculativeDecoder, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue
 from mmspec.models.medusa import MedusaHeads
 from mmspec.models.vlm_distill import answer_mask
@@ -41,7 +41,7 @@ def heads(target, **kw):
 def decode(target, rows, medusa=None, logits=None, n=NEW_TOKENS, generator=None, **tree):
     prompts, images = llava_inputs(rows)
     drafter = None if medusa is None else ParallelHeadsDrafter(medusa, **{**TREE, **tree})
-    dec = SpeculativeDecoder(target, drafter, logits=logits or LogitsPipeline(temperature=0))
+    dec = SpeculativeDecoder(target, drafter, logits=logits or LogitsProcessor(temperature=0))
     return dec.generate(prompts, n, conditioning=target.vision_inputs(**images), generator=generator)
 
 
@@ -113,7 +113,7 @@ def test_sampled_decoding_follows_the_target():
     out = target(torch.tensor([[3, 1, 4]]), torch.arange(3)[None], None)
     assert out.hidden is not None
     drafter = lambda: ParallelHeadsDrafter(ToyHeads(out.hidden.shape[-1]), top_k=2, total_tokens=5)  # noqa: E731
-    probs = exact_joint(target, [3, 1, 4], 3, LogitsPipeline(temperature=1.0))
+    probs = exact_joint(target, [3, 1, 4], 3, LogitsProcessor(temperature=1.0))
 
     class NoResidual(SpeculativeSampling):
         def reject(self, p, q, x):
@@ -121,7 +121,7 @@ def test_sampled_decoding_follows_the_target():
 
     results = {}
     for name, rule in (("exact", None), ("broken", NoResidual())):
-        dec = SpeculativeDecoder(target, drafter(), rule=rule, logits=LogitsPipeline(temperature=1.0))
+        dec = SpeculativeDecoder(target, drafter(), rule=rule, logits=LogitsProcessor(temperature=1.0))
         res = dec.generate(torch.tensor([[3, 1, 4]]).expand(4000, -1), 3, generator=torch.Generator().manual_seed(0))
         results[name] = (chisquare_pvalue(sequence_index(res.sequences[:, :3], target.vocab_size), probs),
                          res.stats.tau)
@@ -198,7 +198,7 @@ def test_recipe_writes_loadable_heads(tiny_vlm_dir, tmp_path):
     pixels, seqs, prompt_lens = encode(processor, SceneQADataset(2, 7))
     prompts = [s[:n] for s, n in zip(seqs, prompt_lens)]
     images = vlm.vision_inputs(pixels)
-    greedy = LogitsPipeline(temperature=0)
+    greedy = LogitsProcessor(temperature=0)
     plain = SpeculativeDecoder(vlm, None, logits=greedy).generate(prompts, 8, conditioning=images)
     drafted = SpeculativeDecoder(vlm, ParallelHeadsDrafter(medusa, **TREE), logits=greedy).generate(
         prompts, 8, conditioning=images)

@@ -52,7 +52,7 @@ import torch
 
 from contract_util import AcceptAll, NoKnobs, NoResidual, VLM_QUESTION, exact_law, tiny_ar_pipeline, tiny_vlm_pipeline
 from mmspec import methods
-from mmspec.core import DensityPipeline, LogitsPipeline
+from mmspec.core import DensityProcessor, LogitsProcessor
 from mmspec.core.exactness import P_THRESHOLD, grid_chisquare_pvalue, ks_uniform_pvalue, two_sample_pvalue
 from mmspec.models.eagle import EagleDraftHead
 from mmspec.models.llamagen import LlamaGenModel
@@ -166,7 +166,7 @@ class _Sampler:
                    guidance_scale=guidance, generator=self.gen(), output_type="latent", method_knobs=_knobs(
                        self.modality, method))
         if guidance not in self.laws:
-            logits = LogitsPipeline(temperature=1.0, guidance_scale=guidance)
+            logits = LogitsProcessor(temperature=1.0, guidance_scale=guidance)
             model = pipe.transformer
 
             def score(prefixes):
@@ -189,7 +189,7 @@ class _Sampler:
             from mmspec.adapters.vlm import VLMTarget
 
             ids, vision = pipe.prepare_inputs(image, VLM_QUESTION)
-            logits = LogitsPipeline(temperature=1.0)
+            logits = LogitsProcessor(temperature=1.0)
             with torch.no_grad():  # the prompt's embeddings, image features in place; generated ids are text
                 prompt = VLMTarget(pipe.target).input_embeds(torch.tensor(ids), **vision)
 
@@ -211,7 +211,7 @@ class _Sampler:
                    **CONTINUOUS)
         tokens = pipe.decoded.sequences  # (N, n, 2, d): state and latent of every token
         head = methods.continuous.head_for(methods.resolve(self.modality, method))
-        density = DensityPipeline(head=head, **CONTINUOUS)
+        density = DensityProcessor(head=head, **CONTINUOUS)
         if head == "mixture":
             u = rosenblatt(pipe.transformer, tokens, labels, density, self.n).view(self.N, self.n, -1)
             return min(ks_uniform_pvalue(u.flatten(1)), grid_chisquare_pvalue(u[..., 0])), out.stats

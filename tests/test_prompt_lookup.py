@@ -8,7 +8,7 @@ accepts every draft fails the same test.
 import pytest
 import torch
 
-from mmspec.core import LogitsPipeline, PromptLookupDrafter, SpeculativeDecoder, SpeculativeSampling
+from mmspec.core import LogitsProcessor, PromptLookupDrafter, SpeculativeDecoder, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index
 from tiny import reference_greedy, tiny_lm
 
@@ -38,7 +38,7 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 7, 2], [1, 2, 3, 1, 2, 3, 1, 2
 @pytest.mark.parametrize("rows", [1, 3])
 def test_greedy_bit_identical_and_drafts_accepted(target, rows):
     prompts = PROMPTS[:rows]
-    dec = SpeculativeDecoder(target, PromptLookupDrafter(num_tokens=4), logits=LogitsPipeline(temperature=0))
+    dec = SpeculativeDecoder(target, PromptLookupDrafter(num_tokens=4), logits=LogitsProcessor(temperature=0))
     out = dec.generate(prompts, 30)
     for r, p in enumerate(prompts):
         assert out.sequences[r].tolist() == reference_greedy(target, p, 30)
@@ -50,7 +50,7 @@ def test_greedy_bit_identical_and_drafts_accepted(target, rows):
 def test_sampled_lookup_is_exact_and_a_broken_rule_is_not():
     target = tiny_lm(0, vocab_size=8, dim=16, n_layers=2, init_std=0.5)
     prompt, n = [3, 1, 4, 1, 3, 1], 20_000
-    pipeline = LogitsPipeline(temperature=1.0)
+    pipeline = LogitsProcessor(temperature=1.0)
     probs = exact_joint(target, prompt, 3, pipeline)
 
     class AlwaysAccept(SpeculativeSampling):

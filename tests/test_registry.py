@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mmspec import methods
-from mmspec.core import LogitsPipeline, SpeculativeDecoder, SpeculativeSampling
+from mmspec.core import LogitsProcessor, SpeculativeDecoder, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index
 from mmspec.core.tree import DraftTree, Tree
 from mmspec.methods import registry
@@ -83,7 +83,7 @@ def repeat():
 def decode(target, recipe, prompts, n, components=None, logits=None, seed=0, **kw):
     parts = methods.build(recipe, {"target": target, **(components or {})})
     dec = SpeculativeDecoder(target, parts.drafter, rule=parts.rule, schedule=parts.schedule,
-                             logits=logits or LogitsPipeline(temperature=0.0))
+                             logits=logits or LogitsProcessor(temperature=0.0))
     return dec.generate(prompts, n, generator=torch.Generator().manual_seed(seed), **kw)
 
 
@@ -136,7 +136,7 @@ def test_a_registered_drafter_is_lossless_under_greedy(repeat):
     # ar-image: a tiny LlamaGen with classifier-free guidance, alone and under LANTERN at delta 0
     model = tiny_ar()
     labels = [0, 3, 1]
-    guided = LogitsPipeline(temperature=0.0, guidance_scale=3.0)
+    guided = LogitsProcessor(temperature=0.0, guidance_scale=3.0)
     kw = dict(logits=guided, uncond_input_ids=model.uncond_prompts(len(labels)))
     base = decode(model, methods.resolve("ar-image", "none"), model.class_prompts(labels), 16, **kw)
     out = decode(model, methods.resolve("ar-image", "repeat"), model.class_prompts(labels), 16, **kw)
@@ -179,7 +179,7 @@ class AlwaysAccept(SpeculativeSampling):
 @pytest.mark.parametrize("broken", [False, True])
 def test_a_registered_drafter_keeps_the_sampled_distribution(repeat, broken):
     lm = tiny_lm(0, vocab_size=8)
-    prompt, n, N, sampled = [3, 1, 4], 3, 20_000, LogitsPipeline(temperature=1.0)
+    prompt, n, N, sampled = [3, 1, 4], 3, 20_000, LogitsProcessor(temperature=1.0)
     parts = methods.build(methods.resolve("text", "repeat", {"repeat_gamma": 2}), {"target": lm})
     dec = SpeculativeDecoder(lm, parts.drafter, rule=AlwaysAccept() if broken else parts.rule, logits=sampled)
     out = dec.generate(torch.tensor([prompt]).expand(N, -1), n, generator=torch.Generator().manual_seed(0))
@@ -295,7 +295,7 @@ def test_build_refuses_missing_and_unknown_components():
         methods.build(methods.resolve("text", "none"), {})
     with pytest.raises(ValueError, match=re.escape("zipar_window must be an int in [1, 4] (the grid's width), got 8")):
         methods.build(methods.resolve("ar-image", "zipar"), {"target": target})  # the grid is known only here
-    with pytest.raises(ValueError, match="recipe must be a Recipe"):
+    with pytest.raises(ValueError, match="recipe must be a MethodRecipe"):
         methods.build("sjd", {"target": target})
 
 

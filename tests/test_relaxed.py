@@ -4,7 +4,7 @@ SJD bit for bit, and positive thresholds accept more (and are lossy)."""
 import pytest
 import torch
 
-from mmspec.core import JacobiDrafter, LogitsPipeline, SpeculativeDecoder, SpeculativeSampling
+from mmspec.core import JacobiDrafter, LogitsProcessor, SpeculativeDecoder, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index
 from mmspec.core.relaxed import GroupedAcceptance, GroupedAcceptanceConfig
 from tiny import tiny_lm
@@ -50,7 +50,7 @@ def test_zero_thresholds_equal_sjd(target, knobs):
     """GSD = SJD + grouped test; with an empty group it is SJD, token for token under one seed."""
     outs = []
     for rule in (SpeculativeSampling(), gsd(target, **knobs)):
-        dec = SpeculativeDecoder(target, JacobiDrafter(V, window=6), rule=rule, logits=LogitsPipeline(temperature=1.0))
+        dec = SpeculativeDecoder(target, JacobiDrafter(V, window=6), rule=rule, logits=LogitsProcessor(temperature=1.0))
         outs.append(dec.generate([[1, 2, 3], [4, 5]], 40, generator=torch.Generator().manual_seed(0)))
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert outs[0].stats.target_forwards == outs[1].stats.target_forwards
@@ -59,7 +59,7 @@ def test_zero_thresholds_equal_sjd(target, knobs):
 def test_groups_accept_more_and_are_lossy(target):
     """Positive thresholds raise tokens per pass; the distribution test (20,000 samples, seed 0,
     p >= 1e-3 to pass) then rejects GSD, which makes no exactness claim, while SJD passes."""
-    pipeline = LogitsPipeline(temperature=1.0)
+    pipeline = LogitsProcessor(temperature=1.0)
     prompt, n, N = [3, 1, 4], 3, 20_000
     small = tiny_lm(0, vocab_size=8, dim=16, n_layers=2, init_std=0.1)
     joint = exact_joint(small, prompt, n, pipeline)

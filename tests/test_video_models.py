@@ -14,7 +14,7 @@ from mmspec.models.video_ae import FrameAutoencoder
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from mmspec.adapters.video import FlowSampler, sample_chunk
-from mmspec.models.video_dit import ChunkPlan, VideoDiTModel, commit, parse_prompt, rewind, visible_chunks
+from mmspec.models.video_dit import ChunkPlan, VideoDiTModel, commit, parse_prompt, visible_chunks
 
 TINY = dict(dim=32, n_layers=3, n_heads=2, mlp_hidden=64, chunk_frames=2, sink_frames=2, window_frames=4)
 # the output heads: linear (unpatchify), and linear plus U-ViT's conv head
@@ -50,7 +50,7 @@ def cached_chunks(model, x0, x_t, t, prompt, sink=2, window=4, steps=2):
         part = slice(c * C, (c + 1) * C)
         for _ in range(steps):
             v = model(x_t[:, part], t[:, part], prompt, cache=cache)
-            rewind(cache, C * P)
+            cache.truncate(cache.lengths - C * P)  # forget the block: the next step overwrites its slots
         outs.append(v)
         model(x0[:, part], 0.0, prompt, cache=cache)
         commit(cache)

@@ -9,7 +9,7 @@ from transformers import (LlamaConfig, LlamaForCausalLM, LlavaConfig, LlavaForCo
 from mmspec.adapters.hf import HFCausalLMTarget
 from mmspec.adapters.vlm import VLMTarget
 from tiny import spread
-from mmspec.core import JacobiDrafter, LogitsPipeline, ModelTreeDrafter, SpeculativeDecoder
+from mmspec.core import JacobiDrafter, LogitsProcessor, ModelTreeDrafter, SpeculativeDecoder
 
 VOCAB = 64
 IMAGE, VSTART, VEND, VIDEO = 60, 61, 62, 63  # the image placeholder, Qwen2-VL's vision start/end and video ids
@@ -139,7 +139,7 @@ def test_greedy_matches_transformers_generate(family, drafter, rows):
     assert all(len(set(row)) > 2 for row in expected), "the target's greedy text is trivially constant"
 
     target = VLMTarget(model)
-    decoder = SpeculativeDecoder(target, DRAFTERS[drafter](target), logits=LogitsPipeline(temperature=0))
+    decoder = SpeculativeDecoder(target, DRAFTERS[drafter](target), logits=LogitsProcessor(temperature=0))
     out = decoder.generate(prompts, NEW_TOKENS, conditioning=target.vision_inputs(**images))
 
     assert out.sequences.tolist() == expected
@@ -173,7 +173,7 @@ def test_batch_matches_transformers_batched_generate(family):
     expected = hf_greedy_batched(family, model, prompts, images, NEW_TOKENS)
     target = VLMTarget(model)
     drafter = ModelTreeDrafter(tiny_llama_draft(), top_k=3, depth=3, total_tokens=10, conditioned=False)
-    out = SpeculativeDecoder(target, drafter, logits=LogitsPipeline(temperature=0)).generate(
+    out = SpeculativeDecoder(target, drafter, logits=LogitsProcessor(temperature=0)).generate(
         prompts, NEW_TOKENS, conditioning=target.vision_inputs(**images))
     assert out.sequences.tolist() == expected
 

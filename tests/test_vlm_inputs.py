@@ -19,7 +19,7 @@ from transformers import (AutoProcessor, GenerationConfig, PreTrainedTokenizerFa
                           Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor, TextStreamer)
 
 from mmspec.adapters.vlm import VLMTarget
-from mmspec.core import LogitsPipeline, ModelTreeDrafter, SpeculativeDecoder
+from mmspec.core import LogitsProcessor, ModelTreeDrafter, SpeculativeDecoder
 from mmspec.models.vlm import CHAT_TEMPLATE, build_processor
 from mmspec.pipelines import SpeculativeVLMPipeline
 from mmspec.pipelines.vlm_inputs import (StreamerFeed, as_image, prepare_vlm_inputs, sampling_from_generation_config,
@@ -303,7 +303,7 @@ def test_streamed_text_equals_the_final_answer(max_new_tokens, eos):
     prompt = [5, 9, 14] + [IMAGE] * 4 + [2, 33]
     conditioning = target.vision_inputs(torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(3)))
     decoder = SpeculativeDecoder(target, ModelTreeDrafter(target, top_k=3, depth=3, total_tokens=10),
-                                 logits=LogitsPipeline(temperature=0))
+                                 logits=LogitsProcessor(temperature=0))
     plain = decoder.generate([prompt], max_new_tokens, conditioning=conditioning)
     greedy = plain.sequences[0].tolist()
     eos_id = None if eos is None else greedy[3]  # a token it emits: the answer ends at its first

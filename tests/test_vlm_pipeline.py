@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mmspec import methods
-from mmspec.core import LogitsPipeline, SpeculativeDecoder, SpeculativeSampling
+from mmspec.core import LogitsProcessor, SpeculativeDecoder, SpeculativeSampling
 from mmspec.core.exactness import P_THRESHOLD, chisquare_pvalue
 from mmspec.pipelines import SpeculativeVLMPipeline
 from mmspec.training.data.scene_qa import SceneQADataset, _DESCRIBE, prompt_text
@@ -121,7 +121,7 @@ def sampling_case(pipe, heldout):
     ids, vision = pipe.prepare_inputs(images[7], _DESCRIBE[0])
     pixels = vision["pixel_values"]
     prefix = pipe.processor.tokenizer("the image shows a")["input_ids"]
-    logits = LogitsPipeline(temperature=1.0, top_p=0.9)
+    logits = LogitsProcessor(temperature=1.0, top_p=0.9)
     joint = _support_joint(pipe, ids[0] + prefix, pixels, logits, 3)
     return ids[0] + prefix, pixels, logits, joint
 

@@ -22,7 +22,7 @@ import torch
 from transformers import AutoProcessor, Qwen2_5_VLProcessor, Qwen2VLProcessor
 
 from mmspec.adapters.vlm import VLMTarget
-from mmspec.core import LogitsPipeline, SpeculativeDecoder
+from mmspec.core import LogitsProcessor, SpeculativeDecoder
 from mmspec.pipelines import SpeculativeVLMPipeline
 from mmspec.pipelines.vlm_inputs import prepare_vlm_inputs, user_message
 from test_vlm_adapter import (IMAGE, VEND, VIDEO, VSTART, hf_greedy_batched, tiny_llava, tiny_qwen2_5_vl, tiny_qwen2_vl,
@@ -72,7 +72,7 @@ def batch(family: str, rows: list[tuple[str, ...]]) -> tuple[list[list[int]], di
 
 
 def target_alone(target: VLMTarget, prompts, vision: dict, drafter=None):
-    return SpeculativeDecoder(target, drafter, logits=LogitsPipeline(temperature=0)).generate(
+    return SpeculativeDecoder(target, drafter, logits=LogitsProcessor(temperature=0)).generate(
         prompts, NEW_TOKENS, conditioning=target.vision_inputs(**vision))
 
 

@@ -21,7 +21,7 @@ import torch
 from transformers import (ChameleonForConditionalGeneration, Emu3ForConditionalGeneration,
                           JanusForConditionalGeneration)
 
-from ..core.errors import check
+from ..core.errors import check, is_int
 from ..core.types import ModelOutput
 from .hf import HFCacheAdapter, HFCausalLMTarget
 
@@ -110,7 +110,7 @@ class Emu3ImageTarget(_LMHeadImageTarget):
 
     def __init__(self, model, width: int | None = None):
         _check_model(model, Emu3ForConditionalGeneration)
-        check(width is None or (isinstance(width, int) and width >= 1), "width", "an int >= 1 or None", width)
+        check(width is None or (is_int(width) and width >= 1), "width", "an int >= 1 or None", width)
         mapping = model.model.vocabulary_mapping
         ids = _codebook_ids(mapping.img2bpe, model.config.vq_config.codebook_size)
         if width is not None:  # the EOL token and the wrapper the schedule counts from

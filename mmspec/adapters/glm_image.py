@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from transformers import GlmImageForConditionalGeneration
 
-from ..core import LogitsPipeline
+from ..core import LogitsProcessor
 from ..core.errors import check
 from ..core.types import ModelOutput
 from .hf import HFCacheAdapter, HFCausalLMTarget
@@ -108,7 +108,7 @@ def prior_prompts(inputs) -> tuple[list[list[int]], dict]:
     return rows, conditioning
 
 
-def prior_logits(model, do_sample: bool = True) -> LogitsPipeline:
+def prior_logits(model, do_sample: bool = True) -> LogitsProcessor:
     """The sampling ``model.generate(do_sample=...)`` applies, from ``model.generation_config``:
     temperature, top-k and top-p (greedy when ``do_sample`` is False). Other logits processors
     (repetition penalty, ...) are refused rather than silently dropped."""
@@ -119,7 +119,7 @@ def prior_logits(model, do_sample: bool = True) -> LogitsPipeline:
         check(value in (neutral, None), f"generation_config.{name}", f"{neutral} (not supported by the prior view)",
               value)
     if not do_sample:
-        return LogitsPipeline(temperature=0.0)
+        return LogitsProcessor(temperature=0.0)
     # generate() fills unset fields with the global defaults (top_k 50)
     defaults = config._get_default_generation_params()
     def value(name):
@@ -127,4 +127,4 @@ def prior_logits(model, do_sample: bool = True) -> LogitsPipeline:
     top_k = value("top_k") or None
     top_p = value("top_p") if value("top_p") not in (None, 1.0) else None
     temperature = value("temperature") if value("temperature") is not None else 1.0
-    return LogitsPipeline(temperature=temperature, top_k=top_k, top_p=top_p)
+    return LogitsProcessor(temperature=temperature, top_k=top_k, top_p=top_p)

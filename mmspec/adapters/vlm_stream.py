@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..core.cache import StaticKVCache
-from ..core.errors import check
+from ..core.errors import check, check_int, is_int
 from .vlm import VLMTarget, _VLMCache
 
 __all__ = ["ContextCache", "ContextTarget", "StreamPolicy", "VLMStream"]
@@ -113,10 +113,10 @@ class StreamPolicy:
     def __post_init__(self):
         for name in ("vision_window", "text_window"):
             value = getattr(self, name)
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         for name in ("text_sink", "text_sliding_window"):
             value = getattr(self, name)
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= 0, name, "an int >= 0", value)
+            check_int(value, name, 0)
 
 
 @dataclass
@@ -146,7 +146,7 @@ class VLMStream:
               "a language model whose RoPE has no attention scaling (a rotation by a position change is then "
               "a rotary embedding of that change)", getattr(rotary, "attention_scaling", None))
         check(isinstance(policy, StreamPolicy), "policy", "a StreamPolicy", type(policy).__name__)
-        check(isinstance(capacity, int) and capacity > len(sink_ids), "capacity",
+        check(is_int(capacity) and capacity > len(sink_ids), "capacity",
               f"an int > the sink's {len(sink_ids)} tokens", capacity)
         self.target, self.policy = target, policy
         self.cache = ContextCache(target.model.config, 1, capacity, target.model.dtype, target.device)

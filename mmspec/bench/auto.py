@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.errors import check, check_choice
+from ..core.errors import check, check_choice, check_int, is_int
 from ..methods import auto
 from .cost.calibrate import CalibrateConfig, _load, _stamps, calibrate, call_for
 
@@ -52,9 +52,9 @@ class AutoBenchConfig:
         for m in self.modalities:
             check_choice("modalities", m, auto.modalities())
         bs = self.batch_sizes
-        check(isinstance(bs, tuple) and len(bs) > 0 and all(isinstance(b, int) and b >= 1 for b in bs), "batch_sizes",
+        check(isinstance(bs, tuple) and len(bs) > 0 and all(is_int(b) and b >= 1 for b in bs), "batch_sizes",
               "a non-empty tuple of ints >= 1", bs)
-        check(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "an int >= 1", self.rounds)
+        check_int(self.rounds, "rounds", 1)
 
 
 def _tokens(modality: str, out) -> int:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ..core.errors import check
+from ..core.errors import check, check_int
 from .cost import SMALL_EAGLE
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -77,7 +77,7 @@ def run(cfg: CompileBenchConfig, progress=None) -> dict:
     from .. import methods
     from ..pipelines import SpeculativeARImagePipeline
 
-    check(isinstance(cfg.images, int) and cfg.images >= 1, "images", "an int >= 1", cfg.images)
+    check_int(cfg.images, "images", 1)
     check(all(w in WAYS for w in cfg.ways) and len(cfg.ways) > 0, "ways", f"a non-empty tuple among {WAYS}", cfg.ways)
     for _, method, knobs in cfg.rows:
         methods.resolve("ar-image", method, knobs)  # refused before anything loads

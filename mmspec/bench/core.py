@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from .. import methods
-from ..core import LogitsPipeline, SpeculativeDecoder
+from ..core import LogitsProcessor, SpeculativeDecoder
 from ..core.exactness import P_THRESHOLD, chisquare_pvalue, exact_joint, sequence_index
 from .synthetic import (IIDDrafter, IIDTarget, expected_tau, iid_pair_distributions, layer_skip_pair,
                         small_vocab_pair)
@@ -81,7 +81,7 @@ def _timed_generate(dec, prompts, n, seed, repeats):
 def exactness_pvalue(method: str, samples: int, seed: int) -> float:
     """The core's distribution test for one method on the 8-token pair."""
     target, draft = small_vocab_pair(seed)
-    prompt, n, pipeline = [3, 1, 4], 3, LogitsPipeline(temperature=1.0)
+    prompt, n, pipeline = [3, 1, 4], 3, LogitsProcessor(temperature=1.0)
     dec = SpeculativeDecoder(target, _drafter(method, target, draft), logits=pipeline)
     out = dec.generate(torch.tensor([prompt]).expand(samples, -1), n, generator=torch.Generator().manual_seed(seed))
     joint = exact_joint(target, prompt, n, pipeline)
@@ -97,7 +97,7 @@ def run(config: CoreBenchConfig | None = None, progress=None) -> dict:
     prompts = _prompts(cfg.prompts, V, cfg.seed)
     rows = []
     for temperature in (0.0, 1.0):
-        pipeline = LogitsPipeline(temperature=temperature)
+        pipeline = LogitsProcessor(temperature=temperature)
         base_out = base_time = None
         for name in METHODS:
             say(f"core: {name} at temperature {temperature}")

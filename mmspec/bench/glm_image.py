@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.errors import check
+from ..core.errors import check, check_int
 
 VISION_VOCAB = 128  # the prior's vision_vocab_size: the image tokens it samples
 NOTE = ("GLM-Image, tiny and RANDOM weights (nothing downloaded): acceptance (tau, alpha, passes) is not "
@@ -141,8 +141,7 @@ class GlmImageBenchConfig:
 def _check(cfg: GlmImageBenchConfig) -> None:
     from ..pipelines.glm_image import check_method
 
-    check(isinstance(cfg.images, int) and not isinstance(cfg.images, bool) and cfg.images >= 1, "images",
-          "an int >= 1", cfg.images)
+    check_int(cfg.images, "images", 1)
     check(isinstance(cfg.methods, (tuple, list)) and len(cfg.methods) >= 1, "methods", "a non-empty tuple",
           cfg.methods)
     for method in cfg.methods:

@@ -38,7 +38,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..core.errors import check, check_choice
+from ..core.errors import check, check_choice, check_int
 
 
 @dataclass
@@ -58,14 +58,14 @@ class ServeBenchConfig:
         return cls(**{"jobs": 12, "loads": ("burst",), "rounds": 1, **kw})
 
     def check(self) -> None:
-        check(isinstance(self.jobs, int) and self.jobs >= 2, "jobs", "an int >= 2", self.jobs)
+        check_int(self.jobs, "jobs", 2)
         for load in self.loads:
             check(load == "burst" or (isinstance(load, (int, float)) and 0 < load <= 4), "loads",
                   "'burst' or fractions of capacity in (0, 4]", self.loads)
         for p in self.policies:
             check_choice("policies", p, ("static", "continuous"))
-        check(isinstance(self.batch_size, int) and self.batch_size >= 1, "batch_size", "an int >= 1", self.batch_size)
-        check(isinstance(self.rounds, int) and self.rounds >= 1, "rounds", "an int >= 1", self.rounds)
+        check_int(self.batch_size, "batch_size", 1)
+        check_int(self.rounds, "rounds", 1)
 
 
 @dataclass

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..core.cache import StaticKVCache
-from ..core.errors import check
+from ..core.errors import check, check_int
 from ..core.sampling import sample
 from ..core.tree import DraftTree, Tree
 from ..core.types import ModelOutput
@@ -56,7 +56,7 @@ class IIDDrafter:
     lane_safe = True  # context-free: any schedule may run it per lane (``mmspec.core.types.Drafter``)
 
     def __init__(self, q: torch.Tensor, gamma: int):
-        check(isinstance(gamma, int) and gamma >= 1, "gamma", "an int >= 1", gamma)
+        check_int(gamma, "gamma", 1)
         self.q, self.gamma = q, gamma
         self.vocab_size = q.shape[0]
         self.max_block = gamma + 1

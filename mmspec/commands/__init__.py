@@ -6,7 +6,7 @@
                                      every AR image method on the bundled checkpoints: NFE, wall, FD, accuracy
     mmspec bench vlm [--json PATH]   every VLM method and transformers' assisted generation: tau, tokens/s
     mmspec bench kernels [--json PATH]
-                                     the kernels against their torch references; H100 roofline projections
+                                     the kernels against their torch references; on a GPU also at GPU shapes
     mmspec bench video [--json PATH] [--frames N ...] [--groups GROUP ...]
                                      the streaming video cache modes: fps, chunk latency and memory slopes,
                                      speed-up over window recompute, judge accuracy, prompt switches; a tiny

@@ -43,29 +43,23 @@ def _alias_defaults(name: str) -> dict:
     return dict(next(iter(found.values())).defaults)
 
 
-# defaults sized from measured step times on a 2-core CPU at 2 threads (0.24 s per VQ step at
-# batch 16; 0.62-0.70 s per AR step at batch 32): about 6 and 35 minutes (3,000 AR steps: at 2,000
-# the target still drew blobs; the bundled one ran at one thread beside other jobs, 3,640 s)
+# defaults sized from measured step times on this project's 2-core CPU: minutes to an hour per
+# recipe (each recipe's step time and run time: docs/costs.md); the AR target takes 3,000 steps
+# because at 2,000 it still drew blobs
 TRAIN_DEFAULTS = {
     "vq": dict(steps=1500, batch_size=16, lr=1e-3, dataset_size=4096),
     "ar-image": dict(steps=3000, batch_size=32, lr=1e-3, dataset_size=32768),
     "ar-draft": _alias_defaults("ar-draft"),  # the drafters' recipes' (mmspec.methods.ar_image.TRAINING)
-    # one thread, batch 32: ~0.11 s per step; about 3 minutes, held-out accuracy ~0.965
     "classifier": dict(steps=1600, batch_size=32, lr=3e-3, dataset_size=4096),
-    # two threads, batch 32: ~0.95 s per target step (~26 min), ~0.1 s per draft-VLM step
     "vlm": dict(steps=1600, batch_size=32, lr=1e-3, dataset_size=16000),
     "vlm-draft": _alias_defaults("vlm-draft"),  # mmspec.methods.vlm.TRAINING
-    # two threads, alone: the autoencoder (dataset_size in frames) 57 s with rendering; the video
-    # transformer (dataset_size in clips of 18 frames) ~0.35 s per step with bf16 autocast,
-    # first-chunk steps on 30% of them and self-rollouts on 30% of the others, 3,363 s for the
-    # bundled weights: 57.0 minutes from a seed
+    # dataset_size in frames for the autoencoder, in clips of 18 frames for the video transformer
     "video-ae": dict(steps=1500, batch_size=16, lr=2e-3, dataset_size=4096),
     "video": dict(steps=9600, batch_size=8, lr=1e-3, dataset_size=4096),
-    # one thread, batch 64: ~0.12 s per step, about 2.5 minutes with rendering (dataset_size in frames)
+    # dataset_size in frames
     "video-judge": dict(steps=1000, batch_size=64, lr=3e-3, dataset_size=16384),
     # --kind conv (default): 1,500 Adam steps of a small conv autoencoder; --kind pca: an SVD, seconds
     "continuous-tokenizer": dict(steps=1500, batch_size=32, lr=2e-3, dataset_size=4096),
-    # batch 32, 64 tokens of 8 channels: 0.13 s per target step at two threads (18,000: 39.5 min)
     "continuous-ar": dict(steps=18000, batch_size=32, lr=1e-3, dataset_size=16384),
     "continuous-draft": _alias_defaults("continuous-draft"),  # mmspec.methods.continuous.DRAFT_TRAINING
 }
@@ -78,7 +72,7 @@ VIDEO_ROLLOUT = dict(rollout_prob=0.3, rollout_strength=[0.3, 0.8], autocast="bf
 VIDEO_EMA_DECAY = None
 
 
-class Recipe(NamedTuple):
+class TrainCommand(NamedTuple):
     """One ``mmspec train`` subcommand: its help line, ``options(parser)`` adding the recipe's own
     options, and ``run(args, common)`` training and printing the held-out figures (``common``: the
     keyword arguments every recipe takes); ``run`` None for an alias of registered recipes."""
@@ -290,30 +284,32 @@ def _run_continuous_ar(args, common) -> None:
 
 
 RECIPES = {
-    "vq": Recipe("the VQ tokenizer on procedural shapes", _no_options, _run_vq),
-    "ar-image": Recipe("the class-conditional AR image model on a trained VQ's ids", _vq_option, _run_ar_image),
-    "ar-draft": Recipe("a draft for the AR image model: EAGLE's feature head, Medusa heads or a small chain model",
-                       _ar_draft_options, None),
-    "classifier": Recipe("the shapes classifier whose features the AR image bench's FD uses", _classifier_options,
-                         _run_classifier),
-    "vlm": Recipe("a tiny LLaVA-architecture VLM on procedural image/question/answer data", _vlm_options, _run_vlm),
-    "vlm-draft": Recipe("a draft head for the VLM (eagle, specvlm, vispec, medusa) by online-logit distillation",
-                        _vlm_draft_options, None),
-    "video-ae": Recipe("the streaming video model's per-frame autoencoder on procedural moving shapes", _no_options,
-                       _run_video_ae),
-    "video": Recipe("the chunk-causal video transformer on a trained frame autoencoder's latents", _video_options,
-                    _run_video),
-    "video-judge": Recipe("the video bench's frame judge (colour and shape) on rendered frames", _video_judge_options,
-                          _run_video_judge),
-    "continuous-tokenizer": Recipe("the continuous tokenizer (a conv autoencoder, or --kind pca: closed form)",
-                                   _continuous_tokenizer_options, _run_continuous_tokenizer),
-    "continuous-ar": Recipe("the continuous-token AR target (backbone, mixture head, diffusion head)",
-                            lambda p: _continuous_options(p, draft=False), _run_continuous_ar),
-    "continuous-draft": Recipe("a small continuous draft, optionally distilled to the target (--distill)",
-                               lambda p: _continuous_options(p, draft=True), None),
+    "vq": TrainCommand("the VQ tokenizer on procedural shapes", _no_options, _run_vq),
+    "ar-image": TrainCommand("the class-conditional AR image model on a trained VQ's ids", _vq_option, _run_ar_image),
+    "ar-draft": TrainCommand(
+        "a draft for the AR image model: EAGLE's feature head, Medusa heads or a small chain model",
+        _ar_draft_options, None),
+    "classifier": TrainCommand("the shapes classifier whose features the AR image bench's FD uses", _classifier_options,
+                               _run_classifier),
+    "vlm": TrainCommand("a tiny LLaVA-architecture VLM on procedural image/question/answer data", _vlm_options,
+                        _run_vlm),
+    "vlm-draft": TrainCommand("a draft head for the VLM (eagle, specvlm, vispec, medusa) by online-logit distillation",
+                              _vlm_draft_options, None),
+    "video-ae": TrainCommand("the streaming video model's per-frame autoencoder on procedural moving shapes",
+                             _no_options, _run_video_ae),
+    "video": TrainCommand("the chunk-causal video transformer on a trained frame autoencoder's latents", _video_options,
+                          _run_video),
+    "video-judge": TrainCommand("the video bench's frame judge (colour and shape) on rendered frames",
+                                _video_judge_options, _run_video_judge),
+    "continuous-tokenizer": TrainCommand("the continuous tokenizer (a conv autoencoder, or --kind pca: closed form)",
+                                         _continuous_tokenizer_options, _run_continuous_tokenizer),
+    "continuous-ar": TrainCommand("the continuous-token AR target (backbone, mixture head, diffusion head)",
+                                  lambda p: _continuous_options(p, draft=False), _run_continuous_ar),
+    "continuous-draft": TrainCommand("a small continuous draft, optionally distilled to the target (--distill)",
+                                     lambda p: _continuous_options(p, draft=True), None),
 }
-"""``{recipe: Recipe}``, in the order ``mmspec train --help`` lists them (``TRAIN_DEFAULTS`` has
-the same keys)."""
+"""``{recipe: TrainCommand}``, in the order ``mmspec train --help`` lists them (``TRAIN_DEFAULTS``
+has the same keys)."""
 
 
 def _metavar(kind) -> str | None:
@@ -459,7 +455,7 @@ def _run(args) -> int:
         RECIPES[args.recipe].run(args, common)
         return 0
     recipe, options = found
-    record = recipe.train(args.out, **options, **common)
+    record = recipe.trainer()(args.out, **options, **common)
     if record is None:  # the other processes of an accelerate launch
         return 0
     if recipe.report is not None:

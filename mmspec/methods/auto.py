@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from ..core.errors import check, check_choice
+from ..core.errors import check, check_choice, check_int, is_int
 
 QUALITY = ("lossless", "kept")
 KEPT_P = 0.05  # the AR bench's permutation test against none: kept when p_vs_none >= this
@@ -93,11 +93,10 @@ def check_auto_knobs(modality: str, knobs: Mapping[str, Any] | None) -> dict:
     out = {"auto_quality": "lossless", "auto_every": 16, "auto_online": True, "auto_batch_size": None, **knobs}
     check_choice("auto_quality", out["auto_quality"], QUALITY)
     every = out["auto_every"]
-    check(isinstance(every, int) and not isinstance(every, bool) and every >= 1, "auto_every", "an int >= 1", every)
+    check_int(every, "auto_every", 1)
     check(isinstance(out["auto_online"], bool), "auto_online", "True or False", out["auto_online"])
     b = out["auto_batch_size"]
-    check(b is None or (isinstance(b, int) and not isinstance(b, bool) and b >= 1), "auto_batch_size",
-          "None or an int >= 1", b)
+    check_int(b, "auto_batch_size", 1, optional=True)
     return out
 
 
@@ -194,7 +193,7 @@ class Row:
             return [float(t) for t in x]
 
         n = d.get("n")
-        check(isinstance(n, int) and not isinstance(n, bool) and n >= 1, f"{name} n", "an int >= 1", n)
+        check(is_int(n) and n >= 1, f"{name} n", "an int >= 1", n)
         passes, tau = numbers(d.get("passes"), "passes", 0), numbers(d.get("tau"), "tau", 1)
         check(len(passes) == len(tau), f"{name} passes", f"one entry per prompt, as tau ({len(tau)})", passes)
         return cls(str(d["label"]), str(d["method"]), dict(d.get("knobs") or {}), bool(d["lossless"]),
@@ -420,7 +419,7 @@ def _recipe(modality: str, method: str, knobs: str):
 def validate(modality: str, method: str, knobs: Mapping[str, Any] | None = None):
     """``method`` and its knobs checked as the registry checks them (``ValueError`` naming what is
     wrong): ``"auto"`` (where the modality has candidates) with its own knobs -> None; any other
-    method -> its ``Recipe`` (``mmspec.methods.resolve``)."""
+    method -> its ``MethodRecipe`` (``mmspec.methods.resolve``)."""
     from .registry import resolve
 
     if method == "auto" and modality in CANDIDATES:

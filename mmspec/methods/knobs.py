@@ -16,7 +16,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from ..core.errors import check
+from ..core.errors import check, is_int
 
 _TYPE_WORDS = {bool: "a bool", int: "an int", float: "a float", str: "a str"}
 
@@ -64,15 +64,16 @@ class KnobSpec:
         return f"None or {text}" if self.optional else text
 
     def validate(self, value):
-        """``value`` as the config stores it (an int given for a float knob becomes a float);
-        ``ValueError`` naming the knob and what it accepts otherwise."""
+        """``value`` as the config stores it (an int given for a float knob becomes a float, a numpy
+        integer for an int knob an int); ``ValueError`` naming the knob and what it accepts otherwise."""
         if value is None and self.optional:
             return None
         if self.type is float:
             ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
             value = float(value) if ok else value
         elif self.type is int:
-            ok = isinstance(value, int) and not isinstance(value, bool)
+            ok = is_int(value)
+            value = int(value) if ok else value  # a numpy integer is stored as an int
         else:
             ok = isinstance(value, self.type)
         if ok and self.choices is not None:

@@ -19,7 +19,7 @@ at position p (``ModelOutput.cond``) conditions token p; two heads read it: ``"m
 The model is a core ``Target`` for continuous tokens (``token_shape``, ``token_dtype``,
 ``new_cache``, ``forward``), so class-to-image generation is a plain core call::
 
-    SpeculativeDecoder(model, drafter, logits=DensityPipeline(guidance_scale=2.0, head="mixture")).generate(
+    SpeculativeDecoder(model, drafter, logits=DensityProcessor(guidance_scale=2.0, head="mixture")).generate(
         model.class_prompts(labels), model.num_image_tokens, uncond_input_ids=model.uncond_prompts(len(labels)))
 
 whose ``sequences[..., 1, :]`` are the (B, N, token_dim) latents in raster order.
@@ -33,7 +33,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 
 from ..core.cache import StaticKVCache
-from ..core.errors import check
+from ..core.errors import check, check_int
 from ..core.rope import GridRope2D
 from ..core.types import ModelOutput
 from .continuous_heads import DiffusionHead, GaussianMixtureHead
@@ -92,7 +92,7 @@ class ContinuousARModel(ClassPromptsMixin, ModelMixin, ConfigMixin):
         sizes = dict(token_dim=token_dim, grid_size=grid_size, num_classes=num_classes, dim=dim, n_layers=n_layers,
                      n_heads=n_heads, mlp_hidden=mlp_hidden)
         for name, value in sizes.items():
-            check(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         check(dim % n_heads == 0 and (dim // n_heads) % 4 == 0, "n_heads",
               f"a divisor of dim ({dim}) leaving a head dimension that is a multiple of 4", n_heads)
         check(0.0 <= class_dropout_prob <= 1.0, "class_dropout_prob", "a float in [0, 1]", class_dropout_prob)

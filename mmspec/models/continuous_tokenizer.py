@@ -22,7 +22,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from diffusers.utils.accelerate_utils import apply_forward_hook
 from torch import nn
 
-from ..core.errors import check
+from ..core.errors import check, check_int
 from .video_ae import FrameAutoencoder
 
 __all__ = ["ConvTokenizer", "PatchPCATokenizer"]
@@ -47,7 +47,7 @@ class PatchPCATokenizer(ModelMixin, ConfigMixin):
         super().__init__()
         for name, value in (("sample_size", sample_size), ("patch_size", patch_size), ("latent_dim", latent_dim),
                             ("in_channels", in_channels)):
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         check(sample_size % patch_size == 0, "patch_size", f"a divisor of sample_size ({sample_size})", patch_size)
         D = in_channels * patch_size ** 2
         check(latent_dim <= D, "latent_dim", f"an int in [1, {D}] (3 * patch_size**2)", latent_dim)

@@ -21,7 +21,7 @@ from diffusers import ModelMixin  # noqa: F401  (diffusers finds a component's l
 from diffusers.configuration_utils import register_to_config
 from torch.nn import functional as F
 
-from ..core.errors import check
+from ..core.errors import check, check_int
 from ..core.rope import GridRope2D
 from ..core.types import ModelOutput
 from .eagle_base import EagleHead
@@ -54,7 +54,7 @@ class EagleDraftHead(EagleHead):
                  initializer_range: float = 0.02):
         sizes = dict(vocab_size=vocab_size, grid_size=grid_size, dim=dim, n_heads=n_heads, mlp_hidden=mlp_hidden)
         for name, value in sizes.items():
-            check(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         check(dim % n_heads == 0 and (dim // n_heads) % 4 == 0, "n_heads",
               f"a divisor of dim ({dim}) leaving a head dimension that is a multiple of 4", n_heads)
         check(initializer_range >= 0, "initializer_range", ">= 0", initializer_range)

@@ -11,7 +11,7 @@ The model is directly a core ``Target``: ``new_cache`` and
 ``forward`` recomputes full causal attention (the reference path). So class-to-image generation
 with guidance is a plain core call::
 
-    SpeculativeDecoder(model, drafter, logits=LogitsPipeline(guidance_scale=4.0)).generate(
+    SpeculativeDecoder(model, drafter, logits=LogitsProcessor(guidance_scale=4.0)).generate(
         model.class_prompts(labels), model.num_image_tokens,
         uncond_input_ids=model.uncond_prompts(len(labels)))
 """
@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..core.cache import StaticKVCache
-from ..core.errors import check, check_choice
+from ..core.errors import check, check_choice, check_int
 from ..core.rope import PREFIX_ROPES, GridRope2D, RopeTables, RotaryEmbedding
 from ..core.types import ModelOutput
 
@@ -111,7 +111,7 @@ class LlamaGenModel(ClassPromptsMixin, ModelMixin, ConfigMixin):
         sizes = dict(vocab_size=vocab_size, grid_size=grid_size, num_classes=num_classes, dim=dim,
                      n_layers=n_layers, n_heads=n_heads, mlp_hidden=mlp_hidden)
         for name, value in sizes.items():
-            check(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         check(dim % n_heads == 0, "n_heads", f"a divisor of dim ({dim})", n_heads)
         check((dim // n_heads) % 4 == 0, "n_heads", f"such that dim / n_heads is a multiple of 4 (dim={dim})",
               n_heads)

@@ -47,7 +47,7 @@ from collections.abc import Mapping
 
 import torch
 
-from ..core.errors import check, check_choice
+from ..core.errors import check, check_choice, is_int
 from .llamagen import LlamaGenModel
 
 # LlamaGen's ``GPT_models``: name -> (n_layer, n_head, dim)
@@ -149,7 +149,7 @@ def llamagen_config_from_state_dict(state_dict: Mapping, *, gpt_model: str | Non
               f"{gpt_model} ({layers} layers of width {width})")
         check(n_head is None or n_head == heads, "n_head", f"None or {heads} (gpt_model={gpt_model!r})", n_head)
         n_head = heads
-    check(isinstance(n_head, int) and n_head >= 1, "n_head",
+    check(is_int(n_head) and n_head >= 1, "n_head",
           f"an int >= 1, or give gpt_model (one of {', '.join(GPT_CONFIGS)}): the number of heads "
           "cannot be read from the weight shapes", n_head)
 
@@ -160,7 +160,7 @@ def llamagen_config_from_state_dict(state_dict: Mapping, *, gpt_model: str | Non
         check(grid_size is None or grid_size == side, "grid_size", f"None or {side} (the checkpoint's freqs_cis)",
               grid_size)
         grid_size = side
-    check(isinstance(grid_size, int) and grid_size >= 1, "grid_size",
+    check(is_int(grid_size) and grid_size >= 1, "grid_size",
           "an int >= 1 (image_size // 16: 16 for LlamaGen's 256 px models, 24 for its 384 px ones)", grid_size)
 
     check(rows >= 2, "state_dict['cls_embedding.embedding_table.weight']", "a table of num_classes + 1 rows", rows)

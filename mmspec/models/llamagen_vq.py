@@ -43,7 +43,7 @@ from diffusers.utils.accelerate_utils import apply_forward_hook
 from torch import nn
 from torch.nn import functional as F
 
-from ..core.errors import check, check_choice
+from ..core.errors import check, check_choice, check_int, is_int
 from .llamagen_convert import read_checkpoint, unwrap_state_dict
 from .vq import IdGridMixin
 
@@ -212,10 +212,10 @@ class LlamaGenVQModel(IdGridMixin, ModelMixin, ConfigMixin):
         for name, value in (("codebook_size", codebook_size), ("codebook_embed_dim", codebook_embed_dim),
                             ("z_channels", z_channels), ("ch", ch), ("num_res_blocks", num_res_blocks),
                             ("in_channels", in_channels), ("sample_size", sample_size)):
-            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         for name, mult in (("encoder_ch_mult", encoder_ch_mult), ("decoder_ch_mult", decoder_ch_mult)):
             check(isinstance(mult, Sequence) and len(mult) >= 1 and all(
-                isinstance(m, int) and m >= 1 and (ch * m) % 32 == 0 for m in mult), name,
+                is_int(m) and m >= 1 and (ch * m) % 32 == 0 for m in mult), name,
                   f"a non-empty list of ints m >= 1 with ch * m a multiple of 32 (ch = {ch})", mult)
         check(len(encoder_ch_mult) == len(decoder_ch_mult), "decoder_ch_mult",
               f"as many levels as encoder_ch_mult ({len(encoder_ch_mult)})", decoder_ch_mult)

@@ -31,7 +31,7 @@ from diffusers.models.modeling_utils import ModelMixin
 from torch import nn
 from torch.nn import functional as F
 
-from ..core.errors import check
+from ..core.errors import check, check_int
 from .binding import BoundToTarget
 
 
@@ -74,7 +74,7 @@ class MedusaHeads(_ParallelHeads):
         super().__init__()
         for name, value in dict(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=num_heads,
                                 num_layers=num_layers).items():
-            check(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         H, K = hidden_size, num_heads
         self.blocks = nn.ModuleList(nn.ModuleList(nn.Linear(H, H) for _ in range(num_layers)) for _ in range(K))
         self.root_in = nn.ModuleList(nn.Linear(H, H, bias=False) for _ in range(K)) if root_token else None
@@ -266,7 +266,7 @@ class GridMedusaHeads(_ParallelHeads):
         super().__init__()
         for name, value in dict(dim=dim, vocab_size=vocab_size, grid_size=grid_size, num_heads=num_heads,
                                 num_layers=num_layers).items():
-            check(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         check(num_heads < grid_size, "num_heads", f"an int in [1, {grid_size - 1}] (below the grid's width, so the "
               "token above every drafted one is committed)", num_heads)
         H, K, W = dim, num_heads, grid_size

@@ -22,7 +22,7 @@ from diffusers.utils.accelerate_utils import apply_forward_hook
 from torch import nn
 from torch.nn import functional as F
 
-from ..core.errors import check
+from ..core.errors import check, is_int
 
 
 class ResBlock(nn.Module):
@@ -66,7 +66,7 @@ class FrameAutoencoder(ModelMixin, ConfigMixin):
         check(len(channels) >= 1 and all(c >= 1 and c % norm_groups == 0 for c in channels), "channels",
               f"a non-empty list of widths divisible by norm_groups ({norm_groups})", channels)
         factor = 2 ** len(channels)
-        check(isinstance(sample_size, int) and sample_size % factor == 0, "sample_size",
+        check(is_int(sample_size) and sample_size % factor == 0, "sample_size",
               f"an int divisible by the downsampling factor {factor}", sample_size)
         check(latent_noise >= 0 and latent_l2 >= 0, "latent_noise", ">= 0 (and latent_l2 >= 0)",
               (latent_noise, latent_l2))

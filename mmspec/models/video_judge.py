@@ -21,13 +21,9 @@ from diffusers import ConfigMixin, ModelMixin
 from diffusers.configuration_utils import register_to_config
 from torch import nn
 
-from ..core.errors import check
+from ..core.errors import check, check_int, is_int
 
 FIELDS = ("colour", "shape")
-
-
-def _is_int(x, low: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
 class FrameJudge(ModelMixin, ConfigMixin):
@@ -51,14 +47,14 @@ class FrameJudge(ModelMixin, ConfigMixin):
                  feature_dim: int = 64, labels: dict | None = None, palette: Sequence | None = None,
                  palette_radius: float = 0.3):
         super().__init__()
-        check(_is_int(in_channels, 1), "in_channels", "an int >= 1", in_channels)
+        check_int(in_channels, "in_channels", 1)
         check(isinstance(block_out_channels, Sequence) and len(block_out_channels) >= 1
-              and all(_is_int(c, 1) for c in block_out_channels), "block_out_channels",
+              and all(is_int(c) and c >= 1 for c in block_out_channels), "block_out_channels",
               "a non-empty sequence of ints >= 1", block_out_channels)
         factor = 2 ** len(block_out_channels)
-        check(_is_int(sample_size, factor) and sample_size % factor == 0, "sample_size",
+        check(is_int(sample_size) and sample_size >= factor and sample_size % factor == 0, "sample_size",
               f"a positive multiple of the downsampling factor {factor}", sample_size)
-        check(_is_int(feature_dim, 1), "feature_dim", "an int >= 1", feature_dim)
+        check_int(feature_dim, "feature_dim", 1)
         if labels is None:
             labels = {"colour": ["red", "green", "blue", "yellow"], "shape": ["circle", "square", "triangle", "star"]}
         check(isinstance(labels, dict) and sorted(labels) == sorted(FIELDS)

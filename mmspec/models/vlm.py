@@ -20,7 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 from transformers import PreTrainedTokenizerFast
 
-from ..core.errors import check, check_choice
+from ..core.errors import check, check_choice, is_int
 
 IMAGE_TOKEN = "<image>"
 # ids 0-4 of every vocabulary; the words follow
@@ -68,9 +68,8 @@ def image_tokens(resolution: int = IMAGE_SIZE) -> int:
 
 
 def check_resolution(resolution) -> int:
-    check(isinstance(resolution, int) and not isinstance(resolution, bool) and resolution >= PATCH_SIZE
-          and resolution % PATCH_SIZE == 0, "resolution", f"an int multiple of the patch size {PATCH_SIZE}",
-          resolution)
+    check(is_int(resolution) and resolution >= PATCH_SIZE and resolution % PATCH_SIZE == 0, "resolution",
+          f"an int multiple of the patch size {PATCH_SIZE}", resolution)
     return resolution
 
 

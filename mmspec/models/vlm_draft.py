@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..core.cache import StaticKVCache
-from ..core.errors import check, check_choice
+from ..core.errors import check, check_choice, check_int, is_int
 from ..core.rope import Rope1D
 from ..core.types import ModelOutput
 from .eagle_base import EagleHead
@@ -133,7 +133,7 @@ class ElasticVisualCompressor(nn.Module):
         for the parameter-free ``"prune"`` (an int >= 1) and ``"pool"`` (a square int), the
         compression to apply instead. The learned ``"conv"`` and ``"resampler"`` keep theirs."""
         check_choice("branch", branch, ("gate",) + BRANCHES)
-        check(isinstance(ratio, int) and not isinstance(ratio, bool) and ratio >= 0, "ratio", "an int >= 0", ratio)
+        check_int(ratio, "ratio", 0)
         if ratio:
             check(branch in ("prune", "pool"), "ratio", "0 unless branch is 'prune' or 'pool' (the learned "
                   "branches and the gate's choice keep their trained ratios)", ratio)
@@ -211,12 +211,12 @@ class VLMDraftHead(EagleHead):
         for name, value in dict(hidden_size=hidden_size, vocab_size=vocab_size, num_heads=num_heads,
                                 intermediate_size=intermediate_size, prune_ratio=prune_ratio,
                                 resampler_queries=resampler_queries).items():
-            check(isinstance(value, int) and value >= 1, name, "an int >= 1", value)
+            check_int(value, name, 1)
         check(hidden_size % num_heads == 0 and (hidden_size // num_heads) % 2 == 0, "num_heads",
               f"a divisor of hidden_size ({hidden_size}) leaving an even head dimension", num_heads)
         for name, value in dict(pool_ratio=pool_ratio, conv_ratio=conv_ratio).items():
-            check(isinstance(value, int) and value >= 1 and _square(value), name, "a square int >= 1 (4, 9, 16, ...)", value)
-        check(isinstance(vispec_queries, int) and vispec_queries >= 2, "vispec_queries",
+            check(is_int(value) and value >= 1 and _square(value), name, "a square int >= 1 (4, 9, 16, ...)", value)
+        check(is_int(vispec_queries) and vispec_queries >= 2, "vispec_queries",
               "an int >= 2 (compressed tokens + the global feature)", vispec_queries)
         H = hidden_size
         super().__init__(H, num_heads, intermediate_size, rms_norm_eps, Rope1D(H // num_heads, rope_theta),

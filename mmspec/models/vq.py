@@ -21,11 +21,7 @@ from diffusers.utils.accelerate_utils import apply_forward_hook
 from torch import nn
 from torch.nn import functional as F
 
-from ..core.errors import check
-
-
-def _is_int(x, low: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and x >= low
+from ..core.errors import check, check_int, is_int
 
 
 class ResnetBlock(nn.Module):
@@ -164,19 +160,19 @@ class TinyVQModel(IdGridMixin, ModelMixin, ConfigMixin):
                  norm_num_groups: int = 8, codebook_size: int = 512, codebook_embed_dim: int = 8,
                  commit_loss_beta: float = 0.25):
         super().__init__()
-        check(_is_int(in_channels, 1), "in_channels", "an int >= 1", in_channels)
-        check(_is_int(norm_num_groups, 1), "norm_num_groups", "an int >= 1", norm_num_groups)
+        check_int(in_channels, "in_channels", 1)
+        check_int(norm_num_groups, "norm_num_groups", 1)
         check(isinstance(block_out_channels, Sequence) and len(block_out_channels) >= 1
-              and all(_is_int(c, 1) and c % norm_num_groups == 0 for c in block_out_channels),
+              and all(is_int(c) and c >= 1 and c % norm_num_groups == 0 for c in block_out_channels),
               "block_out_channels", f"a non-empty sequence of multiples of norm_num_groups ({norm_num_groups})",
               block_out_channels)
         factor = 2 ** (len(block_out_channels) - 1)
-        check(_is_int(sample_size, factor) and sample_size % factor == 0, "sample_size",
+        check(is_int(sample_size) and sample_size >= factor and sample_size % factor == 0, "sample_size",
               f"a positive multiple of the downsampling factor {factor}", sample_size)
-        check(_is_int(layers_per_block, 1), "layers_per_block", "an int >= 1", layers_per_block)
-        check(_is_int(codebook_size, 2), "codebook_size", "an int >= 2", codebook_size)
+        check_int(layers_per_block, "layers_per_block", 1)
+        check_int(codebook_size, "codebook_size", 2)
         # a 1-d vector normalises to +-1: the codebook would collapse to two points
-        check(_is_int(codebook_embed_dim, 2), "codebook_embed_dim", "an int >= 2", codebook_embed_dim)
+        check_int(codebook_embed_dim, "codebook_embed_dim", 2)
         check(isinstance(commit_loss_beta, (int, float)) and commit_loss_beta >= 0, "commit_loss_beta",
               "a number >= 0", commit_loss_beta)
         channels = list(block_out_channels)

@@ -19,8 +19,9 @@ def save_image_grid(images, path: str | os.PathLike, nrow: int) -> Path:
     import PIL.Image
     import torch
 
-    if not (isinstance(nrow, int) and not isinstance(nrow, bool) and nrow >= 1):
-        raise ValueError(f"nrow must be an int >= 1, got {nrow!r}")
+    from ..core.errors import check_int
+
+    check_int(nrow, "nrow", 1)
     if isinstance(images, torch.Tensor):
         if images.dim() != 4 or images.shape[1] != 3 or images.shape[0] == 0 or not images.is_floating_point():
             raise ValueError(f"images must be a non-empty (N, 3, H, W) float tensor, got {tuple(images.shape)} "
