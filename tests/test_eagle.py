@@ -132,7 +132,7 @@ def test_needs_the_targets_features(random_head):
     from mmspec.core.decoder import DecodeState
 
     state = DecodeState(tokens=torch.zeros(1, 4, dtype=torch.long), lengths=torch.tensor([2]), batch_size=1,
-                        logits=LogitsProcessor(), generator=None, max_len=4)  # no prefill output
+                        processor=LogitsProcessor(), generator=None, max_len=4)  # no prefill output
     with pytest.raises(ValueError, match="needs the target's features"):
         EagleTreeDrafter(random_head).start(state)
 

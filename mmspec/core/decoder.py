@@ -203,7 +203,7 @@ class SpeculativeDecoder:
             callback: called after every decode pass with (step, state); returning ``True``
                 stops decoding after that pass (diffusers' interrupt; rows keep what they emitted).
                 A pass is one target forward, committing a variable number of tokens per row;
-                ``step`` counts passes from 1. The callback may set ``state.processor`` to a pipeline
+                ``step`` counts passes from 1. The callback may set ``state.processor`` to a processor
                 of the same type differing only in ``guidance_scale`` (still guided exactly when
                 the call was: the batch's ``[cond; uncond]`` rows are fixed at prefill): drafts and
                 the target's verification use it from the next pass on, so the output equals a
