@@ -455,9 +455,9 @@ def video_tab():
 def tabs() -> list[tuple[str, object]]:
     """``(title, builder)`` of every served modality with a tab (``mmspec.serve.SPECS``, in their
     order): the spec's ``demo_tab`` names a builder of this module or a ``"module:function"``."""
-    from mmspec.utils.refs import load_ref
+    from mmspec.utils.refs import is_ref, load_ref
 
-    return [(spec.title, load_ref(spec.demo_tab) if ":" in spec.demo_tab else globals()[spec.demo_tab])
+    return [(spec.title, load_ref(spec.demo_tab) if is_ref(spec.demo_tab) else globals()[spec.demo_tab])
             for spec in serve.SPECS.values() if spec.demo_tab is not None]
 
 

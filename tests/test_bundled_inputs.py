@@ -54,10 +54,12 @@ def test_ar_prompts_are_the_saved_labels_and_the_training_classes():
 
 def test_serving_and_the_registry_import_no_training_or_bench_code():
     """Importing the runtime (serving, pipelines, the method registry) and listing the registered
-    recipes loads no module of ``mmspec.training`` or ``mmspec.bench`` (a fresh interpreter)."""
+    recipes loads no module of ``mmspec.training`` or ``mmspec.bench`` (a fresh interpreter); nor
+    do the served modalities' specs pull in the code they reference (the CLI, Gradio, the demo)."""
     code = ("import sys, mmspec.serve, mmspec.pipelines, mmspec.methods as m\n"
             "m.recipes(); mmspec.serve.ar_prompts(); mmspec.serve.scene(3)\n"
-            "print(sorted(n for n in sys.modules if n.startswith(('mmspec.training', 'mmspec.bench'))))")
+            "print(sorted(n for n in sys.modules if n.startswith(('mmspec.training', 'mmspec.bench', "
+            "'mmspec.commands', 'gradio', 'demos'))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

@@ -104,6 +104,12 @@ def test_the_demo_has_a_toy_tab(toy):
     assert {"tab-toy-sequences", "toy-prompt", "toy-run"} <= ids
 
 
+def test_the_toy_tabs_click_answers(toy, assets, monkeypatch):
+    monkeypatch.setattr(toy, "DEMO_MODELS", serve.Models(assets))
+    pipe = serve.spec(KIND).load(assets / KIND)
+    assert toy.toy_continue("3 1 4", "jacobi").split() == [str(t) for t in pipe([[3, 1, 4]]).tokens[0]]
+
+
 def test_the_gpu_check_drives_the_toy(toy, assets, tmp_path):
     assert gc.pipeline_names()[-2:] == (KIND, "wan-tiny") and f"pipeline:{KIND}" in gc.step_names()
     assert gc.step_seconds(f"pipeline:{KIND}") == toy.ToySeqCheck.seconds

@@ -55,3 +55,25 @@ def test_open_image_reads_a_file_or_says_why_not(tmp_path):
     PIL.Image.new("RGB", (8, 8)).save(tmp_path / "tiny.png")
     with pytest.raises(ValueError, match="image must be at least 16 x 16 pixels"):
         serve.open_image(tmp_path / "tiny.png")
+
+
+def test_references_load_what_they_name_and_refuse_what_is_not_one():
+    from mmspec.utils.refs import is_ref, load_ref
+
+    assert load_ref("mmspec.serve:spec") is serve.spec
+    assert load_ref("mmspec.serve.base:ModalitySpec.load") is serve.ModalitySpec.load  # dotted attributes
+    assert load_ref(serve.spec) is serve.spec  # anything else comes back as it is
+    assert is_ref("a.b:c") and not is_ref("a.b.c") and not is_ref(3)
+    with pytest.raises(ValueError, match="reference must be 'module:attribute', got 'mmspec.serve.spec'"):
+        load_ref("mmspec.serve.spec")
+    with pytest.raises(AttributeError):
+        load_ref("mmspec.serve:no_such_name")
+
+
+def test_a_components_timing_is_one_the_cost_bench_knows():
+    assert methods.TIMINGS == ("tokens", "features", "heads", "span")
+    assert {c.name: c.timing for c in methods.components("ar-image")} == {
+        "draft_model": "tokens", "eagle_head": "features", "medusa_head": "heads"}
+    assert methods.components("vlm")[0].timing == "span"
+    with pytest.raises(ValueError, match="timing must be one of 'tokens', 'features', 'heads', 'span', got 'layers'"):
+        methods.Component("x_head", "mmspec.models.eagle:EagleDraftHead", timing="layers")

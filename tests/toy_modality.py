@@ -178,6 +178,15 @@ def _generate(args) -> int:
 TOY_GENERATE = GenerateCommand(_add_generate, _generate)
 
 
+DEMO_MODELS = serve.Models()
+"""The pipelines the toy's demo tab runs (loaded on its first click, shared by every click)."""
+
+
+def toy_continue(text: str, method: str) -> str:
+    """The tab's click: the continuation of ``text`` by ``method``, seed 0."""
+    return run_toy(DEMO_MODELS, [text], [0], method, None)[0].text
+
+
 def toy_tab():
     """The demo tab: a prompt box, a method dropdown, the continuation."""
     import gradio as gr
@@ -186,8 +195,7 @@ def toy_tab():
     method = gr.Dropdown(choices=list(methods.names(KIND)), value="none", label="method", elem_id="toy-method")
     answer = gr.Textbox(label="continuation", interactive=False, elem_id="toy-answer")
     go = gr.Button("Continue", elem_id="toy-run")
-    go.click(lambda text, m: run_toy(serve.Models(), [text], [0], m, None)[0].text, inputs=[prompt, method],
-             outputs=answer, api_name="toy_continue")
+    go.click(toy_continue, inputs=[prompt, method], outputs=answer, api_name="toy_continue")
 
 
 # -- the GPU check and the cost bench ---------------------------------------------------------------

@@ -21,17 +21,17 @@ and knobs, ``"auto"`` included.
 """
 
 from .knobs import KnobSpec, check_config, knob
-from .registry import (KINDS, REQUIRED, Component, Composition, Method, MethodRecipe, Modality, Part, TrainingRecipe,
-                       build, components, knobs, modalities, modality, names, option_name, parts, parts_markdown,
-                       recipe_for, recipes, register_component, register_method, register_modality, register_part,
-                       register_recipe, resolve)
+from .registry import (KINDS, REQUIRED, TIMINGS, Component, Composition, Method, MethodRecipe, Modality, Part,
+                       TrainingRecipe, build, components, knobs, modalities, modality, names, option_name, parts,
+                       parts_markdown, recipe_for, recipes, register_component, register_method, register_modality,
+                       register_part, register_recipe, resolve)
 from . import ar_image, continuous, text, video, vlm  # noqa: E402,F401  (the built-in registrations)
 from . import auto  # noqa: E402  (method="auto": the choice from a machine's cost profile)
 from .auto import validate  # noqa: E402
 
 __all__ = [
-    "KINDS", "REQUIRED", "Component", "Composition", "KnobSpec", "Method", "MethodRecipe", "Modality", "Part",
-    "TrainingRecipe", "build", "check_config", "components", "knob", "knobs", "modalities", "modality", "names",
+    "KINDS", "REQUIRED", "TIMINGS", "Component", "Composition", "KnobSpec", "Method", "MethodRecipe", "Modality",
+    "Part", "TrainingRecipe", "build", "check_config", "components", "knob", "knobs", "modalities", "modality", "names",
     "option_name", "parts", "parts_markdown", "recipe_for", "recipes", "register_component", "register_method",
     "register_modality", "register_part", "register_recipe", "resolve", "auto", "validate",
 ]

@@ -14,7 +14,7 @@ import torch
 
 from ..core.errors import check, is_int
 from .passes import passes_from_tokens
-from .base import JobField, ModalitySpec, Models, Result, generators, plain_stats, register, resolve
+from .base import ASSETS, JobField, ModalitySpec, Models, Result, generators, plain_stats, register, resolve
 
 
 def ar_prompts() -> tuple[str, ...]:
@@ -22,8 +22,6 @@ def ar_prompts() -> tuple[str, ...]:
     the first name of each id in the ``id2label`` its transformer config saves
     (``assets/ar-image/transformer/config.json``; the labels live with the weights, so this reads one
     small JSON file and loads no model), lower case with single spaces."""
-    from .base import ASSETS
-
     return _saved_prompts(str(ASSETS / "ar-image" / "transformer" / "config.json"))
 
 

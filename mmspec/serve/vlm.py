@@ -16,7 +16,7 @@ import torch
 
 from ..core.errors import check, check_int, is_int
 from .passes import commit_passes, passes_from_tokens
-from .base import JobField, ModalitySpec, Models, Result, generators, plain_stats, register, resolve
+from .base import ASSETS, JobField, ModalitySpec, Models, Result, generators, plain_stats, register, resolve
 
 
 def scene(index: int) -> np.ndarray:
@@ -24,8 +24,6 @@ def scene(index: int) -> np.ndarray:
     PNG ``assets/vlm/scenes/<index>.png`` (two digits), one of the 16 held-out scenes the VLM bench
     asks about first, saved by ``mmspec.training.recipes.vlm.save_heldout_scenes``."""
     import PIL.Image
-
-    from .base import ASSETS
 
     check(is_int(index) and 0 <= index < 16, "scene", "an int in [0, 16)", index)
     with PIL.Image.open(ASSETS / "vlm" / "scenes" / f"{index:02d}.png") as im:

@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from ... import methods
 from ...core.errors import check_choice
 
 
@@ -54,7 +55,7 @@ class PassTimer:
         elif timing == "heads":
             self.watch_heads(role, module)
         else:
-            check_choice("timing", timing, ("tokens", "features", "heads", "span"))
+            check_choice("timing", timing, methods.TIMINGS)
             self.watch_span(role, module.get_input_embeddings(), module.get_output_embeddings(), module.base_model)
 
     def watch(self, role: str, module: torch.nn.Module, tokens_arg: int, mask_arg: int) -> None:
