@@ -20,6 +20,8 @@ import os
 
 import torch
 
+from mmspec.utils.errors import check, check_int
+
 try:
     import triton  # noqa: F401
 except ImportError:
@@ -34,12 +36,6 @@ KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 class KernelUnavailableError(RuntimeError):
     """``MMSPEC_KERNELS=triton`` asked for a kernel that cannot run here."""
-
-
-def check(ok: bool, name: str, allowed: str, got) -> None:
-    """``mmspec.core.errors.check``'s message, without importing the core (the core imports us)."""
-    if not ok:
-        raise ValueError(f"{name} must be {allowed}, got {got!r}")
 
 
 def mode() -> str:

@@ -34,7 +34,7 @@ from typing import NamedTuple
 
 import torch
 
-from .dispatch import TRITON_AVAILABLE, check, dtype_problem, preferred, use_triton
+from .dispatch import TRITON_AVAILABLE, check, check_int, dtype_problem, preferred, use_triton
 from .residual import residual_distribution_reference
 from .torch_ops import inverse_cdf as torch_inverse_cdf
 from .torch_ops import logits_to_probs
@@ -79,7 +79,7 @@ def _check_inputs(logits, tokens, q, u_accept, u_sample, guidance_scale, tempera
     V = logits.shape[-1]
     check(isinstance(temperature, (int, float)) and temperature >= 0, "temperature", ">= 0 (0 means greedy)",
           temperature)
-    check(top_k is None or (isinstance(top_k, int) and top_k >= 1), "top_k", "None or an int >= 1", top_k)
+    check_int(top_k, "top_k", 1, optional=True)
     if q is not None:
         check(q.shape == (B, G, V), "q", f"None or the drafts' ({B}, {G}, {V}) probabilities", tuple(q.shape))
     greedy = temperature == 0

@@ -36,7 +36,7 @@ import torch
 from torch.nn import functional as F
 
 from . import splitk
-from .dispatch import TRITON_AVAILABLE, check, dtype_problem, interpreted, preferred, use_triton
+from .dispatch import TRITON_AVAILABLE, check, check_int, dtype_problem, interpreted, preferred, use_triton
 
 if TRITON_AVAILABLE:
     import triton
@@ -74,8 +74,8 @@ def _check_inputs(q, k, v, lengths, block_start, positions, sink, window, ring_s
     C = k.shape[2]
     check(k.shape[0] == B and k.shape[3] == D and Hq % k.shape[1] == 0, "k", f"(B={B}, Hkv, C, D={D}) with Hkv "
           f"dividing Hq={Hq} (grouped-query attention)", tuple(k.shape))
-    check(isinstance(sink, int) and sink >= 0, "sink", "an int >= 0 (sink slots)", sink)
-    check(isinstance(window, int) and window >= 1, "window", "an int >= 1 (window slots)", window)
+    check_int(sink, "sink", 0)
+    check_int(window, "window", 1)
     check(sink + window <= C, "sink + window", f"<= the buffer's {C} slots", sink + window)
     for name, t in (("lengths", lengths), ("block_start", block_start), ("ring_start", ring_start)):
         check(t.shape == (B,) and not t.is_floating_point(), name, f"a ({B},) integer tensor",

@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-from .dispatch import TRITON_AVAILABLE, check
+from .dispatch import TRITON_AVAILABLE, check, check_int
 
 if TRITON_AVAILABLE:
     import triton
@@ -110,7 +110,7 @@ def plan(q: torch.Tensor, keys: int, block_m: int, block_n: int, num_splits: int
     key_tiles = max(1, -(-keys // block_n))
     if num_splits is None:
         num_splits = choose_num_splits(B * H * -(-T // block_m), keys, block_n, sm_count(q.device))
-    check(isinstance(num_splits, int) and num_splits >= 1, "num_splits", "None or an int >= 1", num_splits)
+    check_int(num_splits, "num_splits", 1, optional=True)
     if num_splits == 1:
         return SplitPlan(1, key_tiles * block_n, None, None)
     need = workspace_numel(num_splits, B, H, T, D)

@@ -432,7 +432,7 @@ class SpeculativePipeline(PipelineBase):
         return [module for _, module in self._step_modules() if callable(getattr(module, "new_cache", None))]
 
     # -- decoding ---------------------------------------------------------------------------------
-    def decode(self, recipe: methods.MethodRecipe, logits: LogitsProcessor, input_ids, max_new_tokens: int, *,
+    def decode(self, recipe: methods.MethodRecipe, processor: LogitsProcessor, input_ids, max_new_tokens: int, *,
                tokens_done: Callable[[DecodeState], int], callback_on_step_end=None,
                callback_on_step_end_tensor_inputs=(), on_step: Callable[[DecodeState], None] | None = None,
                guidance_scale: float | None = None, **generate_kwargs) -> DecodeOutput:
@@ -453,7 +453,7 @@ class SpeculativePipeline(PipelineBase):
         float rounding), 0 gives the unconditional ones. A call that started without guidance
         has no unconditional rows, so a guiding scale is refused (``ValueError`` naming
         ``guidance_scale``)."""
-        decoder = self.build_decoder(recipe, logits)
+        decoder = self.build_decoder(recipe, processor)
         gate = decoder.drafter if isinstance(decoder.drafter, GatedDrafter) else None
         self._interrupt = False
         self._guidance_scale = guidance_scale
@@ -484,7 +484,7 @@ class SpeculativePipeline(PipelineBase):
         out.stats.extra.update(self.auto_stats(gate))
         return out
 
-    def build_decoder(self, recipe: methods.MethodRecipe, logits: LogitsProcessor, target=None) -> SpeculativeDecoder:
+    def build_decoder(self, recipe: methods.MethodRecipe, processor: LogitsProcessor, target=None) -> SpeculativeDecoder:
         """The ``SpeculativeDecoder`` of ``recipe``'s parts over this pipeline's models (onloaded):
         what ``decode`` runs, and what continuous batching serves jobs through
         (``serve_tokens``). Under ``method="auto"`` (``auto_online``) its drafter is gated
@@ -502,10 +502,10 @@ class SpeculativePipeline(PipelineBase):
         if settings is not None and drafter is not None:  # method="auto": speculation re-decided during the call
             every = chosen[1]["auto_every"]
             drafter = GatedDrafter(drafter, SpeedGate(**settings, every=every, probe=4 * every))
-        return SpeculativeDecoder(components["target"], drafter, rule=parts.rule, logits=logits,
+        return SpeculativeDecoder(components["target"], drafter, rule=parts.rule, processor=processor,
                                   schedule=parts.schedule, device=self._execution_device)
 
-    def serve_tokens(self, recipe: methods.MethodRecipe, logits: LogitsProcessor, jobs, max_new_tokens: int, *,
+    def serve_tokens(self, recipe: methods.MethodRecipe, processor: LogitsProcessor, jobs, max_new_tokens: int, *,
                      slots: int, **serve_kwargs):
         """Continuous batching: ``SpeculativeDecoder.serve`` of ``jobs`` (``mmspec.core.Job``) with
         ``recipe``'s parts, yielding each ``Served`` job as it finishes (``serve_kwargs``:
@@ -513,7 +513,7 @@ class SpeculativePipeline(PipelineBase):
         steps are refused (a refill's prefill has its own shapes)."""
         check(not self.compiled_steps, "compiled steps", "off for continuous batching (disable_compiled_steps())",
               self.compiled_steps)
-        decoder = self.build_decoder(recipe, logits)
+        decoder = self.build_decoder(recipe, processor)
         gate = decoder.drafter if isinstance(decoder.drafter, GatedDrafter) else None
         try:
             for served in decoder.serve(jobs, max_new_tokens, slots=slots, **serve_kwargs):

@@ -115,7 +115,7 @@ class SpeculativeGlmImagePipeline(GlmImagePipeline):
         if call["temperature"] is not None:
             logits = dataclasses.replace(logits, temperature=float(call["temperature"]))
         parts = methods.build(call["recipe"], {"target": target})  # no schedule: check_method refuses zipar
-        decoder = SpeculativeDecoder(target, parts.drafter, rule=parts.rule, logits=logits, device=device)
+        decoder = SpeculativeDecoder(target, parts.drafter, rule=parts.rule, processor=logits, device=device)
         rows, conditioning = prior_prompts(inputs)
         out = decoder.generate(rows, max_new_tokens, conditioning=conditioning,
                                generator=_prior_generators(call["generator"], device),

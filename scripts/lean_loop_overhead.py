@@ -50,7 +50,7 @@ def overhead_fraction(vocab: int = QWEN_VOCAB, hidden: int = 256, runs: int = 3,
                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=None,
                          attn_implementation="sdpa")
     target = Timed(HFCausalLMTarget(LlamaForCausalLM(config).eval()))
-    decoder = SpeculativeDecoder(target, logits=LogitsProcessor(temperature=0))
+    decoder = SpeculativeDecoder(target, processor=LogitsProcessor(temperature=0))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -152,7 +152,7 @@ def test_greedy_matches_the_models_own_decoding(family, drafter):
     target = image_target(model, **options)
     guided = GUIDANCE[family] is not None
     decoder = SpeculativeDecoder(target, DRAFTERS[drafter](target, model, options),
-                                 logits=LogitsProcessor(temperature=0, guidance_scale=GUIDANCE[family]))
+                                 processor=LogitsProcessor(temperature=0, guidance_scale=GUIDANCE[family]))
     out = decoder.generate(target.encode_prompt(cond), n,
                            uncond_input_ids=target.encode_prompt(uncond) if guided else None)
 
@@ -172,7 +172,7 @@ def test_sampled_sjd_with_guidance_is_seeded_and_valid(family):
 
     def run(seed):
         decoder = SpeculativeDecoder(target, JacobiDrafter(target.vocab_size, window=6),
-                                     logits=LogitsProcessor(temperature=1.0, guidance_scale=2.0))
+                                     processor=LogitsProcessor(temperature=1.0, guidance_scale=2.0))
         return decoder.generate(target.encode_prompt(cond), n, uncond_input_ids=target.encode_prompt(uncond),
                                 generator=torch.Generator().manual_seed(seed)).sequences
 
@@ -212,7 +212,7 @@ def test_bad_input():
     target = image_target(emu3, width=W)
     with pytest.raises(ValueError, match="prompts must be ids of the model's vocabulary"):
         target.encode_prompt([[3, 10_000]])
-    decoder = SpeculativeDecoder(target, logits=LogitsProcessor(temperature=0))
+    decoder = SpeculativeDecoder(target, processor=LogitsProcessor(temperature=0))
     with pytest.raises(ValueError, match="input_ids must be prompts that contain"):
         decoder.generate(target.encode_prompt([[TEXT, 3, 5]]), 4)  # no <|image token|>
     chameleon = tiny_chameleon()

@@ -42,14 +42,14 @@ def randomised(heads: GridMedusaHeads, std: float = 0.3, seed: int = 1) -> GridM
 def greedy_grids(model, labels, guided: bool):
     pipeline = LogitsProcessor(temperature=0, guidance_scale=SCALE if guided else None)
     kwargs = {"uncond_input_ids": model.uncond_prompts(len(labels))} if guided else {}
-    return SpeculativeDecoder(model, logits=pipeline).generate(model.class_prompts(labels), GRID * GRID, **kwargs)
+    return SpeculativeDecoder(model, processor=pipeline).generate(model.class_prompts(labels), GRID * GRID, **kwargs)
 
 
 def decode(model, heads, labels, guided: bool, **tree):
     pipeline = LogitsProcessor(temperature=0, guidance_scale=SCALE if guided else None)
     kwargs = {"uncond_input_ids": model.uncond_prompts(len(labels))} if guided else {}
     drafter = ParallelHeadsDrafter(heads, **{**TREE, **tree})
-    return SpeculativeDecoder(model, drafter, logits=pipeline).generate(model.class_prompts(labels), GRID * GRID,
+    return SpeculativeDecoder(model, drafter, processor=pipeline).generate(model.class_prompts(labels), GRID * GRID,
                                                                         **kwargs)
 
 
@@ -168,7 +168,7 @@ def test_sampled_cfg_exact(vocab8, broken):
     a rule that resamples from p after a rejection fails the same test."""
     model, heads, probs = vocab8
     dec = SpeculativeDecoder(model, ParallelHeadsDrafter(heads, top_k=2, total_tokens=5),
-                             rule=NoResidual() if broken else None, logits=GUIDED)
+                             rule=NoResidual() if broken else None, processor=GUIDED)
     out = dec.generate(model.class_prompts([LABEL] * N_SAMPLES), N_TOKENS, generator=torch.Generator().manual_seed(0),
                        uncond_input_ids=model.uncond_prompts(N_SAMPLES))
     pval = chisquare_pvalue(sequence_index(out.sequences[:, :N_TOKENS], model.vocab_size), probs)

@@ -38,7 +38,7 @@ def perturbed(model, seed, scale):
 
 def run(model, labels, drafter=None, rule=None, logits=None, schedule=None, guided=False, seed=0):
     logits = logits or LogitsProcessor(temperature=0.0, guidance_scale=3.0 if guided else None)
-    dec = SpeculativeDecoder(model, drafter, rule=rule, logits=logits, schedule=schedule)
+    dec = SpeculativeDecoder(model, drafter, rule=rule, processor=logits, schedule=schedule)
     kw = dict(uncond_input_ids=model.uncond_prompts(len(labels))) if guided else {}
     return dec.generate(model.class_prompts(labels), model.num_image_tokens,
                         generator=torch.Generator().manual_seed(seed), **kw)
@@ -243,7 +243,7 @@ def image_pvalue(kind, rule=None, seed=0):
     drafter = {"sd": lambda: ModelChainDrafter(draft, gamma=2),
                "eagle": lambda: ModelTreeDrafter(draft, top_k=3, depth=1, total_tokens=8),
                "sjd": lambda: JacobiDrafter(model.vocab_size, 3)}[kind]()
-    dec = SpeculativeDecoder(model, drafter, rule=rule, logits=GUIDED)
+    dec = SpeculativeDecoder(model, drafter, rule=rule, processor=GUIDED)
     out = dec.generate(model.class_prompts([LABEL] * N_SAMPLES), N_TOKENS,
                        uncond_input_ids=model.uncond_prompts(N_SAMPLES),
                        generator=torch.Generator().manual_seed(seed))
@@ -294,7 +294,7 @@ def interval_run(grid, L, interval, labels=(0,)):
     stub = PointMassRows(grid)
     N = grid * grid
     drafter = JacobiDrafter(32, L, init="repeat", interval=None if interval is None else (1, N - L - 2))
-    dec = SpeculativeDecoder(stub, drafter, logits=LogitsProcessor(temperature=1.0))
+    dec = SpeculativeDecoder(stub, drafter, processor=LogitsProcessor(temperature=1.0))
     return dec.generate(stub.model.class_prompts(list(labels)), N, generator=torch.Generator().manual_seed(0))
 
 

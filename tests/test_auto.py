@@ -158,9 +158,9 @@ def test_gate_switches_off_when_drafting_does_not_pay_and_probes_back(small_voca
     after ``probe`` passes off, and the greedy output is the target's alone."""
     target, draft = small_vocab_pair
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
-    base = SpeculativeDecoder(target, None, logits=LogitsProcessor(temperature=0.0)).generate(prompt, 40)
+    base = SpeculativeDecoder(target, None, processor=LogitsProcessor(temperature=0.0)).generate(prompt, 40)
     gated = GatedDrafter(ModelChainDrafter(draft, gamma=3), SpeedGate(c_on=50.0, c_off=1.0, every=4, probe=8))
-    out = SpeculativeDecoder(target, gated, logits=LogitsProcessor(temperature=0.0)).generate(prompt, 40)
+    out = SpeculativeDecoder(target, gated, processor=LogitsProcessor(temperature=0.0)).generate(prompt, 40)
     assert torch.equal(out.sequences, base.sequences)
     log = gated.log
     assert log.passes_off > 0 and log.passes_on > 4 and log.switches >= 2  # off, then a probe back on
@@ -172,7 +172,7 @@ def test_gate_keeps_a_paying_drafter_on(small_vocab_pair):
     target, _ = small_vocab_pair
     prompt = torch.tensor([[3, 1, 4, 1, 5]])
     gated = GatedDrafter(ModelChainDrafter(target, gamma=3), SpeedGate(c_on=2.0, c_off=1.0, every=2))
-    out = SpeculativeDecoder(target, gated, logits=LogitsProcessor(temperature=0.0)).generate(prompt, 40)
+    out = SpeculativeDecoder(target, gated, processor=LogitsProcessor(temperature=0.0)).generate(prompt, 40)
     assert gated.log.passes_off == 0 and len(gated.log.decisions) >= 3 and out.stats.tau > 3.5
     assert all(on and ratio > 1.5 for _, on, ratio in gated.log.decisions)
 
@@ -203,7 +203,7 @@ def test_gated_sampling_keeps_the_target_law(small_vocab_pair, gate_cls, lossles
     gate = SpeedGate(c_on=1e3, c_off=1.0, every=1, probe=1)
     drafter = gate_cls(JacobiDrafter(V, window=3), gate)
     prompt = [3, 1, 4]
-    out = SpeculativeDecoder(target, drafter, logits=pipeline).generate(
+    out = SpeculativeDecoder(target, drafter, processor=pipeline).generate(
         torch.tensor([prompt]).expand(N, -1), n, generator=torch.Generator().manual_seed(0))
     probs = exact_joint(target, prompt, n, pipeline)
     p = chisquare_pvalue(sequence_index(out.sequences[:, :n], V), probs)
@@ -336,7 +336,7 @@ def test_gate_evidence_decays_at_each_decision(small_vocab_pair):
     """Older passes count less: after k decisions the evidence holds fewer passes than were run."""
     target, _ = small_vocab_pair
     gated = GatedDrafter(ModelChainDrafter(target, gamma=3), SpeedGate(c_on=1.0, c_off=1.0, every=2, decay=0.5))
-    SpeculativeDecoder(target, gated, logits=LogitsProcessor(temperature=0.0)).generate(torch.tensor([[3, 1, 4]]), 40)
+    SpeculativeDecoder(target, gated, processor=LogitsProcessor(temperature=0.0)).generate(torch.tensor([[3, 1, 4]]), 40)
     decisions = len(gated.log.decisions)
     assert decisions >= 3 and gated.passes[0] < 2 / (1 - 0.5) + 2  # a geometric sum, not the passes run
     assert gated.log.passes_on > gated.passes[0] + 2

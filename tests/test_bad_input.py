@@ -38,7 +38,7 @@ def test_vocabulary_mismatch(target):
 
 
 def test_guidance_without_uncond(target):
-    dec = SpeculativeDecoder(target, logits=LogitsProcessor(guidance_scale=3.0))
+    dec = SpeculativeDecoder(target, processor=LogitsProcessor(guidance_scale=3.0))
     with pytest.raises(ValueError, match=r"uncond_input_ids must be given when guidance_scale is set"):
         dec.generate([[1, 2]], 4)
 

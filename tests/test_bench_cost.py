@@ -141,8 +141,8 @@ def _prediction_run():
     target = SleepyBigram(table, 0.015, 0.001)
     draft = SleepyBigram(table + 0.5 * torch.randn(8, 8, generator=g), 0.008, 0.0005)  # agrees often
     greedy = LogitsProcessor(temperature=0.0)
-    decoders = {"none": SpeculativeDecoder(target, logits=greedy),
-                "sd": SpeculativeDecoder(target, ModelChainDrafter(draft, gamma=4), logits=greedy)}
+    decoders = {"none": SpeculativeDecoder(target, processor=greedy),
+                "sd": SpeculativeDecoder(target, ModelChainDrafter(draft, gamma=4), processor=greedy)}
     rows = [(label, lambda i, d=d: int(d.generate([[1 + i % 7, 2, 3]], 32).lengths.sum()))
             for label, d in decoders.items()]
     prefix, models = 15, {"target": target, "draft_model": draft}
@@ -202,6 +202,28 @@ def bench(tmp_path_factory):
 
 def _ints(points: dict) -> dict:
     return {int(T): s for T, s in points.items()}
+
+
+def test_drafters_are_probed_by_their_registry_timing(monkeypatch):
+    """A target's probes come from each component's ``Component.timing``, not its name: a head
+    registered under a new name is probed by the builder of its timing, and a timing the target
+    cannot probe is refused naming the component and the timings it can."""
+    from types import SimpleNamespace
+
+    from mmspec import methods
+    from mmspec.bench.cost import targets
+
+    registered = [methods.Component("my_head", "mmspec.models.eagle:EagleDraftHead", timing="features"),
+                  methods.Component("other_model", "mmspec.models.llamagen:LlamaGenModel", timing="span")]
+    monkeypatch.setattr(targets.methods, "components", lambda modality: registered)
+    pipe = SimpleNamespace(modality="ar-image", my_head="HEAD", other_model="MODEL")
+    built = []
+    probes = targets.component_probes(pipe, {"target", "my_head"}, lambda: built.append("target") or "T",
+                                      features=lambda m: built.append(m) or ("features", m))
+    assert probes == {"target": "T", "my_head": ("features", "HEAD")} and built == ["target", "HEAD"]
+    with pytest.raises(ValueError, match=r"the component 'other_model'.*timing this target probes \(features, "
+                                         r"tokens\).*span"):
+        targets.component_probes(pipe, {"other_model"}, lambda: "T", features=print, tokens=print)
 
 
 def test_every_target_has_its_curves_and_rows(bench):

@@ -83,7 +83,7 @@ def test_a_bad_scale_from_a_callback_is_refused(ar, bad):
 
 def test_the_decoder_takes_a_new_guidance_scale_only():
     target = tiny_lm(0)
-    dec = SpeculativeDecoder(target, logits=LogitsProcessor(temperature=0.0, guidance_scale=2.0))
+    dec = SpeculativeDecoder(target, processor=LogitsProcessor(temperature=0.0, guidance_scale=2.0))
     ids, uncond = torch.tensor([[1, 2, 3]]), torch.tensor([[0]])
 
     def hot(step, state):

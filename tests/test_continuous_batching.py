@@ -175,11 +175,11 @@ def test_text_drafters_restart_rows_with_eos_and_unequal_prompts(drafter, events
         logits = LogitsProcessor(temperature=temperature)
         alone = []
         for i, p in enumerate(prompts):
-            out = SpeculativeDecoder(target, make(), logits=logits).generate([p], 12, eos_token_id=7,
+            out = SpeculativeDecoder(target, make(), processor=logits).generate([p], 12, eos_token_id=7,
                                                                              generator=[gen(i)])
             alone.append(out.sequences[0, : int(out.lengths[0])].tolist())
         events.clear()
-        served = {s.index: s.tokens.tolist() for s in SpeculativeDecoder(target, make(), logits=logits).serve(
+        served = {s.index: s.tokens.tolist() for s in SpeculativeDecoder(target, make(), processor=logits).serve(
             [Job(p, generator=gen(i)) for i, p in enumerate(prompts)], 12, slots=3, eos_token_id=7)}
         assert [served[i] for i in range(len(prompts))] == alone
         assert refills_between_passes(events) >= 1
@@ -217,7 +217,7 @@ def test_refuses_what_cannot_refill_rows(ar):
     with pytest.raises(ValueError, match="generator"):
         next(SpeculativeDecoder(model).serve([Job([1], generator=torch.Generator()), Job([2])], 4, slots=1))
     with pytest.raises(ValueError, match="uncond_input_ids"):
-        next(SpeculativeDecoder(model, logits=LogitsProcessor(guidance_scale=2.0)).serve(jobs, 4, slots=1))
+        next(SpeculativeDecoder(model, processor=LogitsProcessor(guidance_scale=2.0)).serve(jobs, 4, slots=1))
 
 
 def test_refuses_qwen2_vl_whose_prompt_pass_keeps_per_row_rope_offsets():
@@ -227,7 +227,7 @@ def test_refuses_qwen2_vl_whose_prompt_pass_keeps_per_row_rope_offsets():
     target = VLMTarget(tiny_qwen2_vl())
     jobs = [Job(p, conditioning=target.vision_inputs(**row_images("qwen2-vl", images, b)))
             for b, p in enumerate(prompts)]
-    decoder = SpeculativeDecoder(target, logits=LogitsProcessor(temperature=0.0))
+    decoder = SpeculativeDecoder(target, processor=LogitsProcessor(temperature=0.0))
     with pytest.raises(ValueError, match="rope_deltas"):
         list(decoder.serve(jobs, 4, slots=1))
 
@@ -339,7 +339,7 @@ def test_admit_holds_jobs_until_they_may_enter():
     target = spread(tiny_lm(0, vocab_size=16, dim=32))
     logits = LogitsProcessor(temperature=0.0)
     prompts = [[1, 2, 3], [4, 5], [6, 7]]
-    alone = [SpeculativeDecoder(target, None, logits=logits).generate([p], 8).sequences[0].tolist()
+    alone = [SpeculativeDecoder(target, None, processor=logits).generate([p], 8).sequences[0].tolist()
              for p in prompts]
     asked = []
 
@@ -347,12 +347,12 @@ def test_admit_holds_jobs_until_they_may_enter():
         asked.append((j, idle))
         return j == 0 or len(asked) > 4
 
-    served = {s.index: s.tokens.tolist() for s in SpeculativeDecoder(target, None, logits=logits).serve(
+    served = {s.index: s.tokens.tolist() for s in SpeculativeDecoder(target, None, processor=logits).serve(
         [Job(p) for p in prompts], 8, slots=2, admit=admit)}
     assert [served[i] for i in range(3)] == alone
     assert asked[0] == (0, True) and (1, False) in asked[1:4]  # job 1 held while job 0 decoded
     with pytest.raises(ValueError, match="admit must be"):
-        list(SpeculativeDecoder(target, None, logits=logits).serve([Job(p) for p in prompts], 8, slots=2,
+        list(SpeculativeDecoder(target, None, processor=logits).serve([Job(p) for p in prompts], 8, slots=2,
                                                                     admit=lambda j, idle: False))
 
 
@@ -379,7 +379,7 @@ def test_sampled_jobs_keep_the_target_law(small_vocab_pair, broken, monkeypatch)
     g = torch.Generator().manual_seed(0)
     jobs = [Job(prompt, generator=torch.Generator().manual_seed(int(s)))
             for s in torch.randint(0, 2**62, (N,), generator=g)]
-    decoder = SpeculativeDecoder(target, JacobiDrafter(V, window=3), logits=logits)
+    decoder = SpeculativeDecoder(target, JacobiDrafter(V, window=3), processor=logits)
     tokens = torch.stack([s.tokens[:n] for s in decoder.serve(jobs, n, slots=48)])
     p = chisquare_pvalue(sequence_index(tokens, V), exact_joint(target, prompt, n, logits))
     assert (p >= P_THRESHOLD) != broken, f"p={p:.2e}"

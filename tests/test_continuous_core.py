@@ -98,7 +98,7 @@ def pair():
 def generate(target, drafter, pipeline, labels, n, seed, rule=None, **kw):
     """n tokens for every label (one row each), CFG halves when the pipeline guides."""
     labels = torch.as_tensor(labels)
-    dec = SpeculativeDecoder(target, drafter, rule=rule, logits=pipeline)
+    dec = SpeculativeDecoder(target, drafter, rule=rule, processor=pipeline)
     uncond = torch.full((len(labels), 1), NULL) if pipeline.uses_guidance else None
     gen = torch.Generator().manual_seed(seed) if isinstance(seed, int) else seed
     return dec.generate(labels[:, None], n, generator=gen, uncond_input_ids=uncond, **kw)
@@ -229,8 +229,8 @@ def test_continuous_seams_refuse_with_the_reason(pair):
         SpeculativeDecoder(target, _FakeTree(draft))
     with pytest.raises(ValueError, match=r"model must be a token-id model: continuous tokens are drafted in chains"):
         ModelTreeDrafter(draft)
-    with pytest.raises(ValueError, match=r"logits must be a DensityProcessor for continuous tokens"):
-        SpeculativeDecoder(target, logits=LogitsProcessor())
+    with pytest.raises(ValueError, match=r"processor must be a DensityProcessor for continuous tokens"):
+        SpeculativeDecoder(target, processor=LogitsProcessor())
     with pytest.raises(ValueError, match=r"schedule must be RasterSchedule for continuous tokens"):
         SpeculativeDecoder(target, schedule=NextSetSchedule(2, 2, 1))
     with pytest.raises(ValueError, match=r"rule must be a rule that verifies densities"):
@@ -241,8 +241,8 @@ def test_continuous_seams_refuse_with_the_reason(pair):
         SpeculativeDecoder(target).generate([[0]], 2, eos_token_id=1)
     torch.manual_seed(0)
     ids = LlamaGenModel(vocab_size=16, grid_size=2, num_classes=2, dim=16, n_layers=1, n_heads=2, mlp_hidden=32)
-    with pytest.raises(ValueError, match=r"logits must be a LogitsProcessor for a token-id target"):
-        SpeculativeDecoder(ids, logits=DensityProcessor())
+    with pytest.raises(ValueError, match=r"processor must be a LogitsProcessor for a token-id target"):
+        SpeculativeDecoder(ids, processor=DensityProcessor())
     with pytest.raises(ValueError, match=r"drafter must be a drafter of token ids"):
         SpeculativeDecoder(ids, ModelChainDrafter(draft))
     with pytest.raises(ValueError, match=r"head must be one of the model's heads \(mixture, diffusion\)"):

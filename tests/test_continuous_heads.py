@@ -315,7 +315,7 @@ def test_continuous_methods_resolve_build_and_run(pair):
         head = methods.continuous.head_for(recipe)
         heads[name] = (head, recipe.lossless)
         pipe = DensityProcessor(guidance_scale=2.0, guidance_schedule="linear", head=head)
-        dec = SpeculativeDecoder(target, parts.drafter, rule=parts.rule, schedule=parts.schedule, logits=pipe)
+        dec = SpeculativeDecoder(target, parts.drafter, rule=parts.rule, schedule=parts.schedule, processor=pipe)
         out = dec.generate([[0], [2]], 3, uncond_input_ids=[[NULL]] * 2, generator=torch.Generator().manual_seed(0))
         assert out.sequences.shape == (2, 3, 2, 2) and torch.isfinite(out.sequences).all(), name
     assert heads == {"none": ("mixture", True), "none-diffusion": ("diffusion", True), "sd": ("mixture", True),

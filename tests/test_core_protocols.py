@@ -222,8 +222,8 @@ def test_drafter_defaults_are_declared():
     d = Repeat()
     assert (d.vocab_size, d.forwards, DrafterBase.lane_safe) == (None, 0, False)
     model = spread(tiny_lm(0, vocab_size=16))
-    out = SpeculativeDecoder(model, d, logits=LogitsProcessor(temperature=0)).generate([[1, 2, 3]], 8)
-    ref = SpeculativeDecoder(model, logits=LogitsProcessor(temperature=0)).generate([[1, 2, 3]], 8)
+    out = SpeculativeDecoder(model, d, processor=LogitsProcessor(temperature=0)).generate([[1, 2, 3]], 8)
+    ref = SpeculativeDecoder(model, processor=LogitsProcessor(temperature=0)).generate([[1, 2, 3]], 8)
     assert torch.equal(out.sequences, ref.sequences)
     with pytest.raises(NotImplementedError, match="must implement propose"):
         DrafterBase().propose(None)
@@ -262,7 +262,7 @@ def test_one_schedule_serves_nested_calls(drafter):
 
     def make(schedule):
         d = None if drafter == "none" else JacobiDrafter(32, window=3, init="random")
-        return SpeculativeDecoder(model, d, logits=LogitsProcessor(temperature=1.0, guidance_scale=2.0),
+        return SpeculativeDecoder(model, d, processor=LogitsProcessor(temperature=1.0, guidance_scale=2.0),
                                   schedule=schedule)
 
     def gen(dec, labels, seed, callback=None):
@@ -292,7 +292,7 @@ def test_one_schedule_serves_nested_calls(drafter):
 # -- phase timing is opt-in -----------------------------------------------------------------------
 def test_phase_timing_is_opt_in():
     model = spread(tiny_lm(0, vocab_size=16))
-    dec = SpeculativeDecoder(model, ModelChainDrafter(tiny_lm(1, vocab_size=16)), logits=LogitsProcessor(temperature=0))
+    dec = SpeculativeDecoder(model, ModelChainDrafter(tiny_lm(1, vocab_size=16)), processor=LogitsProcessor(temperature=0))
     plain = dec.generate([[1, 2, 3]], 10)
     assert plain.stats.seconds is None and "seconds" not in plain.stats.as_dict()
     assert plain.stats.wall_seconds > 0 and plain.stats.as_dict()["wall_seconds"] == plain.stats.wall_seconds
@@ -321,7 +321,7 @@ def test_timing_without_profile_does_not_sync(monkeypatch):
 # -- EOS lists ------------------------------------------------------------------------------------
 def test_eos_list_stops_at_any_of_them():
     model = spread(tiny_lm(0, vocab_size=16), std=0.6)
-    dec = SpeculativeDecoder(model, ModelChainDrafter(tiny_lm(1, vocab_size=16)), logits=LogitsProcessor(temperature=0))
+    dec = SpeculativeDecoder(model, ModelChainDrafter(tiny_lm(1, vocab_size=16)), processor=LogitsProcessor(temperature=0))
     prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]
     free = dec.generate(prompts, 16)
     firsts = [int(free.sequences[b, 2]) for b in range(len(prompts))]  # the third token of every row

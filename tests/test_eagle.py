@@ -40,9 +40,9 @@ def trained_head(target):
     with and without guidance, on both CFG halves: accepted often, so the drafter's bookkeeping
     decides whether it is (a wrong feature/token pairing would leave it near the random head)."""
     classes = list(range(CLASSES))
-    plain = SpeculativeDecoder(target, logits=LogitsProcessor(temperature=0)).generate(
+    plain = SpeculativeDecoder(target, processor=LogitsProcessor(temperature=0)).generate(
         target.class_prompts(classes), GRID * GRID).sequences
-    guided = SpeculativeDecoder(target, logits=LogitsProcessor(temperature=0, guidance_scale=SCALE)).generate(
+    guided = SpeculativeDecoder(target, processor=LogitsProcessor(temperature=0, guidance_scale=SCALE)).generate(
         target.class_prompts(classes), GRID * GRID, uncond_input_ids=target.uncond_prompts(CLASSES)).sequences
     ids = torch.cat([plain, guided, guided])
     labels = torch.tensor(classes + classes + [target.null_class] * CLASSES)
@@ -104,7 +104,7 @@ def test_root_output_matches_a_from_scratch_head_pass(target, random_head):
             torch.testing.assert_close(got.logits[r], ref.logits[0, -1], atol=1e-4, rtol=1e-4)
         checked.append(step)
 
-    out = SpeculativeDecoder(target, drafter, logits=LogitsProcessor(temperature=0, guidance_scale=SCALE)).generate(
+    out = SpeculativeDecoder(target, drafter, processor=LogitsProcessor(temperature=0, guidance_scale=SCALE)).generate(
         target.class_prompts(LABELS), GRID * GRID, uncond_input_ids=target.uncond_prompts(len(LABELS)),
         callback=compare)
     assert len(checked) == out.stats.target_forwards - 1 > 0
@@ -123,8 +123,8 @@ def test_a_tree_wider_than_its_block_fits_the_draft_cache(target, random_head, k
     drafter = EagleTreeDrafter(random_head, **knobs) if kind == "eagle" else ModelTreeDrafter(target, **knobs)
     prompts = target.class_prompts(LABELS)
     greedy = LogitsProcessor(temperature=0)
-    want = SpeculativeDecoder(target, logits=greedy).generate(prompts, GRID * GRID).sequences
-    got = SpeculativeDecoder(target, drafter, logits=greedy).generate(prompts, GRID * GRID).sequences
+    want = SpeculativeDecoder(target, processor=greedy).generate(prompts, GRID * GRID).sequences
+    got = SpeculativeDecoder(target, drafter, processor=greedy).generate(prompts, GRID * GRID).sequences
     assert torch.equal(got, want)
 
 
@@ -145,10 +145,10 @@ def test_greedy_bit_identical(target, trained_head, mode, guided, batch):
     pipeline = LogitsProcessor(temperature=0, guidance_scale=SCALE if guided else None)
     labels = LABELS[:batch]
     kwargs = {"uncond_input_ids": target.uncond_prompts(batch)} if guided else {}
-    reference = SpeculativeDecoder(target, logits=pipeline).generate(
+    reference = SpeculativeDecoder(target, processor=pipeline).generate(
         target.class_prompts(labels), GRID * GRID, **kwargs).sequences
     drafter = EagleTreeDrafter(trained_head, top_k=3, depth=3, total_tokens=12, mode=mode)
-    out = SpeculativeDecoder(target, drafter, logits=pipeline).generate(
+    out = SpeculativeDecoder(target, drafter, processor=pipeline).generate(
         target.class_prompts(labels), GRID * GRID, **kwargs)
     assert out.sequences.tolist() == reference.tolist()
     if batch == 3:  # the trained head must be accepted: long paths and tree gathers are exercised
@@ -184,7 +184,7 @@ def vocab8():
 
 def sample_pvalue(vocab8, tree, rule=None, seed=0):
     target, head, probs = vocab8
-    dec = SpeculativeDecoder(target, EagleTreeDrafter(head, **TREES[tree]), rule=rule, logits=GUIDED)
+    dec = SpeculativeDecoder(target, EagleTreeDrafter(head, **TREES[tree]), rule=rule, processor=GUIDED)
     g = torch.Generator().manual_seed(seed)
     out = dec.generate(target.class_prompts([LABEL] * N_SAMPLES), N_TOKENS, generator=g,
                        uncond_input_ids=target.uncond_prompts(N_SAMPLES))

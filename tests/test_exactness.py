@@ -69,7 +69,7 @@ def drafter(kind, draft, V):
 
 def sample_pvalue(target, draft, kind, pipeline, rule=None, guided=False, seed=0):
     V = target.vocab_size
-    dec = SpeculativeDecoder(target, drafter(kind, draft, V), rule=rule, logits=pipeline)
+    dec = SpeculativeDecoder(target, drafter(kind, draft, V), rule=rule, processor=pipeline)
     g = torch.Generator().manual_seed(seed)
     out = dec.generate(torch.tensor([PROMPT]).expand(N_SAMPLES, -1), N_TOKENS, generator=g,
                        uncond_input_ids=torch.tensor([UNCOND]).expand(N_SAMPLES, -1) if guided else None)

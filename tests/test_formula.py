@@ -16,7 +16,7 @@ ROWS, NEW_TOKENS = 2000, 120
 
 def measured_tau(alpha, gamma, rule=None):
     p, q = iid_pair_distributions(alpha)
-    dec = SpeculativeDecoder(IIDTarget(p), IIDDrafter(q, gamma), rule=rule, logits=LogitsProcessor())
+    dec = SpeculativeDecoder(IIDTarget(p), IIDDrafter(q, gamma), rule=rule, processor=LogitsProcessor())
     out = dec.generate(torch.zeros(ROWS, 1, dtype=torch.long), NEW_TOKENS, generator=torch.Generator().manual_seed(0))
     return out.stats.tau
 

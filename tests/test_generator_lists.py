@@ -58,7 +58,7 @@ def method(name, target, draft):
 def decode(target, draft, name, labels, generator, guided):
     drafter, rule, schedule = method(name, target, draft)
     logits = LogitsProcessor(temperature=1.0, guidance_scale=2.0 if guided else None)
-    dec = SpeculativeDecoder(target, drafter, rule=rule, logits=logits, schedule=schedule)
+    dec = SpeculativeDecoder(target, drafter, rule=rule, processor=logits, schedule=schedule)
     kw = dict(uncond_input_ids=target.uncond_prompts(len(labels))) if guided else {}
     return dec.generate(target.class_prompts(labels), target.num_image_tokens, generator=generator, **kw)
 
@@ -107,7 +107,7 @@ def test_prompts_of_different_lengths():
     seeds = [3, 1, 4]
 
     def run(ps, gs):
-        dec = SpeculativeDecoder(target, ModelChainDrafter(draft, gamma=3), logits=LogitsProcessor(temperature=1.0))
+        dec = SpeculativeDecoder(target, ModelChainDrafter(draft, gamma=3), processor=LogitsProcessor(temperature=1.0))
         return dec.generate(ps, 12, generator=gs, eos_token_id=[5, 7])
 
     batch = run(prompts, gens(seeds))
@@ -139,7 +139,7 @@ def test_bad_generator_is_refused_before_any_forward(models, bad, schedule):
     target, _ = models
     counting = _Counting(target)
     sched = None if schedule is None else NextSetSchedule(GRID, GRID, 2)
-    dec = SpeculativeDecoder(counting, logits=LogitsProcessor(temperature=1.0), schedule=sched)
+    dec = SpeculativeDecoder(counting, processor=LogitsProcessor(temperature=1.0), schedule=sched)
     with pytest.raises(ValueError, match=r"^generator must be None, a torch.Generator, or a list of 3"):
         dec.generate(target.class_prompts(LABELS), target.num_image_tokens, generator=bad)
     assert counting.calls == 0

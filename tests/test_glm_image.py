@@ -34,7 +34,7 @@ def hf_greedy(model, inputs, n):
 def mmspec_decode(model, inputs, n, drafter=None, logits=None, generator=None):
     target = GlmImagePriorTarget(model)
     rows, conditioning = prior_prompts(inputs)
-    decoder = SpeculativeDecoder(target, drafter, logits=logits if logits is not None else prior_logits(model, False))
+    decoder = SpeculativeDecoder(target, drafter, processor=logits if logits is not None else prior_logits(model, False))
     return decoder.generate(rows, n, conditioning=conditioning, generator=generator,
                             eos_token_id=model.generation_config.eos_token_id)
 
@@ -67,7 +67,7 @@ def test_greedy_jacobi_prior_equals_the_baseline(prior, coupling):
 
 def test_prompts_without_the_image_start_token_are_refused(prior):
     target = GlmImagePriorTarget(prior)
-    decoder = SpeculativeDecoder(target, logits=prior_logits(prior, False))
+    decoder = SpeculativeDecoder(target, processor=prior_logits(prior, False))
     inputs = prompt_inputs(prior)
     with pytest.raises(ValueError, match="input_ids"):
         decoder.generate([[16000, 16001]], 4, conditioning={"image_grid_thw": inputs["image_grid_thw"]})
@@ -225,7 +225,7 @@ def exact_joint_glm(model, inputs):
 def sampled_pvalue(model, inputs, drafter, rule=None):
     rows, conditioning = prior_prompts(inputs)
     grid = inputs["image_grid_thw"]
-    out = SpeculativeDecoder(GlmImagePriorTarget(model), drafter, rule=rule, logits=SAMPLING).generate(
+    out = SpeculativeDecoder(GlmImagePriorTarget(model), drafter, rule=rule, processor=SAMPLING).generate(
         rows * N_SAMPLES, N_TOKENS, conditioning={"image_grid_thw": grid.repeat(N_SAMPLES, 1),
                                                   "images_per_sample": conditioning["images_per_sample"].repeat(
                                                       N_SAMPLES)},

@@ -48,7 +48,7 @@ DRAFTERS = {
 def test_greedy_bit_identical(models, reference, method, draft_kind, batch):
     target, close, unrelated = models
     draft = close if draft_kind == "close" else unrelated
-    dec = SpeculativeDecoder(target, DRAFTERS[method](draft), logits=LogitsProcessor(temperature=0))
+    dec = SpeculativeDecoder(target, DRAFTERS[method](draft), processor=LogitsProcessor(temperature=0))
     if batch == "B=4":
         out = dec.generate(PROMPTS, MAX_NEW)
         assert out.sequences.tolist() == reference
@@ -63,7 +63,7 @@ def test_greedy_bit_identical(models, reference, method, draft_kind, batch):
 
 
 def test_target_only_loop_matches_reference(models, reference):
-    out = SpeculativeDecoder(models[0], logits=LogitsProcessor(temperature=0)).generate(PROMPTS, MAX_NEW)
+    out = SpeculativeDecoder(models[0], processor=LogitsProcessor(temperature=0)).generate(PROMPTS, MAX_NEW)
     assert out.sequences.tolist() == reference
     assert out.stats.target_forwards == MAX_NEW  # prefill + one pass per further token
     assert out.stats.tau == 1.0
@@ -71,7 +71,7 @@ def test_target_only_loop_matches_reference(models, reference):
 
 def test_eos_stops_rows(models, reference):
     eos = reference[0][5]
-    dec = SpeculativeDecoder(models[0], ModelChainDrafter(models[1], 4), logits=LogitsProcessor(temperature=0))
+    dec = SpeculativeDecoder(models[0], ModelChainDrafter(models[1], 4), processor=LogitsProcessor(temperature=0))
     out = dec.generate(PROMPTS, MAX_NEW, eos_token_id=eos, pad_token_id=-1)
     for row, ref, n in zip(out.sequences.tolist(), reference, out.lengths.tolist()):
         expect = ref[: ref.index(eos) + 1] if eos in ref else ref
@@ -83,7 +83,7 @@ def test_nfe_per_sample_counts_each_rows_passes(models, reference):
     """Target-only: a row of n tokens needs n passes (the prefill emits the first); the batch runs
     until its longest row is done."""
     eos = reference[0][5]
-    out = SpeculativeDecoder(models[0], logits=LogitsProcessor(temperature=0)).generate(
+    out = SpeculativeDecoder(models[0], processor=LogitsProcessor(temperature=0)).generate(
         PROMPTS, MAX_NEW, eos_token_id=eos)
     assert out.stats.nfe_per_sample == pytest.approx(out.lengths.float().mean().item())
     assert out.stats.target_forwards == int(out.lengths.max())

@@ -82,7 +82,7 @@ def test_greedy_matches_transformers_generate(attn, drafter):
     assert all(len(set(row)) > 2 for row in expected), "the target's greedy text is trivially constant"
 
     decoder = SpeculativeDecoder(HFCausalLMTarget(model), DRAFTERS[drafter](model),
-                                 logits=LogitsProcessor(temperature=0))
+                                 processor=LogitsProcessor(temperature=0))
     out = decoder.generate(prompts, NEW_TOKENS)
 
     assert out.sequences.tolist() == expected

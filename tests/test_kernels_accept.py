@@ -224,19 +224,19 @@ def _decoders():
     one = lambda: torch.Generator().manual_seed(3)  # noqa: E731
     jacobi = lambda: JacobiDrafter(24, window=4)  # noqa: E731
     return target, {
-        "sd-greedy": (dict(drafter=ModelChainDrafter(draft, 3), logits=greedy), one, True),
-        "sd-sampled": (dict(drafter=ModelChainDrafter(draft, 3), logits=sampled), per_row, True),
-        "sd-top-k": (dict(drafter=ModelChainDrafter(draft, 3), logits=LogitsProcessor(0.7, top_k=5)), one, True),
-        "gsd": (dict(drafter=jacobi(), rule=gsd, logits=sampled), per_row, True),
-        "target-only": (dict(logits=sampled), per_row, True),
-        "zipar+sjd": (dict(drafter=JacobiDrafter(24, window=3, init="repeat"), logits=sampled,
+        "sd-greedy": (dict(drafter=ModelChainDrafter(draft, 3), processor=greedy), one, True),
+        "sd-sampled": (dict(drafter=ModelChainDrafter(draft, 3), processor=sampled), per_row, True),
+        "sd-top-k": (dict(drafter=ModelChainDrafter(draft, 3), processor=LogitsProcessor(0.7, top_k=5)), one, True),
+        "gsd": (dict(drafter=jacobi(), rule=gsd, processor=sampled), per_row, True),
+        "target-only": (dict(processor=sampled), per_row, True),
+        "zipar+sjd": (dict(drafter=JacobiDrafter(24, window=3, init="repeat"), processor=sampled,
                            schedule=NextSetSchedule(2, 4, 2)), one, True),
-        "tree": (dict(drafter=ModelTreeDrafter(draft, top_k=2, depth=2, total_tokens=5), logits=sampled), one, False),
+        "tree": (dict(drafter=ModelTreeDrafter(draft, top_k=2, depth=2, total_tokens=5), processor=sampled), one, False),
         "lantern": (dict(drafter=jacobi(), rule=LatentProximityAcceptance(latent_neighbours(target.embed.weight)),
-                         logits=sampled), per_row, False),
-        "top-p": (dict(drafter=jacobi(), logits=LogitsProcessor(1.0, top_p=0.8)), one, False),
-        "greedy-rule-sampled": (dict(drafter=jacobi(), rule=GreedyMatch(), logits=sampled), one, False),
-        "exact-rule-greedy": (dict(drafter=jacobi(), rule=SpeculativeSampling(), logits=greedy), one, False),
+                         processor=sampled), per_row, False),
+        "top-p": (dict(drafter=jacobi(), processor=LogitsProcessor(1.0, top_p=0.8)), one, False),
+        "greedy-rule-sampled": (dict(drafter=jacobi(), rule=GreedyMatch(), processor=sampled), one, False),
+        "exact-rule-greedy": (dict(drafter=jacobi(), rule=SpeculativeSampling(), processor=greedy), one, False),
     }
 
 
@@ -259,7 +259,7 @@ def test_decoder_accepts_through_the_fused_kernel_where_dispatch_picks_it(monkey
     def generate(kw, gen):
         prompts, uncond = ([[1, 2, 3]], [[0]]) if "schedule" in kw else ([[1, 2, 3], [4, 5]], [[0], [0, 0]])
         n = 8 if "schedule" in kw else 12
-        guided = kw["logits"].uses_guidance
+        guided = kw["processor"].uses_guidance
         return SpeculativeDecoder(target, **kw).generate(prompts, n, uncond_input_ids=uncond if guided else None,
                                                           generator=gen())
 

@@ -65,13 +65,73 @@ def rolling(model, sink, window):
 
 out = {}
 tree = lambda: ModelTreeDrafter(draft, top_k=3, depth=3, total_tokens=12)
-out["tree"] = SpeculativeDecoder(target, tree(), logits=greedy).generate(PROMPTS, 20).sequences
+out["tree"] = SpeculativeDecoder(target, tree(), processor=greedy).generate(PROMPTS, 20).sequences
 out["calls-tree"] = dict(calls)
 stream = rolling(tiny_lm(0, vocab_size=V, dim=32, n_layers=2, init_std=0.5), 2, 9)
-out["rolling"] = SpeculativeDecoder(stream, logits=greedy).generate(PROMPTS, 24).sequences
-out["rolling-tree"] = SpeculativeDecoder(stream, tree(), logits=greedy).generate(PROMPTS, 20).sequences
+out["rolling"] = SpeculativeDecoder(stream, processor=greedy).generate(PROMPTS, 24).sequences
+out["rolling-tree"] = SpeculativeDecoder(stream, tree(), processor=greedy).generate(PROMPTS, 20).sequences
 out["calls"] = dict(calls)
-out["static"] = SpeculativeDecoder(target, logits=greedy).generate(PROMPTS, 24).sequences
+out["static"] = SpeculativeDecoder(target, processor=greedy).generate(PROMPTS, 24).sequences
+torch.save(out, sys.argv[2])
+'''
+
+
+TORCH = {"MMSPEC_KERNELS": "torch"}
+TRITON = {"MMSPEC_KERNELS": "triton", "TRITON_INTERPRET": "1"}
+
+
+def _run(tmp_path: Path, env: dict, script: str = _SCRIPT) -> dict:
+    dst = tmp_path / f"out-{env.get('MMSPEC_KERNELS')}.pt"
+    proc = subprocess.run([sys.executable, "-c", script, str(TESTS), str(dst)], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        pytest.fail(f"decoding failed ({env}):\n{proc.stderr[-4000:]}", pytrace=False)
+    return torch.load(dst, weights_only=False)  # our own child's tensors, dicts and ints
+
+
+@pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed")
+def test_greedy_with_kernels_forced_equals_the_torch_path(tmp_path):
+    torch_path = _run(tmp_path, TORCH)
+    kernels = _run(tmp_path, TRITON)
+    assert torch_path["calls"] == {"tree": 0, "rolling": 0}
+    # the tree method's passes all went through the tree kernel, the rolling streams through the rolling one
+    assert kernels["calls-tree"]["tree"] > 20 and kernels["calls-tree"]["rolling"] == 0
+    assert kernels["calls"]["rolling"] > 40
+    for name in ("tree", "rolling", "rolling-tree"):
+        assert torch.equal(kernels[name], torch_path[name]), name
+    # the streams really rolled (2 + 9 kept tokens; prompts of 3 and 10, 24 new tokens): both rows
+    # differ from decoding with everything kept
+    assert all(r != s for r, s in zip(torch_path["rolling"].tolist(), torch_path["static"].tolist()))
+
+
+# Chain methods through the decoder; every accept step of a chain is the fused kernel's when forced.
+_ACCEPT_SCRIPT = r'''
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+torch.set_num_threads(1)
+import mmspec.core.fused as fused_mod
+from mmspec.core import (GroupedAcceptance, GroupedAcceptanceConfig, JacobiDrafter, LogitsProcessor,
+                         ModelChainDrafter, NextSetSchedule, SpeculativeDecoder)
+from tiny import tiny_lm
+from mmspec.bench.synthetic import perturbed_copy
+
+calls = [0]
+def counted(*a, _f=fused_mod.guided_accept_triton, **k):
+    calls[0] += 1
+    return _f(*a, **k)
+fused_mod.guided_accept_triton = counted
+
+V, N = 48, 16
+PROMPTS, UNCOND = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], [[0], [0, 0]]
+target = tiny_lm(0, vocab_size=V, dim=32, n_layers=2, init_std=0.5)
+draft = perturbed_copy(target, noise=0.05, seed=1)
+greedy = LogitsProcessor(temperature=0, guidance_scale=2.0)
+sampled = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
+top_k = LogitsProcessor(temperature=0.8, top_k=12, guidance_scale=2.0)
+# groups wide enough to hold other tokens (the tiny LM's embeddings are ~16 apart, squared)
+gsd = GroupedAcceptance(target.embed.weight, GroupedAcceptanceConfig(p_threshold=0.1, d_threshold=24.0,
+                                                                     half_width=4))
+per_row = lambda: [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
 torch.save(out, sys.argv[2])
 '''
 
@@ -133,20 +193,20 @@ gsd = GroupedAcceptance(target.embed.weight, GroupedAcceptanceConfig(p_threshold
                                                                      half_width=4))
 per_row = lambda: [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
 RUNS = {
-    "sd-greedy": (dict(drafter=ModelChainDrafter(draft, gamma=4), logits=greedy), lambda: None),
-    "sd-sampled": (dict(drafter=ModelChainDrafter(draft, gamma=4), logits=sampled), per_row),
-    "sd-top-k": (dict(drafter=ModelChainDrafter(draft, gamma=3), logits=top_k),
+    "sd-greedy": (dict(drafter=ModelChainDrafter(draft, gamma=4), processor=greedy), lambda: None),
+    "sd-sampled": (dict(drafter=ModelChainDrafter(draft, gamma=4), processor=sampled), per_row),
+    "sd-top-k": (dict(drafter=ModelChainDrafter(draft, gamma=3), processor=top_k),
                  lambda: torch.Generator().manual_seed(3)),
-    "sjd": (dict(drafter=JacobiDrafter(V, window=5), logits=sampled), per_row),
-    "gsd": (dict(drafter=JacobiDrafter(V, window=5), rule=gsd, logits=sampled), per_row),
-    "target-only": (dict(logits=sampled), per_row),
+    "sjd": (dict(drafter=JacobiDrafter(V, window=5), processor=sampled), per_row),
+    "gsd": (dict(drafter=JacobiDrafter(V, window=5), rule=gsd, processor=sampled), per_row),
+    "target-only": (dict(processor=sampled), per_row),
 }
 out = {}
 for name, (kw, generator) in RUNS.items():
     before = calls[0]
     res = SpeculativeDecoder(target, **kw).generate(PROMPTS, N, uncond_input_ids=UNCOND, generator=generator())
     out[name] = (res.sequences, res.stats.target_forwards, calls[0] - before)
-zipar = SpeculativeDecoder(target, JacobiDrafter(V, window=3, init="repeat"), logits=sampled,
+zipar = SpeculativeDecoder(target, JacobiDrafter(V, window=3, init="repeat"), processor=sampled,
                            schedule=NextSetSchedule(3, 4, 2))
 before = calls[0]
 res = zipar.generate([[5, 9, 2]], 12, uncond_input_ids=[[0]], generator=torch.Generator().manual_seed(4))

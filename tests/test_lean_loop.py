@@ -65,7 +65,7 @@ def vocab_ops_per_pass(tokens: int = 16) -> tuple[float, Counter]:
                          num_attention_heads=4, num_key_value_heads=2, eos_token_id=None)
     mode = VocabOps(VOCAB)
     decoder = SpeculativeDecoder(Uncounted(HFCausalLMTarget(LlamaForCausalLM(config).eval()), mode),
-                                 logits=LogitsProcessor(temperature=0))
+                                 processor=LogitsProcessor(temperature=0))
     short = decoder.generate([[1, 2, 3, 4]], 2)  # the prefill and one pass, subtracted below
     with mode:
         decoder.generate([[1, 2, 3, 4]], 2)

@@ -148,7 +148,7 @@ GREEDY_DRAFTERS = {
 def test_greedy_cfg_bit_identical(model, drafts, reference, method, draft_kind):
     """B=3 rows with different classes, a full 6x6 grid, CFG scale 3."""
     dec = SpeculativeDecoder(model, GREEDY_DRAFTERS[method](drafts.get(draft_kind)),
-                             logits=LogitsProcessor(temperature=0, guidance_scale=SCALE))
+                             processor=LogitsProcessor(temperature=0, guidance_scale=SCALE))
     out = dec.generate(model.class_prompts(LABELS), GRID * GRID,
                        uncond_input_ids=model.uncond_prompts(len(LABELS)))
     assert out.sequences.tolist() == reference
@@ -184,7 +184,7 @@ DRAFTERS = {"chain": lambda d: ModelChainDrafter(d, gamma=2), "jacobi": lambda d
 
 
 def sample_pvalue(target, drafter, rule=None, seed=0):
-    dec = SpeculativeDecoder(target, drafter, rule=rule, logits=GUIDED)
+    dec = SpeculativeDecoder(target, drafter, rule=rule, processor=GUIDED)
     g = torch.Generator().manual_seed(seed)
     out = dec.generate(target.class_prompts([LABEL] * N_SAMPLES), N_TOKENS, generator=g,
                        uncond_input_ids=target.uncond_prompts(N_SAMPLES))

@@ -161,7 +161,7 @@ def test_logits_equal_the_reference_through_the_kv_cache():
 def test_greedy_decoding_equals_the_reference_token_by_token(guidance_scale):
     sd, model = converted()
     labels = [0, 4, 9]
-    dec = SpeculativeDecoder(model, logits=LogitsProcessor(temperature=0.0, guidance_scale=guidance_scale))
+    dec = SpeculativeDecoder(model, processor=LogitsProcessor(temperature=0.0, guidance_scale=guidance_scale))
     kw = {} if guidance_scale is None else dict(uncond_input_ids=model.uncond_prompts(len(labels)))
     out = dec.generate(model.class_prompts(labels), model.num_image_tokens, **kw)
     assert torch.equal(out.sequences, reference_greedy(sd, labels, guidance_scale))

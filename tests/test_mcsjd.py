@@ -111,7 +111,7 @@ GUIDED = LogitsProcessor(temperature=0.8, top_k=5, guidance_scale=2.0)
 
 
 def toy_pvalue(target, drafter, pipeline, guided=False):
-    dec = SpeculativeDecoder(target, drafter, logits=pipeline)
+    dec = SpeculativeDecoder(target, drafter, processor=pipeline)
     out = dec.generate(torch.tensor([PROMPT]).expand(N_SAMPLES, -1), N_TOKENS,
                        generator=torch.Generator().manual_seed(SEED),
                        uncond_input_ids=torch.tensor([UNCOND]).expand(N_SAMPLES, -1) if guided else None)
@@ -152,7 +152,7 @@ IMAGE = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
 
 def image_pvalue(drafter, label=1):
     model = tiny_image()
-    out = SpeculativeDecoder(model, drafter, logits=IMAGE).generate(
+    out = SpeculativeDecoder(model, drafter, processor=IMAGE).generate(
         model.class_prompts([label] * N_SAMPLES), N_TOKENS, uncond_input_ids=model.uncond_prompts(N_SAMPLES),
         generator=torch.Generator().manual_seed(SEED))
     probs = exact_joint(model, [label], N_TOKENS, IMAGE, [model.null_class])
@@ -174,7 +174,7 @@ def test_mcsjd_with_coupled_non_one_hot_drafts():
     guided image model (625 cells), N = 20,000, seed 0, p >= 1e-3; always-keep must fail."""
     def pvalue(drafter, n=4, label=1):
         model = tiny_image(vocab=5)
-        out = SpeculativeDecoder(model, drafter, logits=IMAGE).generate(
+        out = SpeculativeDecoder(model, drafter, processor=IMAGE).generate(
             model.class_prompts([label] * N_SAMPLES), n, uncond_input_ids=model.uncond_prompts(N_SAMPLES),
             generator=torch.Generator().manual_seed(SEED))
         probs = exact_joint(model, [label], n, IMAGE, [model.null_class])
@@ -191,7 +191,7 @@ def test_greedy_mcsjd_equals_the_baseline():
     greedy = LogitsProcessor(temperature=0.0, guidance_scale=3.0)
 
     def run(drafter):
-        return SpeculativeDecoder(model, drafter, logits=greedy).generate(
+        return SpeculativeDecoder(model, drafter, processor=greedy).generate(
             model.class_prompts([0, 1, 3]), model.num_image_tokens, uncond_input_ids=model.uncond_prompts(3))
 
     ref = run(None)
@@ -205,7 +205,7 @@ def test_maximal_coupling_accepts_more_than_independent_redrafts():
     sampled = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
 
     def tau(coupling):
-        dec = SpeculativeDecoder(model, JacobiDrafter(32, 6, coupling=coupling), logits=sampled)
+        dec = SpeculativeDecoder(model, JacobiDrafter(32, 6, coupling=coupling), processor=sampled)
         out = dec.generate(model.class_prompts([i % 4 for i in range(256)]), model.num_image_tokens,
                            uncond_input_ids=model.uncond_prompts(256), generator=torch.Generator().manual_seed(3))
         return out.stats.accept_lengths.float().sum() / (out.stats.accept_lengths > 0).sum()
@@ -219,7 +219,7 @@ def test_mcsjd_generator_lists():
     sampled = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
 
     def run(labels, seeds):
-        dec = SpeculativeDecoder(model, JacobiDrafter(32, 4, coupling="maximal"), logits=sampled)
+        dec = SpeculativeDecoder(model, JacobiDrafter(32, 4, coupling="maximal"), processor=sampled)
         return dec.generate(model.class_prompts(labels), model.num_image_tokens,
                             uncond_input_ids=model.uncond_prompts(len(labels)),
                             generator=[torch.Generator().manual_seed(s) for s in seeds]).sequences
@@ -241,7 +241,7 @@ def test_mcsjd_composes_where_sjd_does():
     built = methods.build(methods.resolve("ar-image", "zipar+mcsjd", {"zipar_window": 2, "mcsjd_window": 3}),
                           {"target": model})
     assert built.drafter.coupling == "maximal" and isinstance(built.schedule, NextSetSchedule)
-    out = SpeculativeDecoder(model, built.drafter, logits=IMAGE, schedule=built.schedule).generate(
+    out = SpeculativeDecoder(model, built.drafter, processor=IMAGE, schedule=built.schedule).generate(
         model.class_prompts([0, 2]), 16, uncond_input_ids=model.uncond_prompts(2),
         generator=torch.Generator().manual_seed(0))
     assert out.sequences.shape == (2, 16) and out.stats.target_forwards <= NextSetSchedule.closed_form_nfe(4, 4, 2)
@@ -254,7 +254,7 @@ def test_gsd_at_zero_thresholds_on_mcsjd_is_mcsjd():
     sampled = LogitsProcessor(temperature=1.0, guidance_scale=3.0)
 
     def run(rule):
-        dec = SpeculativeDecoder(model, JacobiDrafter(32, 6, coupling="maximal"), rule=rule, logits=sampled)
+        dec = SpeculativeDecoder(model, JacobiDrafter(32, 6, coupling="maximal"), rule=rule, processor=sampled)
         return dec.generate(model.class_prompts([0, 1]), 16, uncond_input_ids=model.uncond_prompts(2),
                             generator=torch.Generator().manual_seed(2)).sequences
 
@@ -276,7 +276,7 @@ def test_late_tokens_follow_the_baseline_sampler():
     N = N_SAMPLES
 
     def tokens(drafter, seed):
-        return SpeculativeDecoder(model, drafter, logits=IMAGE).generate(
+        return SpeculativeDecoder(model, drafter, processor=IMAGE).generate(
             model.class_prompts([1] * N), 16, uncond_input_ids=model.uncond_prompts(N),
             generator=torch.Generator().manual_seed(seed)).sequences
 

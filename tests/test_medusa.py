@@ -41,7 +41,7 @@ def heads(target, **kw):
 def decode(target, rows, medusa=None, logits=None, n=NEW_TOKENS, generator=None, **tree):
     prompts, images = llava_inputs(rows)
     drafter = None if medusa is None else ParallelHeadsDrafter(medusa, **{**TREE, **tree})
-    dec = SpeculativeDecoder(target, drafter, logits=logits or LogitsProcessor(temperature=0))
+    dec = SpeculativeDecoder(target, drafter, processor=logits or LogitsProcessor(temperature=0))
     return dec.generate(prompts, n, conditioning=target.vision_inputs(**images), generator=generator)
 
 
@@ -121,7 +121,7 @@ def test_sampled_decoding_follows_the_target():
 
     results = {}
     for name, rule in (("exact", None), ("broken", NoResidual())):
-        dec = SpeculativeDecoder(target, drafter(), rule=rule, logits=LogitsProcessor(temperature=1.0))
+        dec = SpeculativeDecoder(target, drafter(), rule=rule, processor=LogitsProcessor(temperature=1.0))
         res = dec.generate(torch.tensor([[3, 1, 4]]).expand(4000, -1), 3, generator=torch.Generator().manual_seed(0))
         results[name] = (chisquare_pvalue(sequence_index(res.sequences[:, :3], target.vocab_size), probs),
                          res.stats.tau)
@@ -199,8 +199,8 @@ def test_recipe_writes_loadable_heads(tiny_vlm_dir, tmp_path):
     prompts = [s[:n] for s, n in zip(seqs, prompt_lens)]
     images = vlm.vision_inputs(pixels)
     greedy = LogitsProcessor(temperature=0)
-    plain = SpeculativeDecoder(vlm, None, logits=greedy).generate(prompts, 8, conditioning=images)
-    drafted = SpeculativeDecoder(vlm, ParallelHeadsDrafter(medusa, **TREE), logits=greedy).generate(
+    plain = SpeculativeDecoder(vlm, None, processor=greedy).generate(prompts, 8, conditioning=images)
+    drafted = SpeculativeDecoder(vlm, ParallelHeadsDrafter(medusa, **TREE), processor=greedy).generate(
         prompts, 8, conditioning=images)
     assert torch.equal(drafted.sequences, plain.sequences)
 

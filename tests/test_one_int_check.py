@@ -13,7 +13,7 @@ from mmspec.core.errors import check_int, is_int
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = ("mmspec", "pipelines", "kernels", "demos", "scripts")
-HOME = Path("mmspec/core/errors.py")
+HOME = Path("mmspec/utils/errors.py")
 INT_NAMES = {"int", "Integral"}
 
 

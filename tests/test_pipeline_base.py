@@ -184,7 +184,7 @@ def test_a_returned_next_tokens_takes_effect(ar):
     out = ar(class_labels=[6], temperature=0.0, guidance_scale=None, output_type="latent", callback_on_step_end=force,
              callback_on_step_end_tensor_inputs=["next_tokens"]).tokens.flatten()
     assert out[0] == base[0] and out[1] == forced
-    ref = SpeculativeDecoder(ar.transformer, NullDrafter(), logits=LogitsProcessor(temperature=0.0)).generate(
+    ref = SpeculativeDecoder(ar.transformer, NullDrafter(), processor=LogitsProcessor(temperature=0.0)).generate(
         [[6, int(base[0]), int(forced)]], N - 2).sequences[0]
     assert torch.equal(out[2:], ref)
     assert not torch.equal(out[2:], base[2:])  # the replacement mattered

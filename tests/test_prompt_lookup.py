@@ -38,7 +38,7 @@ PROMPTS = [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [7, 7, 2], [1, 2, 3, 1, 2, 3, 1, 2
 @pytest.mark.parametrize("rows", [1, 3])
 def test_greedy_bit_identical_and_drafts_accepted(target, rows):
     prompts = PROMPTS[:rows]
-    dec = SpeculativeDecoder(target, PromptLookupDrafter(num_tokens=4), logits=LogitsProcessor(temperature=0))
+    dec = SpeculativeDecoder(target, PromptLookupDrafter(num_tokens=4), processor=LogitsProcessor(temperature=0))
     out = dec.generate(prompts, 30)
     for r, p in enumerate(prompts):
         assert out.sequences[r].tolist() == reference_greedy(target, p, 30)
@@ -60,7 +60,7 @@ def test_sampled_lookup_is_exact_and_a_broken_rule_is_not():
     pvalues, taus = [], []
     for rule in (None, AlwaysAccept()):
         kw = {} if rule is None else {"rule": rule}
-        dec = SpeculativeDecoder(target, PromptLookupDrafter(num_tokens=3), logits=pipeline, **kw)
+        dec = SpeculativeDecoder(target, PromptLookupDrafter(num_tokens=3), processor=pipeline, **kw)
         out = dec.generate(torch.tensor([prompt]).expand(n, -1), 3, generator=torch.Generator().manual_seed(0))
         pvalues.append(chisquare_pvalue(sequence_index(out.sequences[:, :3], 8), probs))
         taus.append(out.stats.tau)

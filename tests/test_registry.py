@@ -83,7 +83,7 @@ def repeat():
 def decode(target, recipe, prompts, n, components=None, logits=None, seed=0, **kw):
     parts = methods.build(recipe, {"target": target, **(components or {})})
     dec = SpeculativeDecoder(target, parts.drafter, rule=parts.rule, schedule=parts.schedule,
-                             logits=logits or LogitsProcessor(temperature=0.0))
+                             processor=logits or LogitsProcessor(temperature=0.0))
     return dec.generate(prompts, n, generator=torch.Generator().manual_seed(seed), **kw)
 
 
@@ -181,7 +181,7 @@ def test_a_registered_drafter_keeps_the_sampled_distribution(repeat, broken):
     lm = tiny_lm(0, vocab_size=8)
     prompt, n, N, sampled = [3, 1, 4], 3, 20_000, LogitsProcessor(temperature=1.0)
     parts = methods.build(methods.resolve("text", "repeat", {"repeat_gamma": 2}), {"target": lm})
-    dec = SpeculativeDecoder(lm, parts.drafter, rule=AlwaysAccept() if broken else parts.rule, logits=sampled)
+    dec = SpeculativeDecoder(lm, parts.drafter, rule=AlwaysAccept() if broken else parts.rule, processor=sampled)
     out = dec.generate(torch.tensor([prompt]).expand(N, -1), n, generator=torch.Generator().manual_seed(0))
     p = chisquare_pvalue(sequence_index(out.sequences[:, :n], 8), exact_joint(lm, prompt, n, sampled))
     assert (p < P_THRESHOLD) if broken else (p >= P_THRESHOLD), p

@@ -50,7 +50,7 @@ def test_zero_thresholds_equal_sjd(target, knobs):
     """GSD = SJD + grouped test; with an empty group it is SJD, token for token under one seed."""
     outs = []
     for rule in (SpeculativeSampling(), gsd(target, **knobs)):
-        dec = SpeculativeDecoder(target, JacobiDrafter(V, window=6), rule=rule, logits=LogitsProcessor(temperature=1.0))
+        dec = SpeculativeDecoder(target, JacobiDrafter(V, window=6), rule=rule, processor=LogitsProcessor(temperature=1.0))
         outs.append(dec.generate([[1, 2, 3], [4, 5]], 40, generator=torch.Generator().manual_seed(0)))
     assert torch.equal(outs[0].sequences, outs[1].sequences)
     assert outs[0].stats.target_forwards == outs[1].stats.target_forwards
@@ -65,7 +65,7 @@ def test_groups_accept_more_and_are_lossy(target):
     joint = exact_joint(small, prompt, n, pipeline)
     res = {}
     for name, rule in [("sjd", SpeculativeSampling()), ("gsd", gsd(small, p_threshold=0.5, d_threshold=10.0))]:
-        dec = SpeculativeDecoder(small, JacobiDrafter(8, window=4), rule=rule, logits=pipeline)
+        dec = SpeculativeDecoder(small, JacobiDrafter(8, window=4), rule=rule, processor=pipeline)
         out = dec.generate(torch.tensor([prompt]).expand(N, -1), n, generator=torch.Generator().manual_seed(0))
         res[name] = (chisquare_pvalue(sequence_index(out.sequences, 8), joint), out.stats.tau)
     assert res["sjd"][0] >= P_THRESHOLD

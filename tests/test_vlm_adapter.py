@@ -139,7 +139,7 @@ def test_greedy_matches_transformers_generate(family, drafter, rows):
     assert all(len(set(row)) > 2 for row in expected), "the target's greedy text is trivially constant"
 
     target = VLMTarget(model)
-    decoder = SpeculativeDecoder(target, DRAFTERS[drafter](target), logits=LogitsProcessor(temperature=0))
+    decoder = SpeculativeDecoder(target, DRAFTERS[drafter](target), processor=LogitsProcessor(temperature=0))
     out = decoder.generate(prompts, NEW_TOKENS, conditioning=target.vision_inputs(**images))
 
     assert out.sequences.tolist() == expected
@@ -173,7 +173,7 @@ def test_batch_matches_transformers_batched_generate(family):
     expected = hf_greedy_batched(family, model, prompts, images, NEW_TOKENS)
     target = VLMTarget(model)
     drafter = ModelTreeDrafter(tiny_llama_draft(), top_k=3, depth=3, total_tokens=10, conditioned=False)
-    out = SpeculativeDecoder(target, drafter, logits=LogitsProcessor(temperature=0)).generate(
+    out = SpeculativeDecoder(target, drafter, processor=LogitsProcessor(temperature=0)).generate(
         prompts, NEW_TOKENS, conditioning=target.vision_inputs(**images))
     assert out.sequences.tolist() == expected
 

@@ -71,7 +71,7 @@ def likes_its_placeholder(model, prompts, vision: dict, token: int = IMAGE):
     default; ``vision``: the prompts' ``vision_inputs``): the LM head's row of that id becomes a
     slightly larger copy of the row of the token it generated there."""
     target = VLMTarget(model)
-    out = SpeculativeDecoder(target, None, logits=LogitsProcessor(temperature=0)).generate(
+    out = SpeculativeDecoder(target, None, processor=LogitsProcessor(temperature=0)).generate(
         prompts, 1, conditioning=target.vision_inputs(**vision))
     with torch.no_grad():
         head = model.get_output_embeddings().weight
@@ -104,7 +104,7 @@ def family_case(request):
     model = likes_its_placeholder(FAMILIES[family][0](), prompts, cat_images(sum(images, [])))
     draft = noisy_copy(model, scale=0.05, seed=2)
     target = VLMTarget(model)
-    alone = SpeculativeDecoder(target, None, logits=LogitsProcessor(temperature=0)).generate(
+    alone = SpeculativeDecoder(target, None, processor=LogitsProcessor(temperature=0)).generate(
         prompts, NEW_TOKENS, conditioning=target.vision_inputs(**cat_images(sum(images, []))))
     return family, model, draft, prompts, images, alone.sequences.tolist()
 
@@ -122,7 +122,7 @@ def test_vlm_drafts_at_batch_3_equal_the_target_alone(family_case, drafter):
     family, model, draft_model, prompts, images, alone = family_case
     target = VLMTarget(model)
     decoder = SpeculativeDecoder(target, DRAFTERS[drafter](target, VLMTarget(draft_model)),
-                                 logits=LogitsProcessor(temperature=0))
+                                 processor=LogitsProcessor(temperature=0))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out = decoder.generate(prompts, NEW_TOKENS, conditioning=target.vision_inputs(**cat_images(sum(images, []))))
@@ -140,7 +140,7 @@ def test_vlm_drafts_at_batch_1(family_case, drafter):
     family, model, draft_model, prompts, images, alone = family_case
     target = VLMTarget(model)
     decoder = SpeculativeDecoder(target, DRAFTERS[drafter](target, VLMTarget(draft_model)),
-                                 logits=LogitsProcessor(temperature=0))
+                                 processor=LogitsProcessor(temperature=0))
     out = decoder.generate(prompts[:1], NEW_TOKENS, conditioning=target.vision_inputs(**cat_images(images[0])))
     assert out.sequences.tolist() == alone[:1]
 
@@ -151,6 +151,6 @@ def test_text_target_passes_no_deprecated_cache_argument():
     target = HFCausalLMTarget(LlamaForCausalLM(LlamaConfig(attn_implementation="sdpa", **TEXT_LAYERS)).eval())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        SpeculativeDecoder(target, ModelChainDrafter(target, gamma=2), logits=LogitsProcessor(temperature=0)).generate(
+        SpeculativeDecoder(target, ModelChainDrafter(target, gamma=2), processor=LogitsProcessor(temperature=0)).generate(
             [[3, 4, 5], [6]], 4)
     assert not [w for w in caught if "past_key_values" in str(w.message)]

@@ -71,7 +71,7 @@ def force_branch(head, branch):
 def decode(target, rows, head=None):
     prompts, images = llava_inputs(rows)
     drafter = None if head is None else EagleTreeDrafter(head, **TREE)
-    return SpeculativeDecoder(target, drafter, logits=LogitsProcessor(temperature=0)).generate(
+    return SpeculativeDecoder(target, drafter, processor=LogitsProcessor(temperature=0)).generate(
         prompts, NEW_TOKENS, conditioning=target.vision_inputs(**images))
 
 
@@ -482,10 +482,10 @@ def test_vlm_draft_recipe_writes_a_loadable_head(tiny_vlm_dir, tmp_path, method)
     pixels, seqs, prompt_lens = encode(processor, SceneQADataset(2, 7))
     prompts = [s[:n] for s, n in zip(seqs, prompt_lens)]
     images = vlm.vision_inputs(pixels)
-    plain = SpeculativeDecoder(vlm, None, logits=LogitsProcessor(temperature=0)).generate(prompts, 8,
+    plain = SpeculativeDecoder(vlm, None, processor=LogitsProcessor(temperature=0)).generate(prompts, 8,
                                                                                          conditioning=images)
     drafted = SpeculativeDecoder(vlm, EagleTreeDrafter(head, **TREE),
-                                 logits=LogitsProcessor(temperature=0)).generate(prompts, 8, conditioning=images)
+                                 processor=LogitsProcessor(temperature=0)).generate(prompts, 8, conditioning=images)
     assert torch.equal(drafted.sequences, plain.sequences)
 
 

@@ -72,7 +72,7 @@ def batch(family: str, rows: list[tuple[str, ...]]) -> tuple[list[list[int]], di
 
 
 def target_alone(target: VLMTarget, prompts, vision: dict, drafter=None):
-    return SpeculativeDecoder(target, drafter, logits=LogitsProcessor(temperature=0)).generate(
+    return SpeculativeDecoder(target, drafter, processor=LogitsProcessor(temperature=0)).generate(
         prompts, NEW_TOKENS, conditioning=target.vision_inputs(**vision))
 
 

@@ -87,7 +87,7 @@ def decode(H, W, s, mode, drafter=None):
         lengths = state.lengths[:H]
         return (lengths - torch.tensor([P] + [1] * (H - 1))).clamp(0, W).tolist()  # a window may run past W
 
-    dec = SpeculativeDecoder(stub, drafter, logits=LogitsProcessor(temperature=0.0),
+    dec = SpeculativeDecoder(stub, drafter, processor=LogitsProcessor(temperature=0.0),
                              schedule=NextSetSchedule(H, W, s, mode=mode))
     out = dec.generate([[0]], H * W, callback=lambda step, state: record.append(cells(state)))
     counts = [[1] + [0] * (H - 1)] + record  # after the prefill, then after every pass

@@ -139,7 +139,7 @@ def second_token_pvalue(pipe, method: str, knobs: dict, cfg: ARImageBenchConfig)
     marginal = (first[0].double()[:, None] * second.double()).sum(0)
     recipe = methods.resolve(MODALITY, method, knobs)
     parts = methods.build(recipe, pipe.method_components(recipe.requires))
-    dec = SpeculativeDecoder(model, parts.drafter, rule=parts.rule, logits=logits)
+    dec = SpeculativeDecoder(model, parts.drafter, rule=parts.rule, processor=logits)
     g = torch.Generator().manual_seed(cfg.seed + 12345)
     samples = []
     for start in range(0, cfg.exact_samples, EXACT_CHUNK):  # chunks bound the memory of big trees
@@ -266,7 +266,7 @@ def _mean_top1(pipe, cfg: ARImageBenchConfig, n: int = 8) -> float:
     model = pipe.transformer
     logits = LogitsProcessor(temperature=cfg.temperature, top_k=cfg.top_k, guidance_scale=cfg.guidance_scale)
     labels = list(range(n))
-    out = SpeculativeDecoder(model, logits=logits).generate(
+    out = SpeculativeDecoder(model, processor=logits).generate(
         model.class_prompts(labels), model.num_image_tokens, uncond_input_ids=model.uncond_prompts(n),
         generator=torch.Generator().manual_seed(cfg.seed))
     seq = torch.cat([torch.tensor(model.class_prompts(labels)), out.sequences[:, :-1]], 1)

@@ -152,7 +152,7 @@ def first_tokens(pipe, draft, method: str, knobs: dict, cfg: ContinuousBenchConf
     model = pipe.transformer
     recipe = methods.resolve(MODALITY, method, knobs)
     parts = methods.build(recipe, {"target": model, "draft_model": draft if draft is not None else pipe.draft_model})
-    dec = SpeculativeDecoder(model, parts.drafter, rule=parts.rule, logits=_density(cfg, recipe))
+    dec = SpeculativeDecoder(model, parts.drafter, rule=parts.rule, processor=_density(cfg, recipe))
     n = cfg.exact_samples
     out = dec.generate(model.class_prompts([cfg.exact_class] * n), cfg.exact_tokens,
                        uncond_input_ids=model.uncond_prompts(n), generator=torch.Generator().manual_seed(seed))

@@ -82,7 +82,7 @@ def exactness_pvalue(method: str, samples: int, seed: int) -> float:
     """The core's distribution test for one method on the 8-token pair."""
     target, draft = small_vocab_pair(seed)
     prompt, n, pipeline = [3, 1, 4], 3, LogitsProcessor(temperature=1.0)
-    dec = SpeculativeDecoder(target, _drafter(method, target, draft), logits=pipeline)
+    dec = SpeculativeDecoder(target, _drafter(method, target, draft), processor=pipeline)
     out = dec.generate(torch.tensor([prompt]).expand(samples, -1), n, generator=torch.Generator().manual_seed(seed))
     joint = exact_joint(target, prompt, n, pipeline)
     return chisquare_pvalue(sequence_index(out.sequences[:, :n], target.vocab_size), joint)
@@ -101,7 +101,7 @@ def run(config: CoreBenchConfig | None = None, progress=None) -> dict:
         base_out = base_time = None
         for name in METHODS:
             say(f"core: {name} at temperature {temperature}")
-            dec = SpeculativeDecoder(target, _drafter(name, target, draft), logits=pipeline)
+            dec = SpeculativeDecoder(target, _drafter(name, target, draft), processor=pipeline)
             out, seconds = _timed_generate(dec, prompts, cfg.new_tokens, cfg.seed, cfg.repeats)
             if name == "none":
                 base_out, base_time = out, seconds

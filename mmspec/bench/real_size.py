@@ -126,7 +126,7 @@ def _loop(target, prompt, tokens: int, repeats: int, device: torch.device, compi
         target.forward = torch.compile(type(target).forward.__get__(target), mode="reduce-overhead",
                                        fullgraph=True, dynamic=False)
     try:
-        decoder = SpeculativeDecoder(target, logits=LogitsProcessor(temperature=0), device=device)
+        decoder = SpeculativeDecoder(target, processor=LogitsProcessor(temperature=0), device=device)
         with forced_static_shapes():
             decode = lambda: decoder.generate(prompt, tokens)  # noqa: E731
             per_call = _median_ms(decode, repeats, device)

@@ -116,7 +116,8 @@ class SpeculativeDecoder:
             for its defaults); ``None`` decodes with the target alone.
         rule: acceptance rule (``AcceptanceRule``); defaults to ``GreedyMatch`` for greedy logits
             and lossless ``SpeculativeSampling`` otherwise.
-        logits: the logits processor shared by draft and target.
+        processor: the logits processor shared by draft and target (``LogitsProcessor``, or
+            ``DensityProcessor`` for continuous tokens).
         schedule: which positions each pass decodes (``DecodingSchedule``, see
             ``mmspec.core.schedule``); default raster next-token order. Drafters and rules see the
             schedule's lanes as rows. A schedule keeps no per-call state, so decoders may share one.
@@ -125,23 +126,24 @@ class SpeculativeDecoder:
             its execution device: its models sit on the CPU between calls.
 
     Continuous tokens: a target with a non-empty ``token_shape`` (e.g. ``(2, d)``) returns
-    features (``ModelOutput.cond``) and per-token heads instead of logits; ``logits`` is then a
+    features (``ModelOutput.cond``) and per-token heads instead of logits; ``processor`` is then a
     ``DensityProcessor`` (the default), the rule one with ``continuous = True`` (speculative
     sampling on densities by default), drafts are chains and the order is raster. Prompts are still
     ids; the history holds them broadcast over the token shape in the target's ``token_dtype``.
     """
 
     def __init__(self, target: Target, drafter: Drafter | None = None, rule: AcceptanceRule | None = None,
-                 logits: LogitsProcessor | DensityProcessor | None = None, schedule: DecodingSchedule | None = None,
+                 processor: LogitsProcessor | DensityProcessor | None = None,
+                 schedule: DecodingSchedule | None = None,
                  device: torch.device | str | None = None):
         self.target = target
         self.device = None if device is None else torch.device(device)
         self.token_shape = tuple(getattr(target, "token_shape", ()))
         self.schedule = schedule if schedule is not None else RasterSchedule()
         self.drafter = drafter if drafter is not None else NullDrafter()
-        if logits is None:
-            logits = DensityProcessor() if self.token_shape else LogitsProcessor()
-        self.processor = logits
+        if processor is None:
+            processor = DensityProcessor() if self.token_shape else LogitsProcessor()
+        self.processor = processor
         self.rule = rule if rule is not None else (GreedyMatch() if self.processor.greedy else SpeculativeSampling())
         for name, value, proto in (("drafter", self.drafter, Drafter), ("rule", self.rule, AcceptanceRule),
                                    ("schedule", self.schedule, DecodingSchedule)):
@@ -150,7 +152,7 @@ class SpeculativeDecoder:
         if self.token_shape:
             self._check_continuous()
         else:
-            check(isinstance(self.processor, LogitsProcessor), "logits",
+            check(isinstance(self.processor, LogitsProcessor), "processor",
                   "a LogitsProcessor for a token-id target (DensityProcessor is for continuous tokens)",
                   type(self.processor).__name__)
             check(not getattr(self.drafter, "token_shape", ()), "drafter",
@@ -163,7 +165,7 @@ class SpeculativeDecoder:
     def _check_continuous(self) -> None:
         """What continuous tokens need of the other seams, refused with the reason."""
         shape = self.token_shape
-        check(isinstance(self.processor, DensityProcessor), "logits",
+        check(isinstance(self.processor, DensityProcessor), "processor",
               f"a DensityProcessor for continuous tokens (token_shape={shape})", type(self.processor).__name__)
         check(isinstance(self.schedule, RasterSchedule), "schedule",
               "RasterSchedule for continuous tokens (next-set orders need lane drafts of token ids)",

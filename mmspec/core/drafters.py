@@ -61,9 +61,9 @@ def _empty_draft(state: DecodeState) -> DraftTree:
 class _DraftModelRunner:
     """Runs a small causal LM beside the target: its own cache, the same rows (CFG halves too).
 
-    ``exact[r]`` counts the history tokens whose draft keys/values are in the cache at their
+    ``cached[r]`` counts the history tokens whose draft keys/values are in the cache at their
     slots. Drafting appends draft tokens (and, for trees, whole levels of siblings) past that
-    point, so each round cuts the cache back to ``exact`` and feeds the history from there: the
+    point, so each round cuts the cache back to ``cached`` and feeds the history from there: the
     root and whatever drafts were accepted since.
 
     ``conditioned``: the draft's prompt pass takes the call's conditioning, as the target's prefill
@@ -79,13 +79,13 @@ class _DraftModelRunner:
         self.conditioned = conditioned
         self.vocab_size = model.vocab_size
         self.forwards = 0
-        self.cache = self.exact = self.fed_at = None
+        self.cache = self.cached = self.fed_at = None
         self.tree_slots = 0  # cache slots a proposal's tree nodes take past the history (tree drafters)
         self.catch_up = 1  # history entries one decode pass can add at most (the drafter sets it)
 
     def start(self, state: DecodeState) -> None:
         self.cache = self.model.new_cache(state.rows, state.max_len + self.tree_slots)
-        self.exact = torch.zeros_like(state.lengths)
+        self.cached = torch.zeros_like(state.lengths)
         self.fed_at = None  # host: each row's generated count at the last feed (None: nothing fed yet)
 
     def restart_rows(self, state: DecodeState, rows: list[int], alone: list[DecodeState]) -> None:
@@ -104,7 +104,7 @@ class _DraftModelRunner:
             cache.truncate(prompts)
             for i, r in enumerate(state.target_rows(b)):
                 self.cache.load_row(r, cache, i)
-                self.exact[r] = prompts[i]
+                self.cached[r] = prompts[i]
             if self.fed_at is not None:  # the feed's host counts: the row has fed nothing it generated
                 self.fed_at = list(self.fed_at)
                 self.fed_at[b] = 0
@@ -114,16 +114,16 @@ class _DraftModelRunner:
         root's column in it)."""
         if self.conditioned and state.conditioning and self.fed_at is None:
             self._prompt_pass(state)
-        self.exact = torch.minimum(self.exact, state.lengths - 1)  # always re-feed at least the root
-        self.cache.truncate(self.exact)
-        width = catch_up_width(state, self.fed_at, lambda: state.lengths - self.exact, self.cache, self.catch_up)
-        positions = self.exact[:, None] + torch.arange(width, device=self.exact.device)  # (R, W)
+        self.cached = torch.minimum(self.cached, state.lengths - 1)  # always re-feed at least the root
+        self.cache.truncate(self.cached)
+        width = catch_up_width(state, self.fed_at, lambda: state.lengths - self.cached, self.cache, self.catch_up)
+        positions = self.cached[:, None] + torch.arange(width, device=self.cached.device)  # (R, W)
         feed = state.history(positions.clamp(max=state.tokens.shape[1] - 1))
         out = self.model(feed, positions, self.cache)
         self.forwards += 1
-        last = state.lengths - 1 - self.exact
+        last = state.lengths - 1 - self.cached
         self.cache.truncate(state.lengths)  # right padding of shorter rows is not history
-        self.exact = state.lengths.clone()
+        self.cached = state.lengths.clone()
         self.fed_at = state.generated
         return out, last
 
@@ -138,7 +138,7 @@ class _DraftModelRunner:
         self.model(ids, positions, self.cache, **state.conditioning)
         self.forwards += 1
         self.cache.truncate(prompts)
-        self.exact = prompts.clone()
+        self.cached = prompts.clone()
         self.fed_at = [0] * state.batch_size
 
     def root_logits(self, state: DecodeState) -> torch.Tensor:
@@ -375,7 +375,7 @@ class EagleTreeDrafter(DrafterBase):
         self.max_block = _tree_block(head.vocab_size, top_k, depth, total_tokens, mode)
         self.catch_up = _tree_catch_up(self.max_block, depth)
         self.forwards = 0
-        self.cache = self.features = self.fed = self.fed_at = None
+        self.cache = self.features = self.cached = self.fed_at = None
 
     def start(self, state: DecodeState) -> None:
         out = state.prefill
@@ -387,7 +387,7 @@ class EagleTreeDrafter(DrafterBase):
         self.features[:, :S] = out.hidden
         self.cache = self.head.new_cache(R, state.max_len + _tree_slots(self.top_k, self.depth))
         self.head.start(self.cache, state)  # the head's per-prompt preparation (a no-op for most)
-        self.fed = torch.zeros_like(state.lengths)  # head entries at positions 1 .. fed are committed
+        self.cached = torch.zeros_like(state.lengths)  # history entries in the head cache: positions 1 .. cached
         self.fed_at = None  # host: each row's generated count at the last feed (None: nothing fed yet)
 
     restarts_rows = True
@@ -395,7 +395,7 @@ class EagleTreeDrafter(DrafterBase):
     def restart_rows(self, state: DecodeState, rows: list[int], alone: list[DecodeState]) -> None:
         """``Drafter.restart_rows``: each row started alone (``start`` on its batch-1 state: its
         features, the head's plan of its prompt, e.g. its images) and fed once (the first feed,
-        which consumes the plan), then copied into the row: features, head cache row, fed count.
+        which consumes the plan), then copied into the row: features, head cache row, cached count.
         A batch not fed yet is fed first, so that what ``head.start`` prepared for the batch's
         first feed is consumed before rows are replaced."""
         if self.fed_at is None:
@@ -408,7 +408,7 @@ class EagleTreeDrafter(DrafterBase):
             for i, r in enumerate(state.target_rows(b)):
                 self.features[r] = fresh.features[i]
                 self.cache.load_row(r, fresh.cache, i)
-                self.fed[r] = fresh.fed[i]
+                self.cached[r] = fresh.cached[i]
             if self.fed_at is not None:
                 self.fed_at = list(self.fed_at)
                 self.fed_at[b] = fresh.fed_at[0]
@@ -418,19 +418,19 @@ class EagleTreeDrafter(DrafterBase):
         the draft logits of the root's children (R, V). Feeds the committed history the head's
         cache lacks (always at least the root's entry, so repeated calls agree)."""
         L = state.lengths
-        self.fed = torch.minimum(self.fed, L - 2)
-        self.cache.truncate(self.fed)
-        width = catch_up_width(state, self.fed_at, lambda: L - 1 - self.fed, self.cache, self.catch_up)
-        positions = self.fed[:, None] + 1 + torch.arange(width, device=L.device)  # (R, W)
+        self.cached = torch.minimum(self.cached, L - 2)
+        self.cache.truncate(self.cached)
+        width = catch_up_width(state, self.fed_at, lambda: L - 1 - self.cached, self.cache, self.catch_up)
+        positions = self.cached[:, None] + 1 + torch.arange(width, device=L.device)  # (R, W)
         last = state.tokens.shape[1] - 1  # shorter rows read (and later cut) garbage past their end
         tokens = state.tokens.gather(1, positions.clamp(max=last))
         H = self.features.shape[-1]
         feats = self.features.gather(1, (positions - 1).clamp(max=last)[..., None].expand(-1, -1, H))
         out = self.head(feats, tokens, positions, self.cache)
         self.forwards += 1
-        at = L - 2 - self.fed  # (R,) the root's column in the block
+        at = L - 2 - self.cached  # (R,) the root's column in the block
         self.cache.truncate(L - 1)
-        self.fed = L - 1
+        self.cached = L - 1
         self.fed_at = state.generated
         rows = torch.arange(len(at), device=at.device)
         return ModelOutput(logits=out.logits[rows, at], hidden=out.hidden[rows, at])

@@ -19,7 +19,7 @@ at position p (``ModelOutput.cond``) conditions token p; two heads read it: ``"m
 The model is a core ``Target`` for continuous tokens (``token_shape``, ``token_dtype``,
 ``new_cache``, ``forward``), so class-to-image generation is a plain core call::
 
-    SpeculativeDecoder(model, drafter, logits=DensityProcessor(guidance_scale=2.0, head="mixture")).generate(
+    SpeculativeDecoder(model, drafter, processor=DensityProcessor(guidance_scale=2.0, head="mixture")).generate(
         model.class_prompts(labels), model.num_image_tokens, uncond_input_ids=model.uncond_prompts(len(labels)))
 
 whose ``sequences[..., 1, :]`` are the (B, N, token_dim) latents in raster order.

@@ -11,7 +11,7 @@ The model is directly a core ``Target``: ``new_cache`` and
 ``forward`` recomputes full causal attention (the reference path). So class-to-image generation
 with guidance is a plain core call::
 
-    SpeculativeDecoder(model, drafter, logits=LogitsProcessor(guidance_scale=4.0)).generate(
+    SpeculativeDecoder(model, drafter, processor=LogitsProcessor(guidance_scale=4.0)).generate(
         model.class_prompts(labels), model.num_image_tokens,
         uncond_input_ids=model.uncond_prompts(len(labels)))
 """

@@ -5,10 +5,13 @@ components are watched as the registry says (``watch_components``)."""
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Callable
 
 import torch
 
 from ... import methods
+from ...adapters.vlm import VLMTarget
+from ...core.errors import check
 from ...core.types import ModelOutput
 from .config import TARGET, CostBenchConfig
 from .curves import Probe, cached_probe
@@ -49,51 +52,67 @@ class ARImageCost:
 
     def probes(self, roles: set[str], width: int) -> tuple[int, dict[str, Probe]]:
         model = self.pipe.transformer
-        prefix, probes = _native_probes(model, {TARGET: model, "draft_model": self.pipe.draft_model},
-                                        self.pipe.eagle_head, roles, width, prefix=1 + model.num_image_tokens // 2,
-                                        seed=self.cfg.seed)
-        if "medusa_head" in roles:  # no cache: one call on T features, two rows (a CFG pair) when drafting
-            heads = self.pipe.medusa_head
-            g = torch.Generator().manual_seed(self.cfg.seed)
-            H, K = heads.config.dim, heads.num_heads
-
-            def call(T, tree):
-                inputs = {"above": torch.randint(model.vocab_size, (2, T, K), generator=g),
-                          "column": torch.randint(model.config.grid_size, (2, T, K), generator=g)}
-                return heads(torch.randn(2, T, H, generator=g), torch.randint(model.vocab_size, (2, T), generator=g),
-                             inputs)
-
-            probes["medusa_head"] = call
-        return prefix, probes
+        native = _NativeProbes(model, prefix=1 + model.num_image_tokens // 2, width=width, seed=self.cfg.seed)
+        return native.prefix, component_probes(self.pipe, roles, lambda: native.tokens(model), tokens=native.tokens,
+                                               features=native.features, heads=native.heads)
 
 
-def _native_probes(model, models: dict, head, roles: set[str], width: int, prefix: int, seed: int):
+def component_probes(pipe, roles: set[str], target: Callable[[], Probe], **builders: Callable) -> dict[str, Probe]:
+    """The probes of ``roles``: the target's (``target()``, built first) and each drafting
+    component's, built by ``builders[timing](module)`` for its registry ``Component.timing``
+    (``methods.TIMINGS``), so a new component is probed by how it is called, not by its name."""
+    timings = {c.name: c.timing for c in methods.components(pipe.modality)}
+    probes = {TARGET: target()} if TARGET in roles else {}
+    for role in sorted(roles - {TARGET}):
+        build = builders.get(timings.get(role))
+        check(build is not None, f"the component {role!r}", f"one whose timing this target probes "
+              f"({', '.join(sorted(builders))})", timings.get(role))
+        probes[role] = build(getattr(pipe, role))
+    return probes
+
+
+class _NativeProbes:
     """Probes of LlamaGen-style models (token ids, or continuous tokens of ``model.token_shape``)
-    and an EAGLE head, two rows (a CFG pair: the class and the null class) on a ``prefix``-long cache."""
-    g = torch.Generator().manual_seed(seed)
-    shape = tuple(getattr(model, "token_shape", ()))
+    and their heads, two rows (a CFG pair: the class and the null class) on a ``prefix``-long cache
+    of ``model``'s prompt."""
 
-    def tokens(T: int) -> torch.Tensor:
-        if shape:
-            return torch.randn((2, T) + shape, generator=g)
-        return torch.randint(model.vocab_size, (2, T), generator=g)
+    def __init__(self, model, prefix: int, width: int, seed: int):
+        self.g = torch.Generator().manual_seed(seed)
+        self.shape = tuple(getattr(model, "token_shape", ()))
+        self.model, self.vocab, self.prefix, self.width = model, model.vocab_size, prefix, width
+        self.prompt = self.ids(prefix)
+        self.prompt[:, 0] = torch.tensor([0, model.null_class]).view(2, *(1,) * len(self.shape)).to(self.prompt.dtype)
+        self.positions = torch.arange(prefix).expand(2, prefix)
 
-    prompt = tokens(prefix)
-    prompt[:, 0] = torch.tensor([0, model.null_class]).view(2, *(1,) * len(shape)).to(prompt.dtype)
-    positions = torch.arange(prefix).expand(2, prefix)
-    probes = {}
-    for role, m in models.items():
-        if role in roles:
-            cache = m.new_cache(2, prefix + width + 1)
-            m(prompt, positions, cache)
-            probes[role] = cached_probe(m, cache, prefix, prefix, lambda T: (tokens(T),))
-    if "eagle_head" in roles:
+    def ids(self, T: int) -> torch.Tensor:
+        if self.shape:
+            return torch.randn((2, T) + self.shape, generator=self.g)
+        return torch.randint(self.vocab, (2, T), generator=self.g)
+
+    def tokens(self, m) -> Probe:
+        """``timing="tokens"``: a model (the target, a draft model) on its own cache of the prompt."""
+        cache = m.new_cache(2, self.prefix + self.width + 1)
+        m(self.prompt, self.positions, cache)
+        return cached_probe(m, cache, self.prefix, self.prefix, lambda T: (self.ids(T),))
+
+    def features(self, head) -> Probe:
+        """``timing="features"``: an EAGLE head, its entries 1 .. prefix - 1 cached."""
         H = head.fc.weight.shape[0]
-        cache = head.new_cache(2, prefix + width + 1)
-        head(torch.randn(2, prefix - 1, H, generator=g), prompt[:, 1:], positions[:, 1:], cache)  # entries 1..prefix-1
-        probes["eagle_head"] = cached_probe(head, cache, prefix, prefix - 1,
-                                            lambda T: (torch.randn(2, T, H, generator=g), tokens(T)))
-    return prefix, probes
+        cache = head.new_cache(2, self.prefix + self.width + 1)
+        head(torch.randn(2, self.prefix - 1, H, generator=self.g), self.prompt[:, 1:], self.positions[:, 1:], cache)
+        return cached_probe(head, cache, self.prefix, self.prefix - 1,
+                            lambda T: (torch.randn(2, T, H, generator=self.g), self.ids(T)))
+
+    def heads(self, heads) -> Probe:
+        """``timing="heads"``: parallel heads (no cache): one call on T features, two rows."""
+        g, H, K = self.g, heads.config.dim, heads.num_heads
+
+        def call(T, tree):
+            inputs = {"above": torch.randint(self.vocab, (2, T, K), generator=g),
+                      "column": torch.randint(self.model.config.grid_size, (2, T, K), generator=g)}
+            return heads(torch.randn(2, T, H, generator=g), torch.randint(self.vocab, (2, T), generator=g), inputs)
+
+        return call
 
 
 class ContinuousCost(ARImageCost):
@@ -116,8 +135,8 @@ class ContinuousCost(ARImageCost):
 
     def probes(self, roles: set[str], width: int) -> tuple[int, dict[str, Probe]]:
         model = self.pipe.transformer
-        return _native_probes(model, {TARGET: model, "draft_model": self.pipe.draft_model}, None, roles, width,
-                              prefix=1 + model.num_image_tokens // 2, seed=self.cfg.seed)
+        native = _NativeProbes(model, prefix=1 + model.num_image_tokens // 2, width=width, seed=self.cfg.seed)
+        return native.prefix, component_probes(self.pipe, roles, lambda: native.tokens(model), tokens=native.tokens)
 
 
 class VLMCost:
@@ -148,7 +167,7 @@ class VLMCost:
     def probes(self, roles: set[str], width: int) -> tuple[int, dict[str, Probe]]:
         """Prompt 0 (with its image) plus half the new tokens on every cache; the heads are started
         on the target's prompt pass as ``EagleTreeDrafter`` starts them (images planned/compressed)."""
-        target, draft = self.pipe.views()
+        target, _ = self.pipe.views()
         ids, vision = self.pipe.prepare_inputs(self.images[:1], self.prompts[:1])
         conditioning = target.vision_inputs(**vision)
         prompt = torch.tensor(ids)
@@ -162,28 +181,33 @@ class VLMCost:
 
         ext = tokens(E)
         seq = torch.cat([prompt, ext], 1)
-        probes, first = {}, None
-        for role, view in ((TARGET, target), ("draft_model", draft)):
-            if role in roles:
-                cache = view.new_cache(1, prefix + width + 1)
-                out = view(prompt, torch.arange(S)[None], cache, **conditioning)
-                more = view(ext, S + torch.arange(E)[None], cache)
-                if role == TARGET:
-                    first, hidden = out, torch.cat([out.hidden, more.hidden], 1)
-                probes[role] = cached_probe(view, cache, prefix, prefix, lambda T: (tokens(T),))
-        if "medusa_head" in roles:  # no cache: one call on T features (one per row when drafting)
-            heads = self.pipe.medusa_head.bind(target)
-            image = heads.image_feature(prompt, first.prompt_embeds, torch.tensor([S]))
-            H = heads.config.hidden_size
-            probes["medusa_head"] = lambda T, tree: heads(torch.randn(1, T, H, generator=g), tokens(T), image)
-        for role in sorted(roles - {TARGET, "draft_model", "medusa_head"}):
-            head = getattr(self.pipe, role).bind(target)
+        first = {}
+
+        def span(view) -> Probe:  # the target (first) or a draft VLM's view: prompt and half the answer cached
+            cache = view.new_cache(1, prefix + width + 1)
+            out = view(prompt, torch.arange(S)[None], cache, **conditioning)
+            more = view(ext, S + torch.arange(E)[None], cache)
+            if not first:
+                first.update(out=out, hidden=torch.cat([out.hidden, more.hidden], 1))
+            return cached_probe(view, cache, prefix, prefix, lambda T: (tokens(T),))
+
+        def heads(module) -> Probe:  # no cache: one call on T features (one per row when drafting)
+            bound = module.bind(target)
+            image = bound.image_feature(prompt, first["out"].prompt_embeds, torch.tensor([S]))
+            H = bound.config.hidden_size
+            return lambda T, tree: bound(torch.randn(1, T, H, generator=g), tokens(T), image)
+
+        def features(module) -> Probe:  # started on the target's prompt pass, entries 1 .. prefix - 1 cached
+            head = module.bind(target)
             H = head.fc.weight.shape[0]
             cache = head.new_cache(1, prefix + width + 1)
-            prefill = ModelOutput(logits=None, hidden=first.hidden, prompt_embeds=first.prompt_embeds)
+            out = first["out"]
+            prefill = ModelOutput(logits=None, hidden=out.hidden, prompt_embeds=out.prompt_embeds)
             head.start(cache, SimpleNamespace(prefill=prefill, tokens=seq, prompt_lengths=torch.tensor([S])))
-            head(hidden[:, : prefix - 1], seq[:, 1:], torch.arange(1, prefix)[None], cache)  # entries 1..prefix-1
-            probes[role] = cached_probe(head, cache, prefix, prefix - 1,
-                                        lambda T: (torch.randn(1, T, H, generator=g), tokens(T)))
-        return prefix, probes
+            head(first["hidden"][:, : prefix - 1], seq[:, 1:], torch.arange(1, prefix)[None], cache)
+            return cached_probe(head, cache, prefix, prefix - 1,
+                                lambda T: (torch.randn(1, T, H, generator=g), tokens(T)))
+
+        return prefix, component_probes(self.pipe, roles | {TARGET}, lambda: span(target),
+                                        span=lambda m: span(VLMTarget(m)), heads=heads, features=features)
 

@@ -127,7 +127,7 @@ def heldout_tau(head: VLMDraftHead | MedusaHeads, held: list[Rendered], *, metho
     target = head.target
     recipe = methods.resolve("vlm", method)
     drafter = methods.build(recipe, {"target": target, f"{method}_head": head}).drafter
-    decoder = SpeculativeDecoder(target, drafter, logits=LogitsProcessor(temperature=0))
+    decoder = SpeculativeDecoder(target, drafter, processor=LogitsProcessor(temperature=0))
     taus = []
     for r in held:
         vision = target.vision_inputs(**r.vision) if r.vision else None
@@ -144,7 +144,7 @@ def regenerate_items(target: VLMTarget, items: list[Rendered], max_new_tokens: i
     ``max_new_tokens`` or its EOS (the core's decode with no drafter: the target alone)."""
     from ...core import LogitsProcessor, SpeculativeDecoder
 
-    decoder = SpeculativeDecoder(target, None, logits=LogitsProcessor(temperature=0))
+    decoder = SpeculativeDecoder(target, None, processor=LogitsProcessor(temperature=0))
     out = []
     for r in items:
         prompt = r.ids[: r.prompt_len]
