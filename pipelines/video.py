@@ -510,7 +510,8 @@ class StreamingVideoPipeline(PipelineBase):
             num_latent_frames: the length in latent frames instead (exclusive with
                 ``num_frames``): Wan's 21 is 81 video frames.
             generator: a ``torch.Generator``, or one per video (video r then equals that prompt
-                generated alone with generator r).
+                generated alone with generator r, to float rounding: a batch's matrix products may
+                round differently from one row's).
             guidance_scale: classifier-free guidance ``v_u + s (v_c - v_u)``; 1 disables it;
                 None: ``stream_defaults()`` (the bundled transformer's config; 1 for Wan's
                 distilled checkpoints).

@@ -217,8 +217,10 @@ def test_generator_lists_row_r_equals_row_r_alone(pipe, cache_mode):
                  output_type="latent").frames
     for r, (p, s) in enumerate(zip(prompts, (5, 6, 7))):
         alone = pipe(p, num_frames=10, generator=gen(s), cache_mode=cache_mode, output_type="latent").frames
-        assert torch.equal(batch[r], alone[0])
-    assert not torch.equal(batch[0], batch[2])
+        # equal to float rounding: the CPU's matrix kernels may block a batch of 3 differently than
+        # one row (this machine's AVX-512 / AMX kernels differ by up to 5e-7)
+        assert (batch[r] - alone[0]).abs().max() < 1e-5
+    assert (batch[0] - batch[2]).abs().max() > 1e-2
 
 
 def test_output_types_and_tuple(pipe):
