@@ -135,13 +135,20 @@ def _check_unit_range(values: torch.Tensor, name: str, hint: str) -> None:
         raise ValueError(f"{name} values must be floats in [0, 1] ({hint}), got values in [{lo:g}, {hi:g}]")
 
 
-def check_images(images, count: int, name: str = "images") -> list:
-    """One image per prompt (``count``): a single image when ``count`` is 1, else a list."""
-    check(images is not None, name, f"one image per prompt ({count})", None)
+def check_images(images, count: int, name: str = "images", several: bool = False) -> list:
+    """One image per prompt (``count``): a single image when ``count`` is 1, else a list. With
+    ``several``, a prompt's image may also be a non-empty list of images (its images, in order)."""
+    what = "one image (or a list of images) per prompt" if several else "one image per prompt"
+    check(images is not None, name, f"{what} ({count})", None)
     images = list(images) if isinstance(images, (list, tuple)) else [images]
-    check(len(images) == count, name, f"one image per prompt ({count})", f"{len(images)} images")
+    check(len(images) == count, name, f"{what} ({count})", f"{len(images)} images")
     for i, image in enumerate(images):
-        check_image(image, f"{name}[{i}]")
+        if several and isinstance(image, (list, tuple)):
+            check(len(image) > 0, f"{name}[{i}]", "an image or a non-empty list of images", image)
+            for j, one in enumerate(image):
+                check_image(one, f"{name}[{i}][{j}]")
+        else:
+            check_image(image, f"{name}[{i}]")
     return images
 
 

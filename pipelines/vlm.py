@@ -79,8 +79,9 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
 
     def _adapt(self, recipe, ids: list[list[int]], vision: dict, tokens: list[list[int]]) -> None:
         """Give the served answers to the adaptation, if on and the method drafts with a head."""
-        if self.draft_adaptation is None or "video_grid_thw" in vision:  # calls with videos: not adapted on
-            return
+        images = vision.get("image_grid_thw", vision.get("pixel_values"))
+        if self.draft_adaptation is None or "video_grid_thw" in vision or len(images) != len(ids):
+            return  # calls with videos, or with several images for a prompt: not adapted on
         # the method's trained head, if it drafts with one (the sd draft VLM and lookup have none)
         heads = [getattr(self, c) for c in recipe.requires if hasattr(getattr(self, c, None), "distill_loss")]
         if not heads:
@@ -168,7 +169,7 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
             self.check_method(method, method_knobs)
         prompts = checks.check_prompts(prompts, "prompts")
         if videos is None:
-            checks.check_images(images, len(prompts), "images")
+            checks.check_images(images, len(prompts), "images", several=True)
         else:
             check(self.views()[0].mrope, "videos", f"None for a {type(self.target).__name__} target (videos: "
                   "Qwen2-VL, Qwen2.5-VL)", "videos")
@@ -229,15 +230,18 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
         """Answer each prompt about its image and / or video.
 
         Args:
-            images: one image per prompt (PIL, (H, W, 3) array or (3, H, W) tensor in [0, 1]); with
-                ``videos``, ``None`` or a list of one image or ``None`` per prompt.
+            images: one image per prompt (PIL, (H, W, 3) array or (3, H, W) tensor in [0, 1]), or
+                for a prompt with several images a list of them (``[[a, b], c]``: the template
+                writes one image part each, in order, before the question); with ``videos``,
+                ``None`` or a list of one image (or list) or ``None`` per prompt.
             prompts: questions, e.g. ``"describe the image in detail ."``; the processor's chat
                 template frames each (``[{"role": "user", "content": [image, question]}]``).
             videos: Qwen2-VL / Qwen2.5-VL targets only: a list of one video or ``None`` per prompt
                 (each prompt has an image or a video), a video being a list of PIL frames or a
                 (T, H, W, 3) / (T, 3, H, W) uint8 array or tensor (``vlm_inputs.as_video``); the
                 template frames it as ``{"type": "video"}``, after the image if there is one.
-                Calls with videos are not adapted on (``enable_draft_adaptation``).
+                Calls with videos or several images for a prompt are not adapted on
+                (``enable_draft_adaptation``).
             max_new_tokens: the answer's length limit; a row stops at an EOS id of the target's
                 ``generation_config`` (an int or a list).
             method: ``"none"``, ``"sd"``, ``"lookup"``, ``"eagle"``, ``"specvlm"``, ``"vispec"`` or

@@ -42,9 +42,10 @@ class VLMInputs(NamedTuple):
     vision: dict
 
 
-def user_message(question: str, image: bool = True, video: bool = False) -> list[dict]:
-    """The standard one-turn conversation: an image and / or a video, then the question."""
-    parts = [{"type": "image"}] * image + [{"type": "video"}] * video
+def user_message(question: str, image: bool | int = True, video: bool = False) -> list[dict]:
+    """The standard one-turn conversation: an image (or ``image`` images, in order) and / or a
+    video, then the question."""
+    parts = [{"type": "image"}] * int(image) + [{"type": "video"}] * video
     return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
 
 
@@ -99,15 +100,18 @@ def as_video(video, name: str = "video") -> torch.Tensor:
     return (video.permute(0, 3, 1, 2) if shape[3] == 3 else video).detach().cpu().contiguous()
 
 
-def media_per_prompt(images, videos, count: int) -> tuple[list, list]:
-    """Per prompt its image (``as_image``) or ``None`` and its video (``as_video``) or ``None``.
-    ``videos``: ``None`` (then one image per prompt, a single image for a single prompt) or a list
-    of one video or ``None`` per prompt; with videos, ``images`` is ``None`` or a list of one image
-    or ``None`` per prompt, and every prompt has an image or a video."""
+def media_per_prompt(images, videos, count: int) -> tuple[list[list], list]:
+    """Per prompt its images (a list of ``as_image``, empty for none) and its video (``as_video``)
+    or ``None``. ``images``: one image per prompt (a single image for a single prompt), where a
+    prompt's image may also be a non-empty list of images (several images, in order, as
+    transformers' processors take ``images=[[a, b], [c]]``). ``videos``: ``None``, or a list of one
+    video or ``None`` per prompt; with videos, ``images`` is ``None`` or a list of one image (or a
+    list of them) or ``None`` per prompt, and every prompt has an image or a video."""
     if videos is None:
         images = list(images) if isinstance(images, (list, tuple)) else [images]
-        check(len(images) == count, "images", f"one image per prompt ({count})", f"{len(images)} images")
-        return [as_image(image, f"images[{i}]") for i, image in enumerate(images)], [None] * count
+        check(len(images) == count, "images", f"one image (or a list of images) per prompt ({count})",
+              f"{len(images)} images")
+        return [_prompt_images(image, f"images[{i}]") for i, image in enumerate(images)], [None] * count
     check(isinstance(videos, (list, tuple)) and len(videos) == count, "videos",
           f"a list of one video (or None) per prompt ({count})",
           f"{len(videos)} videos" if isinstance(videos, (list, tuple)) else type(videos).__name__)
@@ -117,8 +121,16 @@ def media_per_prompt(images, videos, count: int) -> tuple[list, list]:
           f"{len(images)} images" if isinstance(images, (list, tuple)) else type(images).__name__)
     for i, (image, video) in enumerate(zip(images, videos)):
         check(image is not None or video is not None, f"videos[{i}]", f"a video where images[{i}] is None", None)
-    return ([None if x is None else as_image(x, f"images[{i}]") for i, x in enumerate(images)],
+    return ([[] if x is None else _prompt_images(x, f"images[{i}]") for i, x in enumerate(images)],
             [None if x is None else as_video(x, f"videos[{i}]") for i, x in enumerate(videos)])
+
+
+def _prompt_images(image, name: str) -> list:
+    """A prompt's image, or its non-empty list of images, as a list of ``as_image``."""
+    if isinstance(image, (list, tuple)):
+        check(len(image) > 0, name, "an image or a non-empty list of images", image)
+        return [as_image(x, f"{name}[{j}]") for j, x in enumerate(image)]
+    return [as_image(image, name)]
 
 
 def prepare_vlm_inputs(processor, images, prompts, videos=None) -> VLMInputs:
@@ -129,8 +141,9 @@ def prepare_vlm_inputs(processor, images, prompts, videos=None) -> VLMInputs:
         processor: a LLaVA, Qwen2-VL or Qwen2.5-VL processor with a ``chat_template``; with
             ``videos``, one with a video processor whose template writes a ``{"type": "video"}``
             part as the video placeholder (Qwen2-VL, Qwen2.5-VL).
-        images: one image per prompt (``IMAGE_FORMS``); a single image for a single prompt. With
-            ``videos``: ``None`` or one image or ``None`` per prompt (``media_per_prompt``).
+        images: one image per prompt (``IMAGE_FORMS``), or a list of images for a prompt with
+            several (one image part each, in order); a single image for a single prompt. With
+            ``videos``: ``None`` or one image (or list) or ``None`` per prompt (``media_per_prompt``).
         prompts: a question or a list of them.
         videos: ``None``, or one video (``VIDEO_FORMS``) or ``None`` per prompt, in a list.
     """
@@ -152,12 +165,12 @@ def prepare_vlm_inputs(processor, images, prompts, videos=None) -> VLMInputs:
     bos = processor.tokenizer.bos_token
     ids, vision = [], {k: [] for k in _VISION_KEYS}
     for image, video, prompt in zip(images, videos, prompts):
-        message = user_message(prompt, image=image is not None, video=video is not None)
+        message = user_message(prompt, image=len(image), video=video is not None)
         text = processor.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
         token = getattr(processor, "video_token", None)
         check(video is None or token is None or token in text, "processor.chat_template",
               'a template that writes the video placeholder for a {"type": "video"} part', text)
-        media = {k: [x] for k, x in (("images", image), ("videos", video)) if x is not None}
+        media = {k: x for k, x in (("images", image), ("videos", None if video is None else [video])) if x}
         # as processor.apply_chat_template(tokenize=True) does: a template that writes BOS gets no second one
         enc = processor(text=[text], **media, return_tensors="pt",
                         add_special_tokens=not (bos is not None and text.startswith(bos)))

@@ -93,9 +93,14 @@ class VLMStreamSession:
     @torch.no_grad()
     def ask(self, question: str, *, method: str = "none", max_new_tokens: int = 64, method_knobs: dict | None = None,
             temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-            generator: torch.Generator | None = None) -> StreamAnswer:
+            generator: torch.Generator | None = None, remember: bool = True) -> StreamAnswer:
         """Answer ``question`` about the stream so far (after ``add_frames``); ``method`` as the
-        pipeline's (``sd`` refused: its draft VLM would need a stream of its own)."""
+        pipeline's (``sd`` refused: its draft VLM would need a stream of its own).
+
+        ``remember``: the question and answer join the context (StreamingVLM's rounds: one
+        question a round). With False they are forgotten once answered: the context stays as it
+        was, and the round may be asked again."""
+        check(isinstance(remember, bool), "remember", "True or False", remember)
         check(isinstance(question, str) and question.strip() != "", "question", "a non-empty string", question)
         checks.check_int(max_new_tokens, "max_new_tokens", 1)
         rounds = self.stream.rounds
@@ -114,7 +119,10 @@ class VLMStreamSession:
         out = decoder.generate([q_ids], max_new_tokens, eos_token_id=self.eos, generator=generator)
         answer = out.sequences[0, : out.lengths[0]].tolist()
         ends = bool(self.end_of_turn) and answer[-1:] == self.end_of_turn
-        self.stream.close_answer(q_ids, answer[:-1] if ends else answer, self.end_of_turn)
+        if remember:
+            self.stream.close_answer(q_ids, answer[:-1] if ends else answer, self.end_of_turn)
+        else:
+            self.stream.discard_answer()
         stats = out.stats.as_dict()
         stats.update(context_tokens=context, cache_bytes=self.stream.cache.nbytes(),
                      seconds=time.perf_counter() - start)

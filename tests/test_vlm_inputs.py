@@ -156,7 +156,7 @@ def test_image_forms_refused(image, message):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(images=[np.zeros((8, 8, 3), np.uint8)] * 2, prompts="what ?"), r"images must be one image per prompt \(1\)"),
+    (dict(images=[np.zeros((8, 8, 3), np.uint8)] * 2, prompts="what ?"), r"images must be one image \(or a list of images\) per prompt \(1\)"),
     (dict(images=np.zeros((8, 8, 3), np.uint8), prompts=[]), "prompts must be a non-empty"),
     (dict(images=np.zeros((8, 8, 3), np.uint8), prompts=["  "]), r"prompts\[0\] must be a non-empty string"),
     (dict(images=[np.zeros((8, 8, 3), np.uint8), np.full((8, 8, 3), 9.0)], prompts=["a", "b"]),
@@ -226,6 +226,32 @@ def test_qwen_processors_give_ids_and_grids(family):
     single = prepare_vlm_inputs(processor, qwen_images()[1], QUESTIONS[1])  # one prompt alone, same ids
     assert single.input_ids == inputs.input_ids[1:]
     assert torch.equal(single.vision["pixel_values"], inputs.vision["pixel_values"][24:])
+
+
+def test_several_images_for_a_prompt(bundled):
+    """``images=[[a, b], c]``: the template writes one image part per image, in order, and the
+    pixels come in the same order; a prompt with one image is the same with or without the list.
+    On a Qwen processor each image keeps its own grid and vision block."""
+    a, b = (np.full((8, 8, 3), v, np.uint8) for v in (40, 200))
+    two = prepare_vlm_inputs(bundled, [[a, b], a], ["what ?", "what ?"])
+    alone = prepare_vlm_inputs(bundled, [a], ["what ?"])
+    image_id = bundled.tokenizer.convert_tokens_to_ids(bundled.image_token)
+    assert [row.count(image_id) for row in two.input_ids] == [128, 64] and two.input_ids[1] == alone.input_ids[0]
+    assert torch.equal(two.vision["pixel_values"][2], alone.vision["pixel_values"][0])
+    assert torch.equal(two.vision["pixel_values"][0], two.vision["pixel_values"][2])
+    listed = prepare_vlm_inputs(bundled, [[a]], ["what ?"])
+    assert listed.input_ids == alone.input_ids and torch.equal(listed.vision["pixel_values"], alone.vision["pixel_values"])
+    processor = qwen_processor(Qwen2VLProcessor)
+    x, y = qwen_images()
+    inputs = prepare_vlm_inputs(processor, [[x, y]], QUESTIONS[:1])
+    assert inputs.vision["image_grid_thw"].tolist() == [[1, 4, 6], [1, 6, 4]]
+    words = processor.tokenizer.convert_ids_to_tokens(inputs.input_ids[0])
+    block = ["<|vision_start|>"] + ["<|image_pad|>"] * 6 + ["<|vision_end|>"]
+    assert words[2:18] == block + block
+    with pytest.raises(ValueError, match=r"images\[0\] must be an image or a non-empty list of images"):
+        prepare_vlm_inputs(bundled, [[]], ["what ?"])
+    with pytest.raises(ValueError, match=r"images\[1\]\[0\] values must be floats in \[0, 1\]"):
+        prepare_vlm_inputs(bundled, [a, [np.full((8, 8, 3), 9.0)]], ["a", "b"])
 
 
 # --- sampling defaults from a GenerationConfig ---------------------------------------------------
@@ -303,7 +329,7 @@ def test_streamed_text_equals_the_final_answer(max_new_tokens, eos):
     prompt = [5, 9, 14] + [IMAGE] * 4 + [2, 33]
     conditioning = target.vision_inputs(torch.randn(1, 3, 16, 16, generator=torch.Generator().manual_seed(3)))
     decoder = SpeculativeDecoder(target, ModelTreeDrafter(target, top_k=3, depth=3, total_tokens=10),
-                                 logits=LogitsProcessor(temperature=0))
+                                 processor=LogitsProcessor(temperature=0))
     plain = decoder.generate([prompt], max_new_tokens, conditioning=conditioning)
     greedy = plain.sequences[0].tolist()
     eos_id = None if eos is None else greedy[3]  # a token it emits: the answer ends at its first

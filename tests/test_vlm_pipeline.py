@@ -136,7 +136,7 @@ def _sample(pipe, method, case, rule=None, n=2000, rows=250, seed=0):
     for _ in range(n // rows):
         drafter = build_drafter(method, target, draft=draft, heads=heads)
         kw = {} if rule is None else {"rule": rule}
-        dec = SpeculativeDecoder(target, drafter, logits=logits, **kw)
+        dec = SpeculativeDecoder(target, drafter, processor=logits, **kw)
         samples.append(dec.generate([ids] * rows, 3, generator=gen, conditioning=images).sequences)
     cells = {c: i for i, c in enumerate(joint)}
     seqs = [tuple(s) for s in torch.cat(samples).tolist()]
@@ -174,6 +174,8 @@ def test_save_and_load_round_trip(pipe, heldout, reference, tmp_path):
 @pytest.mark.parametrize("kwargs, name", [
     (dict(images=None, prompts=["describe the image ."]), "images"),
     (dict(prompts=["a", "b"]), "images"),  # one image for two prompts
+    (dict(images=[[]]), r"images\[0\] must be an image or a non-empty list of images"),
+    (dict(images=[[torch.zeros(3, 8, 8), torch.full((3, 8, 8), 2.0)]]), r"images\[0\]\[1\]"),
     (dict(prompts=[]), "prompts"),
     (dict(method="hydra"), "method"),
     (dict(method="eagle", method_knobs={"tree_width": 3}), "method_knobs"),
@@ -194,6 +196,26 @@ def test_bad_input_is_refused_before_any_forward(pipe, heldout, kwargs, name):
     finally:
         hook.remove()
     assert not calls
+
+
+def test_several_images_for_a_prompt_every_method_lossless(pipe, heldout):
+    """A prompt with two images (``images=[[a, b], c]``: one image part each, in order): the
+    target alone answers each row as it answers that row alone (so a batch mixing two images and
+    one is the rows alone), the order of the images matters to it, and every method's greedy
+    answers equal the target alone's (the heads plan both image spans)."""
+    images, questions = heldout
+    call = dict(images=[[images[0], images[1]], images[2]], prompts=[_DESCRIBE[0], _DESCRIBE[1]],
+                max_new_tokens=NEW_TOKENS)
+    ids, vision = pipe.prepare_inputs(call["images"], call["prompts"])
+    image_id = pipe.target.config.image_token_id
+    assert [row.count(image_id) for row in ids] == [128, 64] and vision["pixel_values"].shape[0] == 3
+    ref = pipe(**call).tokens
+    assert ref[0] == pipe(images=[[images[0], images[1]]], prompts=[_DESCRIBE[0]], max_new_tokens=NEW_TOKENS).tokens[0]
+    assert ref[1] == pipe(images=[images[2]], prompts=[_DESCRIBE[1]], max_new_tokens=NEW_TOKENS).tokens[0]
+    swapped = pipe(images=[[images[1], images[0]]], prompts=[_DESCRIBE[0]], max_new_tokens=NEW_TOKENS).tokens[0]
+    assert swapped != ref[0]
+    for method in METHODS:
+        assert pipe(**call, method=method).tokens == ref, method
 
 
 def test_method_knobs_are_listed():

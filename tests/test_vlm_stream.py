@@ -9,6 +9,7 @@ with speculative answers.
   old positions do not (the control).
 - Bounded: the context, the previous text and the kept frames stay within the policy's bounds
   over many rounds, and the cache's bytes never change.
+- ``ask(remember=False)`` leaves the context as it was.
 """
 
 from __future__ import annotations
@@ -57,6 +58,31 @@ def test_every_method_equals_the_target_alone_on_the_same_cache(pipe, scenes):
         assert drafted.tokens == ref.tokens, i
         assert drafted.stats["nfe"] <= ref.stats["nfe"]
     assert session.stream.evictions >= 4
+
+
+def test_a_forgotten_answer_leaves_the_context_as_it_was(pipe, scenes):
+    """``ask(remember=False)``: the context (tokens, positions, cache length) is unchanged, the
+    round may be asked again, the same question gets the same answer each time, and the
+    remembered answer after it equals one on a fork that never saw it (its garbage past the
+    context is never read)."""
+    images, _ = scenes
+    session = pipe.stream(**POLICY)
+    for i in range(4):
+        session.add_frames(images[i : i + 2])
+        session.ask(QUESTIONS[i % 3], method="eagle", max_new_tokens=24)
+    session.add_frames(images[4:6])
+    clean = session.fork()
+    before = (list(session.stream.tokens), session.stream.ids.clone(), int(session.stream.cache.lengths[0]))
+    first = session.ask(QUESTIONS[1], method="eagle", max_new_tokens=24, remember=False)
+    again = session.ask(QUESTIONS[1], method="none", max_new_tokens=24, remember=False)
+    assert first.tokens == again.tokens and first.stats["context_tokens"] == again.stats["context_tokens"]
+    after = (session.stream.tokens, session.stream.ids, int(session.stream.cache.lengths[0]))
+    assert after[0] == before[0] and torch.equal(after[1], before[1]) and after[2] == before[2]
+    kept = session.ask(QUESTIONS[0], method="medusa", max_new_tokens=24)
+    assert kept.tokens == clean.ask(QUESTIONS[0], method="none", max_new_tokens=24).tokens
+    assert session.stream.context_tokens() > before[2]  # a remembered answer joins the context
+    with pytest.raises(ValueError, match="remember must be True or False"):
+        session.ask(QUESTIONS[0], remember=1)
 
 
 def _layer0_keys(target, token_ids, positions):

@@ -163,3 +163,40 @@ def test_visual_heavy_scenario_runs_on_the_bundled_192px_vlm():
     json.dumps(result)
     with pytest.raises(ValueError, match="scenario"):
         vlm.VLMBenchConfig(scenario="video")
+
+
+def test_several_images_per_prompt_multiply_the_visual_tokens():
+    """``--images-per-prompt 2``: each prompt holds two held-out scenes (1,152 visual tokens); the
+    per-image count is still reported, the rows stay exact, and the stream scenario refuses it."""
+    from mmspec.bench import vlm
+
+    rows = ("none", "eagle", vlm._forced("prune", 16))
+    result = vlm.run(vlm.VLMBenchConfig(scenario="visual-heavy", prompts=1, max_new_tokens=8, rows=rows,
+                                        images_per_prompt=2))
+    setup = result["setup"]
+    assert setup["images_per_prompt"] == 2 and setup["image_tokens"] == 576
+    assert all(r["greedy_identical"] is True for r in result["rows"])
+    assert {r["method"]: r["visual_tokens_kept"] for r in result["rows"]} == {
+        "none": None, "eagle": 576, "specvlm-prune16": 36}
+    with pytest.raises(ValueError, match="images_per_prompt must be 1 for the stream scenario"):
+        vlm.VLMBenchConfig(scenario="stream", images_per_prompt=2)
+    with pytest.raises(ValueError, match="images_per_prompt must be an int >= 1"):
+        vlm.VLMBenchConfig(images_per_prompt=0)
+
+
+def test_stream_scenario_reports_latency_against_a_control():
+    """``--scenario stream`` at 5 rounds: every row's answers checked exact, the control's series
+    and each row's slope against it reported, the cache of one size, and the series as long as
+    the rounds."""
+    from mmspec.bench import vlm
+
+    result = vlm.run(vlm.VLMBenchConfig(scenario="stream", frames=20, rows=("none", "eagle"), check_every=2,
+                                        stream_new_tokens=8))
+    setup, by = result["setup"], {r["method"]: r for r in result["rows"]}
+    assert by["eagle"]["exact"] is True and by["eagle"]["checked"] == 3 and by["none"]["exact"] is None
+    assert all(r["answers"] == 5 and r["slope_vs_control_pct"] is not None for r in result["rows"])
+    series = setup["series"]
+    assert series["frames"] == [4, 8, 12, 16, 20]
+    assert all(len(series[k]) == 5 for k in ("resident_mb", "ms_control", "ms_none", "ms_eagle"))
+    assert setup["control_ms_first_10pct"] > 0 and setup["trimmed_mb_start"] > 0
+    json.dumps(result)

@@ -236,6 +236,11 @@ class VLMStream:
         r.answer = list(range(n + len(question), n + len(text)))
         r.frame = list(range(n + len(text), n + len(text) + len(frame)))
 
+    def discard_answer(self) -> None:
+        """After ``generate``: forget the question and answer it cached, so the context is what it
+        was at ``open_answer`` (an answer that does not join the stream)."""
+        self.cache.lengths = torch.full_like(self.cache.lengths, len(self.tokens))
+
     # -- StreamingVLM's pruning ------------------------------------------------------------------
     def _prune(self) -> None:
         i, p = self.round_index, self.policy

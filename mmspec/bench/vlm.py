@@ -20,7 +20,9 @@ after them, since timing each phase syncs the device): the head's draft time per
 and the target's verify time per pass (milliseconds), the visual tokens the head keeps per image
 and, for the gated row, how often the gate chose each branch. ``stream`` runs ``STREAM_ROWS`` on
 the bundled VLM's ``stream()`` session over 2,000 frames (``run_stream``: latency and memory over
-the stream, exactness against the target alone on forks).
+the stream, exactness against the target alone on forks). ``images_per_prompt`` (``--images-per-prompt
+K``) puts K held-out scenes in each prompt of ``scenes`` or ``visual-heavy``, one image part each:
+K times the visual tokens (the images' own count is reported per image).
 
 Per row: target passes per prompt (NFE, counted by a forward hook on the target, prefill
 included), tau = generated tokens per target pass after the prefill, ``(tokens - 1) / (NFE - 1)``
@@ -41,7 +43,7 @@ from pathlib import Path
 import torch
 
 from .. import methods
-from ..core.errors import check, check_choice
+from ..core.errors import check, check_choice, check_int
 from ..training.data.scene_qa import _DESCRIBE, SceneQADataset
 from ..training.recipes.common import heldout_seed
 
@@ -83,9 +85,13 @@ class VLMBenchConfig:
     chunk_frames: int = 4
     check_every: int = 25  # stream: every N-th round each row's answer is checked against none's (forked)
     stream_new_tokens: int = 32  # stream: an answer's length limit
+    images_per_prompt: int = 1  # scenes / visual-heavy: held-out scenes in each prompt, one image part each
 
     def __post_init__(self):
         check_choice("scenario", self.scenario, tuple(SCENARIOS))
+        check_int(self.images_per_prompt, "images_per_prompt", 1)
+        check(self.images_per_prompt == 1 or self.scenario != "stream", "images_per_prompt",
+              "1 for the stream scenario (its frames come in chunks: chunk_frames)", self.images_per_prompt)
         folder, rows = SCENARIOS[self.scenario]
         self.pipeline_dir = str(folder) if self.pipeline_dir is None else self.pipeline_dir
         self.rows = rows if self.rows is None else self.rows
@@ -206,14 +212,25 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     same frames and questions, rounds outer and rows inner (interleaved). Per row: answer latency
     (the question's feed and the decode) in ms, its least-squares slope in ms per 1,000 frames with
     a bootstrap interval (``stats.fit_slope``), the first and last 10% of rounds' mean latency,
-    NFE per answer, the context's longest length and the cache's bytes (fixed at the start), and
-    ``exact``: every ``check_every``-th round the row's answer equals the target alone's on a fork
-    of the same stream. ``rss_mb_start`` / ``rss_mb_end``: the process's peak resident set before
-    the first round and after the last; ``resident_mb_*``: its resident set after each round (mean
-    of the first and last 10% of rounds, and its slope in MB per 1,000 frames), and
-    ``trimmed_mb_*`` the same after glibc's ``malloc_trim(0)`` has returned the heap's free pages:
-    the first counts what the allocator keeps, the second what the process holds (None where
-    there is no glibc)."""
+    ``slope_vs_control_pct`` (below), NFE per answer, the context's longest length and the cache's
+    bytes (fixed at the start), and ``exact``: every ``check_every``-th round the row's answer equals the target alone's on the
+    same stream, asked first and forgotten (``remember=False``). ``rss_mb_start`` /
+    ``rss_mb_end``: the process's peak resident set before the first round and after the last;
+    ``resident_mb_*``: its resident set after each round (mean
+    of the first and last 10% of rounds, and its slope in MB per 1,000 frames with its interval).
+    ``trimmed_mb_start`` / ``trimmed_mb_end``: the resident set after glibc's ``malloc_trim(0)``
+    has returned the heap's free pages, before the first round and after the last (None where
+    there is no glibc): what the process holds rather than what the allocator keeps. ``series``:
+    per round its frames so far, the resident set and each row's answer milliseconds. The heap is
+    trimmed only there, never between rounds: a trim after every round made every later answer
+    slower (the pages it returns are faulted back in by the next round), by 50% over 2,000 frames
+    for the same work (docs/vlm.md).
+
+    ``slope_vs_control_pct``: the slope of the row's latency as a percentage of the control's in
+    the same round (per 1,000 frames, with its interval). The control is one more stream, pinned
+    once its windows are full and asked the same question every round without remembering it
+    (``ask(remember=False)``): the same work every round, so its own slope (``control_*`` in the
+    setup) is the machine's drift, which the ratio cancels."""
     import resource
 
     from ..pipelines import SpeculativeVLMPipeline
@@ -229,8 +246,16 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     labels = [_spec(r)[0] for r in cfg.rows]
     sessions = {label: pipe.stream(chunk_frames=cfg.chunk_frames, **STREAM_POLICY) for label in labels}
     acc = {label: dict(ms=[], nfe=[], longest=0, checked=0, exact=True) for label in labels}
+    # the control: one stream pinned once its windows are full, asked the same question every round
+    # and never remembering it, so every round it does the same work: the machine's own drift
+    control, control_ms = pipe.stream(chunk_frames=cfg.chunk_frames, **STREAM_POLICY), []
+    for i in range(STREAM_POLICY["vision_window"] + STREAM_POLICY["text_window"]):
+        control.add_frames([images[(i * cfg.chunk_frames + j) % len(images)] for j in range(cfg.chunk_frames)])
+        control.ask(STREAM_QUESTIONS[i % len(STREAM_QUESTIONS)], max_new_tokens=cfg.stream_new_tokens)
+    control.add_frames(images[: cfg.chunk_frames])
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    rss, trimmed = [], []  # the process's resident set after each round, MB (machine.rss_mb)
+    rss = []  # the process's resident set after each round, MB (machine.rss_mb)
+    trimmed = [rss_mb() if trim_heap() else None]
     nbytes = {label: s.stream.cache.nbytes() for label, s in sessions.items()}
     for i in range(rounds):
         if i % 50 == 0:
@@ -240,7 +265,7 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
         for label, method, knobs in (_spec(r) for r in cfg.rows):
             session, a = sessions[label], acc[label]
             session.add_frames(chunk)
-            ref = session.fork().ask(question, max_new_tokens=cfg.stream_new_tokens) \
+            ref = session.ask(question, max_new_tokens=cfg.stream_new_tokens, remember=False) \
                 if i % cfg.check_every == 0 and method != "none" else None
             out = session.ask(question, method=method, method_knobs=knobs or None,
                               max_new_tokens=cfg.stream_new_tokens)
@@ -252,8 +277,10 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
                 a["exact"] = a["exact"] and out.tokens == ref.tokens
             check(session.stream.cache.nbytes() == nbytes[label], "the stream's cache", "of a fixed size",
                   session.stream.cache.nbytes())
+        out = control.ask(STREAM_QUESTIONS[0], max_new_tokens=cfg.stream_new_tokens, remember=False)
+        control_ms.append(1e3 * out.stats["seconds"])
         rss.append(rss_mb())
-        trimmed.append(rss_mb() if trim_heap() else None)
+    trimmed.append(rss_mb() if trim_heap() else None)
     rows = []
     frames = [(i + 1) * cfg.chunk_frames for i in range(rounds)]
     tenth = max(1, rounds // 10)
@@ -261,14 +288,16 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     for label in labels:
         a = acc[label]
         fit = fit_slope(frames, a["ms"])
+        rel = fit_slope(frames, [100 * m / c for m, c in zip(a["ms"], control_ms)])
         rows.append(dict(method=label, frames=cfg.frames, answers=rounds, ms_per_answer=sum(a["ms"]) / rounds,
                          ms_first_10pct=sum(a["ms"][:tenth]) / tenth, ms_last_10pct=sum(a["ms"][-tenth:]) / tenth,
                          slope_ms_per_1000_frames=fit["slope"], slope_ci=[fit["ci_low"], fit["ci_high"]],
+                         slope_vs_control_pct=rel["slope"], slope_vs_control_ci=[rel["ci_low"], rel["ci_high"]],
                          nfe_per_answer=sum(a["nfe"]) / rounds, longest_context=a["longest"],
                          cache_mb=nbytes[label] / 2 ** 20, wall_speedup=base / sum(a["ms"]),
                          exact=a["exact"] if a["checked"] else None, checked=a["checked"]))
     rss_fit = fit_slope(frames, rss)
-    trim_fit = fit_slope(frames, trimmed) if None not in trimmed else {}
+    drift = fit_slope(frames, control_ms)
     setup = dict(scenario="stream", pipeline=cfg.pipeline_dir, device=cfg.device, frames=cfg.frames,
                  chunk_frames=cfg.chunk_frames, max_new_tokens=cfg.stream_new_tokens, policy=STREAM_POLICY,
                  threads=torch.get_num_threads(), rss_mb_start=rss0,
@@ -276,10 +305,11 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
                  resident_mb_first_10pct=sum(rss[:tenth]) / tenth, resident_mb_last_10pct=sum(rss[-tenth:]) / tenth,
                  resident_slope_mb_per_1000_frames=rss_fit.get("slope"),
                  resident_slope_ci=[rss_fit.get("ci_low"), rss_fit.get("ci_high")],
-                 trimmed_mb_first_10pct=None if None in trimmed else sum(trimmed[:tenth]) / tenth,
-                 trimmed_mb_last_10pct=None if None in trimmed else sum(trimmed[-tenth:]) / tenth,
-                 trimmed_slope_mb_per_1000_frames=trim_fit.get("slope"),
-                 trimmed_slope_ci=[trim_fit.get("ci_low"), trim_fit.get("ci_high")],
+                 trimmed_mb_start=trimmed[0], trimmed_mb_end=trimmed[1],
+                 control_ms_first_10pct=sum(control_ms[:tenth]) / tenth,
+                 control_ms_last_10pct=sum(control_ms[-tenth:]) / tenth,
+                 control_slope_ms_per_1000_frames=drift["slope"], control_slope_ci=[drift["ci_low"], drift["ci_high"]],
+                 series=dict(frames=frames, resident_mb=rss, ms_control=control_ms, **{f"ms_{label}": acc[label]["ms"] for label in labels}),
                  wall_speedup=f"answer time of {labels[0]} over the row's, same stream contents",
                  order="rounds outer, rows inner; each row its own stream of the same frames and questions")
     return dict(bench="vlm", setup=setup, rows=rows, notes=[])
@@ -302,8 +332,10 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
     on_cpu = torch.device(cfg.device).type == "cpu"
     pipe.enable_phase_timing(heavy and on_cpu)  # elsewhere its per-phase syncs would slow the timed calls
     resolution = pipe.processor.image_processor.crop_size["height"]
-    images, prompts = bench_prompts(cfg.prompts, resolution)
-    image_tokens = pipe.prepare_inputs(images[:1], prompts[:1])[0][0].count(pipe.target.config.image_token_id)
+    K = cfg.images_per_prompt
+    scenes, prompts = bench_prompts(cfg.prompts * K, resolution)
+    images = scenes if K == 1 else [scenes[i * K : (i + 1) * K] for i in range(cfg.prompts)]  # a prompt's K images
+    image_tokens = pipe.prepare_inputs(images[:1], prompts[:1])[0][0].count(pipe.target.config.image_token_id) // K
     folder = Path(cfg.pipeline_dir)
     notes, specs = [], []
     for label, method, knobs in (_spec(r) for r in cfg.rows):
@@ -401,7 +433,7 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
                      + ("with" if by_name["hf-assisted"]["assistant_sees_image"] else "without")
                      + " its image (vision-tower calls counted); it refuses batches larger than 1")
     setup = dict(scenario=cfg.scenario, pipeline=cfg.pipeline_dir, device=cfg.device, resolution=resolution,
-                 image_tokens=image_tokens, phase_timing="during the timed calls" if on_cpu else
+                 images_per_prompt=K, image_tokens=image_tokens, phase_timing="during the timed calls" if on_cpu else
                  "one more round after them, synced after every phase",
                  prompts=cfg.prompts, max_new_tokens=cfg.max_new_tokens, batch_size=1, temperature=0.0,
                  threads=torch.get_num_threads(), transformers=transformers_version,
@@ -425,6 +457,7 @@ VLM_COLUMNS = [
     ("gate_choices", "gate chose"), ("answers", "answers"), ("ms_per_answer", "ms/answer"),
     ("ms_first_10pct", "ms first 10%"), ("ms_last_10pct", "ms last 10%"),
     ("slope_ms_per_1000_frames", "slope ms/1000 frames"), ("slope_ci", "slope 95% CI"),
+    ("slope_vs_control_pct", "slope vs control %/1000 frames"), ("slope_vs_control_ci", "vs control 95% CI"),
     ("nfe_per_answer", "NFE/answer"), ("longest_context", "longest context"), ("cache_mb", "cache MB"),
     ("exact", "= none"),
 ]

@@ -67,7 +67,8 @@ def _ar_image(args):
 def _vlm(args):
     from ..bench import vlm
 
-    cfg = (vlm.VLMBenchConfig.quick if args.quick else vlm.VLMBenchConfig)(scenario=args.scenario or "scenes")
+    cfg = (vlm.VLMBenchConfig.quick if args.quick else vlm.VLMBenchConfig)(
+        scenario=args.scenario or "scenes", images_per_prompt=args.images_per_prompt or 1)
     if args.pipeline is not None:
         cfg.pipeline_dir = args.pipeline
     return vlm.run(cfg, progress=_progress(args)), vlm.VLM_COLUMNS
@@ -197,6 +198,9 @@ def register_subcommand(subparsers) -> None:
                             "(the 192 px VLM, 576 per image: eagle, specvlm's gate and forced branches, vispec, "
                             "medusa) or stream (2,000 frames in chunks of 4, a question each chunk, on the bounded "
                             "stream cache: latency slope, cache size, exactness)")
+    bench.add_argument("--images-per-prompt", type=positive_int, metavar="K",
+                       help="vlm only, scenes and visual-heavy: held-out scenes per prompt (default 1), one image "
+                            "part each before the question: K times the visual tokens")
     bench.add_argument("--images", type=positive_int, metavar="N",
                        help="ar-image only: images per method (default 128, 16 with --quick); KID intervals "
                             "narrow as 1/sqrt(N); p vs none is exact at any N")
@@ -237,7 +241,8 @@ _ONLY = (("--pipeline", "pipeline", ("vlm", "video", "adapt", "cost")), ("--fram
          ("--videos-per-prompt", "videos_per_prompt", ("video",)), ("--methods", "methods", ("video",)),
          ("--images", "images", ("ar-image",)), ("--gpu-curve", "gpu_curve", ("cost",)),
          ("--target", "target", ("cost", "auto")), ("--quality", "quality", ("cost",)),
-         ("--profile-out", "profile_out", ("cost",)), ("--scenario", "scenario", ("vlm",)))
+         ("--profile-out", "profile_out", ("cost",)), ("--scenario", "scenario", ("vlm",)),
+         ("--images-per-prompt", "images_per_prompt", ("vlm",)))
 
 
 def check(args) -> None:
