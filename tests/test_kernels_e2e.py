@@ -132,66 +132,6 @@ top_k = LogitsProcessor(temperature=0.8, top_k=12, guidance_scale=2.0)
 gsd = GroupedAcceptance(target.embed.weight, GroupedAcceptanceConfig(p_threshold=0.1, d_threshold=24.0,
                                                                      half_width=4))
 per_row = lambda: [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
-torch.save(out, sys.argv[2])
-'''
-
-
-TORCH = {"MMSPEC_KERNELS": "torch"}
-TRITON = {"MMSPEC_KERNELS": "triton", "TRITON_INTERPRET": "1"}
-
-
-def _run(tmp_path: Path, env: dict, script: str = _SCRIPT) -> dict:
-    dst = tmp_path / f"out-{env.get('MMSPEC_KERNELS')}.pt"
-    proc = subprocess.run([sys.executable, "-c", script, str(TESTS), str(dst)], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=900)
-    if proc.returncode != 0:
-        pytest.fail(f"decoding failed ({env}):\n{proc.stderr[-4000:]}", pytrace=False)
-    return torch.load(dst, weights_only=False)  # our own child's tensors, dicts and ints
-
-
-@pytest.mark.skipif(not dispatch.TRITON_AVAILABLE, reason="triton is not installed")
-def test_greedy_with_kernels_forced_equals_the_torch_path(tmp_path):
-    torch_path = _run(tmp_path, TORCH)
-    kernels = _run(tmp_path, TRITON)
-    assert torch_path["calls"] == {"tree": 0, "rolling": 0}
-    # the tree method's passes all went through the tree kernel, the rolling streams through the rolling one
-    assert kernels["calls-tree"]["tree"] > 20 and kernels["calls-tree"]["rolling"] == 0
-    assert kernels["calls"]["rolling"] > 40
-    for name in ("tree", "rolling", "rolling-tree"):
-        assert torch.equal(kernels[name], torch_path[name]), name
-    # the streams really rolled (2 + 9 kept tokens; prompts of 3 and 10, 24 new tokens): both rows
-    # differ from decoding with everything kept
-    assert all(r != s for r, s in zip(torch_path["rolling"].tolist(), torch_path["static"].tolist()))
-
-
-# Chain methods through the decoder; every accept step of a chain is the fused kernel's when forced.
-_ACCEPT_SCRIPT = r'''
-import sys, torch
-sys.path.insert(0, sys.argv[1])
-torch.set_num_threads(1)
-import mmspec.core.fused as fused_mod
-from mmspec.core import (GroupedAcceptance, GroupedAcceptanceConfig, JacobiDrafter, LogitsProcessor,
-                         ModelChainDrafter, NextSetSchedule, SpeculativeDecoder)
-from tiny import tiny_lm
-from mmspec.bench.synthetic import perturbed_copy
-
-calls = [0]
-def counted(*a, _f=fused_mod.guided_accept_triton, **k):
-    calls[0] += 1
-    return _f(*a, **k)
-fused_mod.guided_accept_triton = counted
-
-V, N = 48, 16
-PROMPTS, UNCOND = [[5, 9, 2], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]], [[0], [0, 0]]
-target = tiny_lm(0, vocab_size=V, dim=32, n_layers=2, init_std=0.5)
-draft = perturbed_copy(target, noise=0.05, seed=1)
-greedy = LogitsProcessor(temperature=0, guidance_scale=2.0)
-sampled = LogitsProcessor(temperature=1.0, guidance_scale=2.0)
-top_k = LogitsProcessor(temperature=0.8, top_k=12, guidance_scale=2.0)
-# groups wide enough to hold other tokens (the tiny LM's embeddings are ~16 apart, squared)
-gsd = GroupedAcceptance(target.embed.weight, GroupedAcceptanceConfig(p_threshold=0.1, d_threshold=24.0,
-                                                                     half_width=4))
-per_row = lambda: [torch.Generator().manual_seed(7), torch.Generator().manual_seed(8)]
 RUNS = {
     "sd-greedy": (dict(drafter=ModelChainDrafter(draft, gamma=4), processor=greedy), lambda: None),
     "sd-sampled": (dict(drafter=ModelChainDrafter(draft, gamma=4), processor=sampled), per_row),
