@@ -221,16 +221,17 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     ``trimmed_mb_start`` / ``trimmed_mb_end``: the resident set after glibc's ``malloc_trim(0)``
     has returned the heap's free pages, before the first round and after the last (None where
     there is no glibc): what the process holds rather than what the allocator keeps. ``series``:
-    per round its frames so far, the resident set and each row's answer milliseconds. The heap is
+    per round its frames so far, the resident set and each row's and control's milliseconds. The heap is
     trimmed only there, never between rounds: a trim after every round made every later answer
     slower (the pages it returns are faulted back in by the next round), by 50% over 2,000 frames
     for the same work (docs/vlm.md).
 
-    ``slope_vs_control_pct``: the slope of the row's latency as a percentage of the control's in
-    the same round (per 1,000 frames, with its interval). The control is one more stream, pinned
-    once its windows are full and asked the same question every round without remembering it
-    (``ask(remember=False)``): the same work every round, so its own slope (``control_*`` in the
-    setup) is the machine's drift, which the ratio cancels."""
+    ``control_*``: the row's control, a stream pinned once its windows are full (a fork of one
+    stream for every row) and asked the same question by the row's method every round without
+    remembering it (``ask(remember=False)``). It does the same work every round, so its slope is
+    the machine's drift for that kind of work. ``slope_vs_control_pct``: the slope of the row's
+    latency as a percentage of its control's in the same round (per 1,000 frames, with its
+    interval), which cancels that drift."""
     import resource
 
     from ..pipelines import SpeculativeVLMPipeline
@@ -246,13 +247,15 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     labels = [_spec(r)[0] for r in cfg.rows]
     sessions = {label: pipe.stream(chunk_frames=cfg.chunk_frames, **STREAM_POLICY) for label in labels}
     acc = {label: dict(ms=[], nfe=[], longest=0, checked=0, exact=True) for label in labels}
-    # the control: one stream pinned once its windows are full, asked the same question every round
-    # and never remembering it, so every round it does the same work: the machine's own drift
-    control, control_ms = pipe.stream(chunk_frames=cfg.chunk_frames, **STREAM_POLICY), []
+    # each row's control: a stream pinned once its windows are full, asked the same question by the
+    # row's method every round and never remembering it, so every round it does the same work
+    pinned = pipe.stream(chunk_frames=cfg.chunk_frames, **STREAM_POLICY)
     for i in range(STREAM_POLICY["vision_window"] + STREAM_POLICY["text_window"]):
-        control.add_frames([images[(i * cfg.chunk_frames + j) % len(images)] for j in range(cfg.chunk_frames)])
-        control.ask(STREAM_QUESTIONS[i % len(STREAM_QUESTIONS)], max_new_tokens=cfg.stream_new_tokens)
-    control.add_frames(images[: cfg.chunk_frames])
+        pinned.add_frames([images[(i * cfg.chunk_frames + j) % len(images)] for j in range(cfg.chunk_frames)])
+        pinned.ask(STREAM_QUESTIONS[i % len(STREAM_QUESTIONS)], max_new_tokens=cfg.stream_new_tokens)
+    pinned.add_frames(images[: cfg.chunk_frames])
+    controls = {label: pinned.fork() for label in labels}
+    control_ms = {label: [] for label in labels}
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     rss = []  # the process's resident set after each round, MB (machine.rss_mb)
     trimmed = [rss_mb() if trim_heap() else None]
@@ -277,8 +280,9 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
                 a["exact"] = a["exact"] and out.tokens == ref.tokens
             check(session.stream.cache.nbytes() == nbytes[label], "the stream's cache", "of a fixed size",
                   session.stream.cache.nbytes())
-        out = control.ask(STREAM_QUESTIONS[0], max_new_tokens=cfg.stream_new_tokens, remember=False)
-        control_ms.append(1e3 * out.stats["seconds"])
+            out = controls[label].ask(STREAM_QUESTIONS[0], method=method, method_knobs=knobs or None,
+                                      max_new_tokens=cfg.stream_new_tokens, remember=False)
+            control_ms[label].append(1e3 * out.stats["seconds"])
         rss.append(rss_mb())
     trimmed.append(rss_mb() if trim_heap() else None)
     rows = []
@@ -288,16 +292,19 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     for label in labels:
         a = acc[label]
         fit = fit_slope(frames, a["ms"])
-        rel = fit_slope(frames, [100 * m / c for m, c in zip(a["ms"], control_ms)])
+        rel = fit_slope(frames, [100 * m / c for m, c in zip(a["ms"], control_ms[label])])
+        drift, c = fit_slope(frames, control_ms[label]), control_ms[label]
         rows.append(dict(method=label, frames=cfg.frames, answers=rounds, ms_per_answer=sum(a["ms"]) / rounds,
                          ms_first_10pct=sum(a["ms"][:tenth]) / tenth, ms_last_10pct=sum(a["ms"][-tenth:]) / tenth,
                          slope_ms_per_1000_frames=fit["slope"], slope_ci=[fit["ci_low"], fit["ci_high"]],
+                         control_ms_first_10pct=sum(c[:tenth]) / tenth, control_ms_last_10pct=sum(c[-tenth:]) / tenth,
+                         control_slope_ms_per_1000_frames=drift["slope"],
+                         control_slope_ci=[drift["ci_low"], drift["ci_high"]],
                          slope_vs_control_pct=rel["slope"], slope_vs_control_ci=[rel["ci_low"], rel["ci_high"]],
                          nfe_per_answer=sum(a["nfe"]) / rounds, longest_context=a["longest"],
                          cache_mb=nbytes[label] / 2 ** 20, wall_speedup=base / sum(a["ms"]),
                          exact=a["exact"] if a["checked"] else None, checked=a["checked"]))
     rss_fit = fit_slope(frames, rss)
-    drift = fit_slope(frames, control_ms)
     setup = dict(scenario="stream", pipeline=cfg.pipeline_dir, device=cfg.device, frames=cfg.frames,
                  chunk_frames=cfg.chunk_frames, max_new_tokens=cfg.stream_new_tokens, policy=STREAM_POLICY,
                  threads=torch.get_num_threads(), rss_mb_start=rss0,
@@ -306,10 +313,8 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
                  resident_slope_mb_per_1000_frames=rss_fit.get("slope"),
                  resident_slope_ci=[rss_fit.get("ci_low"), rss_fit.get("ci_high")],
                  trimmed_mb_start=trimmed[0], trimmed_mb_end=trimmed[1],
-                 control_ms_first_10pct=sum(control_ms[:tenth]) / tenth,
-                 control_ms_last_10pct=sum(control_ms[-tenth:]) / tenth,
-                 control_slope_ms_per_1000_frames=drift["slope"], control_slope_ci=[drift["ci_low"], drift["ci_high"]],
-                 series=dict(frames=frames, resident_mb=rss, ms_control=control_ms, **{f"ms_{label}": acc[label]["ms"] for label in labels}),
+                 series=dict(frames=frames, resident_mb=rss, **{f"ms_{label}": acc[label]["ms"] for label in labels},
+                             **{f"ms_control_{label}": control_ms[label] for label in labels}),
                  wall_speedup=f"answer time of {labels[0]} over the row's, same stream contents",
                  order="rounds outer, rows inner; each row its own stream of the same frames and questions")
     return dict(bench="vlm", setup=setup, rows=rows, notes=[])
@@ -457,6 +462,7 @@ VLM_COLUMNS = [
     ("gate_choices", "gate chose"), ("answers", "answers"), ("ms_per_answer", "ms/answer"),
     ("ms_first_10pct", "ms first 10%"), ("ms_last_10pct", "ms last 10%"),
     ("slope_ms_per_1000_frames", "slope ms/1000 frames"), ("slope_ci", "slope 95% CI"),
+    ("control_slope_ms_per_1000_frames", "control slope ms/1000 frames"), ("control_slope_ci", "control 95% CI"),
     ("slope_vs_control_pct", "slope vs control %/1000 frames"), ("slope_vs_control_ci", "vs control 95% CI"),
     ("nfe_per_answer", "NFE/answer"), ("longest_context", "longest context"), ("cache_mb", "cache MB"),
     ("exact", "= none"),
