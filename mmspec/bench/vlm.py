@@ -222,9 +222,8 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     has returned the heap's free pages, before the first round and after the last (None where
     there is no glibc): what the process holds rather than what the allocator keeps. ``series``:
     per round its frames so far, the resident set and each row's and control's milliseconds. The heap is
-    trimmed only there, never between rounds: a trim after every round made every later answer
-    slower (the pages it returns are faulted back in by the next round), by 50% over 2,000 frames
-    for the same work (docs/vlm.md).
+    trimmed only there, never between rounds: with a trim after every round the same work grew
+    50% slower over 2,000 frames (docs/vlm.md).
 
     ``control_*``: the row's control, a stream pinned once its windows are full (a fork of one
     stream for every row) and asked the same question by the row's method every round without
