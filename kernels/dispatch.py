@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from mmspec.utils.errors import check, check_int
+from mmspec.utils.errors import check
 
 try:
     import triton  # noqa: F401

@@ -34,7 +34,9 @@ from typing import NamedTuple
 
 import torch
 
-from .dispatch import TRITON_AVAILABLE, check, check_int, dtype_problem, preferred, use_triton
+from mmspec.utils.errors import check, check_int
+
+from .dispatch import TRITON_AVAILABLE, dtype_problem, preferred, use_triton
 from .residual import residual_distribution_reference
 from .torch_ops import inverse_cdf as torch_inverse_cdf
 from .torch_ops import logits_to_probs

@@ -35,8 +35,10 @@ from typing import Callable
 import torch
 from torch.nn import functional as F
 
+from mmspec.utils.errors import check, check_int
+
 from . import splitk
-from .dispatch import TRITON_AVAILABLE, check, check_int, dtype_problem, interpreted, preferred, use_triton
+from .dispatch import TRITON_AVAILABLE, dtype_problem, interpreted, preferred, use_triton
 
 if TRITON_AVAILABLE:
     import triton

@@ -25,7 +25,9 @@ from typing import NamedTuple
 
 import torch
 
-from .dispatch import TRITON_AVAILABLE, check, check_int
+from mmspec.utils.errors import check, check_int
+
+from .dispatch import TRITON_AVAILABLE
 
 if TRITON_AVAILABLE:
     import triton

@@ -24,7 +24,9 @@ from torch.nn import functional as F
 
 from . import splitk
 from .torch_ops import visibility_mask
-from .dispatch import TRITON_AVAILABLE, check, dtype_problem, interpreted, preferred, use_triton
+from mmspec.utils.errors import check
+
+from .dispatch import TRITON_AVAILABLE, dtype_problem, interpreted, preferred, use_triton
 
 if TRITON_AVAILABLE:
     import triton

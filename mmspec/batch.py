@@ -150,7 +150,6 @@ def parse_job(raw: dict, line: int, base: Path, from_csv: bool = False) -> Job:
     check(isinstance(job_id, str) and _ID.fullmatch(job_id) is not None, "id",
           "a file-name stem: letters, digits, '.', '_', '-' (at most 128, not starting with '.')", job_id)
     kind = raw.get("kind")
-    check(kind in serve.SPECS, "kind", "one of " + ", ".join(repr(k) for k in serve.SPECS), kind)
     spec = serve.spec(kind)
     method = raw.get("method", spec.default_method)
     serve.resolve(kind, method, {})  # an unknown method: named, with the allowed ones
@@ -354,7 +353,7 @@ def _write(out: Path, job: Job, result: serve.Result) -> None:
     text written to a temporary file and renamed (``mmspec.utils.atomic``)."""
     if result.frames is not None:
         p = job.params
-        serve.write_video(result.frames, out / job.output, fps=p.get("fps", 16), scale=p.get("scale", 1))
+        serve.write_video(result.frames, out / job.output, fps=p["fps"], scale=p["scale"])
     else:
         with atomic_path(out / job.output) as tmp:
             tmp.write_bytes(_encode(result))

@@ -135,15 +135,15 @@ def _check_unit_range(values: torch.Tensor, name: str, hint: str) -> None:
         raise ValueError(f"{name} values must be floats in [0, 1] ({hint}), got values in [{lo:g}, {hi:g}]")
 
 
-def check_images(images, count: int, name: str = "images", several: bool = False) -> list:
-    """One image per prompt (``count``): a single image when ``count`` is 1, else a list. With
-    ``several``, a prompt's image may also be a non-empty list of images (its images, in order)."""
-    what = "one image (or a list of images) per prompt" if several else "one image per prompt"
+def check_images(images, count: int, name: str = "images") -> list:
+    """One image per prompt (``count``): a single image when ``count`` is 1, else a list, where a
+    prompt's image may also be a non-empty list of images (its images, in order)."""
+    what = "one image (or a list of images) per prompt"
     check(images is not None, name, f"{what} ({count})", None)
     images = list(images) if isinstance(images, (list, tuple)) else [images]
     check(len(images) == count, name, f"{what} ({count})", f"{len(images)} images")
     for i, image in enumerate(images):
-        if several and isinstance(image, (list, tuple)):
+        if isinstance(image, (list, tuple)):
             check(len(image) > 0, f"{name}[{i}]", "an image or a non-empty list of images", image)
             for j, one in enumerate(image):
                 check_image(one, f"{name}[{i}][{j}]")

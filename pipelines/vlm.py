@@ -169,7 +169,7 @@ class SpeculativeVLMPipeline(SpeculativePipeline):
             self.check_method(method, method_knobs)
         prompts = checks.check_prompts(prompts, "prompts")
         if videos is None:
-            checks.check_images(images, len(prompts), "images", several=True)
+            checks.check_images(images, len(prompts), "images")
         else:
             check(self.views()[0].mrope, "videos", f"None for a {type(self.target).__name__} target (videos: "
                   "Qwen2-VL, Qwen2.5-VL)", "videos")

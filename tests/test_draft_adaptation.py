@@ -65,6 +65,20 @@ def test_methods_without_a_head_leave_the_buffer_alone(pipe):
         pipe.disable_draft_adaptation()
 
 
+def test_calls_with_several_images_for_a_prompt_are_not_adapted_on(pipe):
+    """A call where a prompt holds two images is served but not observed (its rows cannot be split
+    one image per answer); the next single-image call is."""
+    adaptation = pipe.enable_draft_adaptation(every=100)
+    try:
+        a, b = images(2)
+        pipe([[a, b]], [QUESTION], max_new_tokens=8, method="eagle")
+        assert adaptation.served == 0
+        pipe([a], [QUESTION], max_new_tokens=8, method="eagle")
+        assert adaptation.served == 1
+    finally:
+        pipe.disable_draft_adaptation()
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(lr=0), "lr must be a number > 0"),
     (dict(every=0), "every must be an int >= 1"),

@@ -138,12 +138,12 @@ def test_kernel_step_reads_the_bench(monkeypatch, tmp_path):
 
 
 def test_kernel_summary_shows_every_timing():
-    """Small-shape rows in ms, projected rows from their ``measured_*_us`` (the first GPU report
-    printed "not timed" beside four timed projected rows), SDPA where timed, and why a row was not."""
+    """Small-shape and GPU-shape rows in ms (the first GPU report printed "not timed" beside four
+    timed large rows), SDPA where timed, and why a row was not."""
     rows = [{"kernel": "tree_attention", "shape": "s", "dtype": "float16", "correct": True, "kernel_ms": 0.124,
              "reference_ms": 0.318, "sdpa_ms": 0.048},
-            {"kernel": "rolling_attention", "shape": "big", "dtype": "bfloat16", "projected": True, "correct": True,
-             "measured_kernel_us": 166891.3, "measured_torch_us": 7428.2, "measured_sdpa_us": 5317.9},
+            {"kernel": "rolling_attention", "shape": "big", "dtype": "bfloat16", "gpu_shape": True, "correct": True,
+             "kernel_ms": 166.8913, "reference_ms": 7.4282, "sdpa_ms": 5.3179},
             {"kernel": "guided_accept", "shape": "b", "dtype": "float32", "correct": None,
              "note": "not run: the bench's 70 s budget (budget_s) was spent"}]
     lines = gc._step_lines({"name": "kernels", "summary": {"rows": rows}})

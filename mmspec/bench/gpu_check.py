@@ -237,17 +237,12 @@ def format_summary(report: dict) -> str:
 
 
 def _timing(row: dict) -> str:
-    """A kernel row's times in ms: the small shapes' ``*_ms``, or a projected row's
-    ``measured_*_us`` (the projected shape built and timed on the GPU); ``sdpa`` where timed, and
+    """A kernel row's times in ms (``*_ms``, small and GPU shapes alike); ``sdpa`` where timed, and
     the ratio sdpa / kernel and the key splits where the row has them."""
     number = lambda v: isinstance(v, (int, float))  # noqa: E731
     if number(row.get("kernel_ms")) and number(row.get("reference_ms")):
         times = {"kernel": row["kernel_ms"], "reference": row["reference_ms"], "sdpa": row.get("sdpa_ms")}
         ratio = row.get("sdpa_speedup")
-    elif number(row.get("measured_kernel_us")) and number(row.get("measured_torch_us")):
-        times = {"kernel": row["measured_kernel_us"] / 1e3, "reference": row["measured_torch_us"] / 1e3,
-                 "sdpa": row["measured_sdpa_us"] / 1e3 if number(row.get("measured_sdpa_us")) else None}
-        ratio = row.get("measured_sdpa_speedup")
     else:
         return "not timed" + (f" ({row['note']})" if row.get("note") else "")
     out = [f"{k} {v:.4f} ms" for k, v in times.items() if number(v)]
@@ -428,10 +423,9 @@ def step_kernels(out: Path, timeout: float, dry_run: bool) -> dict:
     if rc != 0 or not path.is_file():
         return {"status": "error", "reason": f"mmspec bench kernels exit {rc}: {_tail(text, 8)}", "summary": {}}
     result = json.loads(path.read_text())
-    keep = ("kernel", "shape", "dtype", "sweep_keys", "measured", "projected", "correct", "decisions_equal",
-            "max_abs_err", "tolerance", "kernel_ms", "reference_ms", "speedup", "sdpa_ms", "sdpa_speedup",
-            "measured_kernel_us", "measured_torch_us", "measured_speedup", "measured_sdpa_us",
-            "measured_sdpa_speedup", "num_splits", "h100_us", "torch_h100_us", "projected_speedup", "note")
+    keep = ("kernel", "shape", "dtype", "gpu_shape", "device", "sweep_keys", "measured", "correct",
+            "decisions_equal", "max_abs_err", "tolerance", "kernel_ms", "reference_ms", "speedup", "sdpa_ms",
+            "sdpa_speedup", "num_splits", "note")
     rows = [{k: r[k] for k in keep if k in r} for r in result["rows"]]
     ran = [r for r in rows if r.get("measured")]
     wrong = [r for r in ran if r.get("correct") is False]

@@ -226,8 +226,8 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     50% slower over 2,000 frames (docs/vlm.md).
 
     ``control_*``: the row's control, a stream pinned once its windows are full (a fork of one
-    stream for every row) and asked the same question by the row's method every round without
-    remembering it (``ask(remember=False)``). It does the same work every round, so its slope is
+    stream for every row) and asked one fixed question (the first of ``STREAM_QUESTIONS``) by the
+    row's method every round without remembering it (``ask(remember=False)``). It does the same work every round, so its slope is
     the machine's drift for that kind of work. ``slope_vs_control_pct``: the slope of the row's
     latency as a percentage of its control's in the same round (per 1,000 frames, with its
     interval), which cancels that drift."""
@@ -246,7 +246,7 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
     labels = [_spec(r)[0] for r in cfg.rows]
     sessions = {label: pipe.stream(chunk_frames=cfg.chunk_frames, **STREAM_POLICY) for label in labels}
     acc = {label: dict(ms=[], nfe=[], longest=0, checked=0, exact=True) for label in labels}
-    # each row's control: a stream pinned once its windows are full, asked the same question by the
+    # each row's control: a stream pinned once its windows are full, asked one fixed question by the
     # row's method every round and never remembering it, so every round it does the same work
     pinned = pipe.stream(chunk_frames=cfg.chunk_frames, **STREAM_POLICY)
     for i in range(STREAM_POLICY["vision_window"] + STREAM_POLICY["text_window"]):
@@ -292,7 +292,8 @@ def run_stream(cfg: VLMBenchConfig, progress=None) -> dict:
         a = acc[label]
         fit = fit_slope(frames, a["ms"])
         rel = fit_slope(frames, [100 * m / c for m, c in zip(a["ms"], control_ms[label])])
-        drift, c = fit_slope(frames, control_ms[label]), control_ms[label]
+        c = control_ms[label]
+        drift = fit_slope(frames, c)
         rows.append(dict(method=label, frames=cfg.frames, answers=rounds, ms_per_answer=sum(a["ms"]) / rounds,
                          ms_first_10pct=sum(a["ms"][:tenth]) / tenth, ms_last_10pct=sum(a["ms"][-tenth:]) / tenth,
                          slope_ms_per_1000_frames=fit["slope"], slope_ci=[fit["ci_low"], fit["ci_high"]],

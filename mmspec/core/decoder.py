@@ -273,10 +273,10 @@ class SpeculativeDecoder:
             finished = _host_read(state, done)
             step += 1
             if callback is not None:
-                logits = state.processor
+                processor = state.processor
                 stop = callback(step, state) is True
-                if state.processor is not logits:
-                    _check_swapped_logits(logits, state.processor)
+                if state.processor is not processor:
+                    _check_swapped_processor(processor, state.processor)
                 if stop:
                     break  # interrupted by the caller: every row keeps what it has emitted
 
@@ -567,7 +567,7 @@ def _host_read(state: DecodeState, done: torch.Tensor) -> bool:
     return bool(values[0])
 
 
-def _check_swapped_logits(old, new) -> None:
+def _check_swapped_processor(old, new) -> None:
     """A callback's new ``state.processor``: ``old`` with another guidance scale, still guided
     exactly when ``old`` was (the uncond rows exist only when the prefill had them)."""
     same_kind = type(new) is type(old) and dataclasses.replace(new, guidance_scale=old.guidance_scale) == old

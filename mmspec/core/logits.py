@@ -98,7 +98,7 @@ class LogitsProcessor:
     def record_tests(self, stats, drafted: int, accepted: torch.Tensor, emitting: torch.Tensor) -> None:
         """Count a pass's accept tests (``accepted`` (B,) prefix lengths, of the ``emitting`` (B,)
         rows) in ``stats`` where this token space reports them per test (``Stats.record_tests``):
-        token ids report acceptance per pass instead, and read nothing here (no host sync)."""
+        token ids report acceptance per pass instead, so this does nothing."""
 
 
 def argmax_ids(p: torch.Tensor) -> torch.Tensor:

@@ -18,8 +18,6 @@ so one backbone serves both heads; for the default cosine schedule ``b ~ 0.006``
   without Vector Quantization"; DDPM cosine schedule, learned-range variance, respaced sampling)
   -> ``DiffusionTokens``: densities on the whole denoising path, scored by the target in one
   batched head call, emitting the target's last step (the ``path`` rule).
-- ``CSpDAcceptance``: CSpD's reference accept test and residual (lossy), a relaxed rule of the
-  core (``mmspec.core.relaxed``), importable here too; it reads ``DiffusionTokens.aligned``.
 
 Densities are float64; networks run in their own dtype.
 """
@@ -38,10 +36,9 @@ from ..core.distributions import (LOG_2PI, DensityProcessor, Draw, HeadMeter, To
                                   state_latent_token)
 from ..core.errors import check, check_int, is_int
 from ..core.logits import cfg_merge
-from ..core.relaxed import CSpDAcceptance
 from ..core.sampling import Generators, inverse_cdf, rand, randn
 
-__all__ = ["CSpDAcceptance", "DiffusionHead", "DiffusionSchedule", "DiffusionTokens", "GaussianMixture",
+__all__ = ["DiffusionHead", "DiffusionSchedule", "DiffusionTokens", "GaussianMixture",
            "GaussianMixtureHead", "SimpleMLPAdaLN"]
 
 

@@ -23,11 +23,8 @@ def scene(index: int) -> np.ndarray:
     """Bundled procedural scene ``index`` (held out from training) as a (64, 64, 3) uint8 array: the
     PNG ``assets/vlm/scenes/<index>.png`` (two digits), one of the 16 held-out scenes the VLM bench
     asks about first, saved by ``mmspec.training.recipes.vlm.save_heldout_scenes``."""
-    import PIL.Image
-
     check(is_int(index) and 0 <= index < 16, "scene", "an int in [0, 16)", index)
-    with PIL.Image.open(ASSETS / "vlm" / "scenes" / f"{index:02d}.png") as im:
-        return np.array(im.convert("RGB"))
+    return open_image(ASSETS / "vlm" / "scenes" / f"{index:02d}.png")
 
 
 def as_rgb(image) -> np.ndarray:

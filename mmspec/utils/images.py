@@ -19,7 +19,7 @@ def save_image_grid(images, path: str | os.PathLike, nrow: int) -> Path:
     import PIL.Image
     import torch
 
-    from ..core.errors import check_int
+    from .errors import check_int
 
     check_int(nrow, "nrow", 1)
     if isinstance(images, torch.Tensor):

@@ -173,11 +173,11 @@ def load_gpu_curve(source: str | os.PathLike | Mapping, name: str = "gpu_curve",
     check(all(a <= b for a, b in zip(costs, costs[1:])), f"{name} verify_cost_ratio",
           "non-decreasing in T (a wider verify never costs less than a narrower one)",
           {str(T): verify[T] for T in sorted(verify)})
-    draft = source["draft_target_ratio"]
+    draft, roles = source["draft_target_ratio"], draft_roles()
     check(isinstance(draft, Mapping), f"{name} draft_target_ratio",
-          f"an object {{drafter: draft pass / target pass}}, drafters among {', '.join(draft_roles())}", draft)
+          f"an object {{drafter: draft pass / target pass}}, drafters among {', '.join(roles)}", draft)
     for key, value in draft.items():
-        check_choice(f"{name} draft_target_ratio key", key, draft_roles())
+        check_choice(f"{name} draft_target_ratio key", key, roles)
         check(_is_number(value) and value > 0, f"{name} draft_target_ratio[{key!r}]", "a number > 0", value)
     missing = [d for d in drafters if d not in draft]
     check(not missing, f"{name} draft_target_ratio",

@@ -23,6 +23,7 @@ def watch_components(timer: PassTimer, pipe, roles: set[str]) -> None:
     ``Component.timing`` says (``PassTimer.watch_component``)."""
     timings = {c.name: c.timing for c in methods.components(pipe.modality)}
     for role in sorted(roles):
+        check(role in timings, "role", f"a registered component of {pipe.modality} ({', '.join(timings)})", role)
         timer.watch_component(role, getattr(pipe, role), timings[role])
 
 
