@@ -167,7 +167,7 @@ def test_rss_falls_back_to_the_peak_without_proc(monkeypatch):
         return real_open(path, *args, **kw)
 
     monkeypatch.setattr(builtins, "open", no_proc)
-    assert vb.rss_mb() >= vt._peak_rss_mb() * 0.99 > 0
+    assert vb.rss_mb() >= vt.peak_rss_mb() * 0.99 > 0
 
 
 # -- prompt switches on rendered clips -------------------------------------------------------------

@@ -197,7 +197,7 @@ def test_recipe_writes_loadable_heads(tiny_vlm_dir, tmp_path):
     processor = AutoProcessor.from_pretrained(tiny_vlm_dir)
     pixels, seqs, prompt_lens = encode(processor, SceneQADataset(2, 7))
     prompts = [s[:n] for s, n in zip(seqs, prompt_lens)]
-    images = vlm.vision_inputs(pixels)
+    images = vlm.vision_inputs(torch.cat(pixels))
     greedy = LogitsProcessor(temperature=0)
     plain = SpeculativeDecoder(vlm, None, processor=greedy).generate(prompts, 8, conditioning=images)
     drafted = SpeculativeDecoder(vlm, ParallelHeadsDrafter(medusa, **TREE), processor=greedy).generate(

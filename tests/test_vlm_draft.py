@@ -481,7 +481,7 @@ def test_vlm_draft_recipe_writes_a_loadable_head(tiny_vlm_dir, tmp_path, method)
     processor = AutoProcessor.from_pretrained(tiny_vlm_dir)
     pixels, seqs, prompt_lens = encode(processor, SceneQADataset(2, 7))
     prompts = [s[:n] for s, n in zip(seqs, prompt_lens)]
-    images = vlm.vision_inputs(pixels)
+    images = vlm.vision_inputs(torch.cat(pixels))
     plain = SpeculativeDecoder(vlm, None, processor=LogitsProcessor(temperature=0)).generate(prompts, 8,
                                                                                          conditioning=images)
     drafted = SpeculativeDecoder(vlm, EagleTreeDrafter(head, **TREE),

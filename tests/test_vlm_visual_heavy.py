@@ -201,3 +201,83 @@ def test_stream_scenario_reports_latency_against_a_control():
     assert all(len(series[k]) == 5 for k in ("resident_mb", "ms_none", "ms_eagle", "ms_control_none",
                                              "ms_control_eagle"))
     json.dumps(result)
+
+
+# -- several images per prompt in the recipes (the target asked about the last) ------------------
+
+def test_scene_items_with_several_images_ask_about_the_last():
+    """``SceneQADataset(images=3)``: item ``i`` holds 1 to 3 images (every count occurs over 24
+    items), the last is ``images=1``'s item ``i`` with the same question and answer, and the earlier
+    ones are other scenes; ``images=0`` is refused naming ``images``."""
+    from mmspec.training.data.scene_qa import SceneQADataset
+
+    one, three = SceneQADataset(24, 3, 32), SceneQADataset(24, 3, 32, images=3)
+    counts = set()
+    for i in range(24):
+        image, question, answer = one[i]
+        stack, q3, a3 = three[i]
+        assert stack.shape[1:] == image.shape and 1 <= len(stack) <= 3
+        assert torch.equal(stack[-1], image) and (q3, a3) == (question, answer)
+        assert all(not torch.equal(earlier, image) for earlier in stack[:-1])
+        counts.add(len(stack))
+    assert counts == {1, 2, 3}
+    with pytest.raises(ValueError, match="images"):
+        SceneQADataset(4, 0, images=0)
+
+
+def test_training_frame_of_several_images_is_the_pipelines(bundled_vlm_pipe):
+    """``encode`` writes a k-image item as the pipeline's chat template writes a prompt with those k
+    images (the same ids), with its k images' pixels in order."""
+    from mmspec.training.data.scene_qa import SceneQADataset
+    from mmspec.training.recipes.vlm import encode
+
+    pipe = bundled_vlm_pipe
+    items = [SceneQADataset(6, 5, 64, images=4)[i] for i in range(6)]
+    pixels, seqs, prompt_lens = encode(pipe.processor, items)
+    for (stack, question, _), px, seq, n in zip(items, pixels, seqs, prompt_lens):
+        assert torch.equal(px, stack)
+        ids, _ = pipe.prepare_inputs([[(x + 1) / 2 for x in stack]], [question])
+        assert ids[0] == seq[:n]
+        assert seq[:n].count(pipe.target.config.image_token_id) == 64 * len(stack)
+
+
+def test_recipes_train_on_several_images_and_the_heads_follow_the_target(tmp_path):
+    """``train_vlm(images_per_prompt=2)`` records it; ``train_vlm_draft`` on that target draws its
+    scene data the same way (recorded in ``data``); a bad count is refused naming the argument."""
+    from mmspec.training.recipes import train_vlm, train_vlm_draft
+
+    run = dict(steps=1, batch_size=2, lr=1e-3, dataset_size=4, heldout_size=2, warmup=1, log=lambda m: None)
+    record = train_vlm(tmp_path / "t", size="draft", images_per_prompt=2, **run)
+    assert record["images_per_prompt"] == 2 and 0 <= record["short_answer_accuracy"] <= 1
+    by = record["short_answers_by_images"]
+    assert set(by) == {"1", "2"} and sum(v["items"] for v in by.values()) == 2
+    head = train_vlm_draft(tmp_path / "h", method="medusa", target_dir=tmp_path / "t", tau_tokens=0,
+                           medusa_heads=2, **run)
+    assert head["data"]["images_per_prompt"] == 2
+    with pytest.raises(ValueError, match="images_per_prompt"):
+        train_vlm(tmp_path / "x", size="draft", images_per_prompt=0, **run)
+
+
+def test_cli_generate_vlm_takes_several_images(bundled_vlm_pipe, capsys):
+    """``mmspec generate vlm --image A --image B``: one prompt with both images, in order; its
+    answer is the pipeline's for ``images=[[A, B]]`` (one ``--image``: ``images=[A]``)."""
+    from pathlib import Path
+
+    import PIL.Image
+
+    from mmspec import commands
+
+    scenes = Path(__file__).resolve().parents[1] / "assets" / "vlm" / "scenes"
+    paths = [str(scenes / "00.png"), str(scenes / "01.png")]
+    images = [PIL.Image.open(p).convert("RGB") for p in paths]
+    question = "describe the image in detail ."
+    answers = []
+    for given, expected in (([paths[0]], images[0]), (paths, images), (paths[::-1], images[::-1])):
+        argv = ["generate", "vlm", "--prompt", question, "--method", "medusa", "--max-new-tokens", "12", "--quiet"]
+        for p in given:
+            argv += ["--image", p]
+        assert commands.main(argv) == 0
+        ref = bundled_vlm_pipe(images=[expected], prompts=[question], method="none", max_new_tokens=12)
+        answers.append(capsys.readouterr().out.strip())
+        assert answers[-1] == ref.texts[0].strip()
+    assert len(set(answers)) == 3  # the images and their order reach the model

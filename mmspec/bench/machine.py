@@ -187,8 +187,17 @@ def rss_mb() -> float:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * _PAGE / 2**20
     except OSError:
+        return peak_rss_mb() or 0.0
+
+
+def peak_rss_mb() -> float | None:
+    """This process's peak resident set size in MB (``resource.getrusage``), None where the
+    platform has no ``resource`` module."""
+    try:
         import resource
         import sys
 
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return peak / 2**20 if sys.platform == "darwin" else peak / 1024
+    except (ImportError, OSError):
+        return None

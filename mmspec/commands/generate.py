@@ -58,8 +58,9 @@ def _add_vlm(kinds) -> None:
     from .. import methods
 
     v = kinds.add_parser("vlm", help="answer a question about an image with the bundled VLM (lossless methods)")
-    v.add_argument("--image", required=True, type=image_file, metavar="PATH",
-                   help="an image file (PNG, JPEG, ...; converted to RGB)")
+    v.add_argument("--image", required=True, type=image_file, metavar="PATH", action="append",
+                   help="an image file (PNG, JPEG, ...; converted to RGB); repeat it for several images in the "
+                        "prompt, in order")
     v.add_argument("--prompt", required=True, type=non_empty, help='a question, e.g. "describe the image in detail ."')
     v.add_argument("--method", default="none", choices=methods.auto.method_names("vlm", methods.names("vlm")),
                    help="(default none; auto: the fastest lossless method on this machine, from "
@@ -221,11 +222,13 @@ def _generate_vlm(args) -> int:
 
     from ..pipelines import SpeculativeVLMPipeline
 
-    with PIL.Image.open(args.image) as image:
-        image = image.convert("RGB")  # as diffusers' load_image: a file's mode is not the caller's choice
+    images = []
+    for path in args.image:
+        with PIL.Image.open(path) as image:
+            images.append(image.convert("RGB"))  # as diffusers' load_image: a file's mode is not the caller's choice
     pipe = SpeculativeVLMPipeline.from_pretrained(args.model)
     pipe.set_progress_bar_config(disable=args.quiet)
-    out = pipe(images=[image], prompts=[args.prompt], method=args.method, method_knobs=args.method_knobs,
+    out = pipe(images=[images if len(images) > 1 else images[0]], prompts=[args.prompt], method=args.method, method_knobs=args.method_knobs,
                max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                generator=torch.Generator().manual_seed(args.seed))
     s = out.stats

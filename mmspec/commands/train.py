@@ -156,6 +156,8 @@ def _vlm_options(p) -> None:
                    ).choices = TableChoices("mmspec.models.vlm", "SIZES")
     p.add_argument("--resolution", type=int, default=64,
                    help="image side in pixels, a multiple of 8: (R / 8)^2 visual tokens per image (default 64)")
+    p.add_argument("--images-per-prompt", type=positive_int, default=1,
+                   help="each scene question comes with 1 to N images and is about the last (default 1)")
     p.add_argument("--init", default=None,
                    help="fine-tune this saved VLM (e.g. assets/vlm/target) instead of training from scratch; "
                         "its vision tower is resampled to --resolution")
@@ -166,6 +168,7 @@ def _run_vlm(args, common) -> None:
     from ..training import recipes
 
     record = recipes.train_vlm(args.out, size=args.size, resolution=args.resolution, init=args.init,
+                               images_per_prompt=args.images_per_prompt,
                                warmup=args.warmup, **common)
     print(f"saved {args.out}: held-out loss {record['heldout_loss']:.4f} nats/answer token, short answers "
           f"{record['short_answer_accuracy']:.3f} ({record['shuffled_image_accuracy']:.3f} with another image), "

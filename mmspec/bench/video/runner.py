@@ -12,7 +12,7 @@ from .config import VideoBenchConfig
 from .model import _row, _speedups
 from .measures import _ceiling, _colour_cycle, _quality, _schedules, _segment_measures, _switch_measures
 from .report import public
-from .timing import _lockstep, _peak_rss_mb, _Run, _warm, trim_heap
+from .timing import _lockstep, _Run, _warm, peak_rss_mb, trim_heap
 
 
 def _load(cfg: VideoBenchConfig):
@@ -171,7 +171,7 @@ def run(cfg: VideoBenchConfig, progress=None, json_path: str | os.PathLike | Non
         save()
 
     setup["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
-    setup["process_peak_rss_mb"] = _peak_rss_mb()
+    setup["process_peak_rss_mb"] = peak_rss_mb()
     setup["complete"] = True
     save()
     return result

@@ -10,18 +10,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from ..machine import rss_mb, trim_heap  # noqa: F401  (the video bench's names)
+from ..machine import peak_rss_mb, rss_mb, trim_heap  # noqa: F401  (the video bench's names)
 from .config import VideoBenchConfig
-
-def _peak_rss_mb() -> float | None:
-    try:
-        import resource
-        import sys
-
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return peak / 2**20 if sys.platform == "darwin" else peak / 1024
-    except (ImportError, OSError):
-        return None
 
 
 class FrameBuffer:

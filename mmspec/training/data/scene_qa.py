@@ -8,6 +8,10 @@ remark), which is where speculation pays; the rest ask short questions (colour, 
 count). Phrasings are drawn from small template sets, so a trained model stays uncertain at a few
 points of an answer and confident elsewhere, much like a real captioner.
 
+With ``images=K > 1`` an item holds 1 to K images (its own draw of how many), one image part each,
+and its question is about the **last** one, the image nearest the question (as a stream's newest
+frame): the others are scenes of other items, context the model must learn to look past.
+
 Text is lower case with punctuation split off by spaces: one word = one token of the word-level
 tokenizer ``build_tokenizer`` makes from ``vocabulary()``, the closed set of words the templates
 can produce.
@@ -119,9 +123,10 @@ def question_answer(meta: dict, rng: random.Random, describe_prob: float = 0.7) 
     return question, answer.format(**_fields(meta))
 
 
-def prompt_text(question: str) -> str:
-    """The chat frame before the answer; ``IMAGE_TOKEN`` is expanded by the processor."""
-    return f"<s> {USER} {IMAGE_TOKEN} {question} {ASSISTANT}"
+def prompt_text(question: str, images: int = 1) -> str:
+    """The chat frame before the answer, with ``images`` image parts before the question (as the
+    processor's chat template writes them); each ``IMAGE_TOKEN`` is expanded by the processor."""
+    return f"<s> {USER} {' '.join([IMAGE_TOKEN] * images)} {question} {ASSISTANT}"
 
 
 def vocabulary() -> list[str]:
@@ -142,13 +147,20 @@ def vocabulary() -> list[str]:
 
 class SceneQADataset(torch.utils.data.Dataset):
     """``size`` (image (3, H, W) in [-1, 1], question, answer) triples; item ``i`` is drawn from
-    its own seed ``(seed, i)`` (image and phrasing alike), label ``i % 16``, like ``ShapesDataset``."""
+    its own seed ``(seed, i)`` (image and phrasing alike), label ``i % 16``, like ``ShapesDataset``.
 
-    def __init__(self, size: int, seed: int, resolution: int = 64, describe_prob: float = 0.7):
+    ``images=K > 1``: item ``i`` holds ``(images (k, 3, H, W), question, answer)`` with ``k`` drawn
+    in ``1 .. K`` from its seed; the question and answer are about the last image, item ``i``'s
+    own scene (the same scene, question and answer as with ``images=1``), and the ``k - 1`` before
+    it are scenes drawn from seeds of their own."""
+
+    def __init__(self, size: int, seed: int, resolution: int = 64, describe_prob: float = 0.7, images: int = 1):
         check_int(size, "size", 1)
         check_int(seed, "seed", 0)
         check(0.0 <= describe_prob <= 1.0, "describe_prob", "a number in [0, 1]", describe_prob)
+        check_int(images, "images", 1)
         self.size, self.seed, self.resolution, self.describe_prob = size, seed, resolution, describe_prob
+        self.images = images
 
     def __len__(self) -> int:
         return self.size
@@ -159,4 +171,9 @@ class SceneQADataset(torch.utils.data.Dataset):
         s = item_seed(self.seed, i)
         image, meta = render(i % NUM_CLASSES, torch.Generator().manual_seed(s), self.resolution, return_meta=True)
         question, answer = question_answer(meta, random.Random(s), self.describe_prob)
-        return image, question, answer
+        if self.images == 1:
+            return image, question, answer
+        rng = random.Random(item_seed(s, -1))  # how many images, and the earlier scenes' labels and seeds
+        earlier = [render(rng.randrange(NUM_CLASSES), torch.Generator().manual_seed(rng.getrandbits(63)),
+                          self.resolution) for _ in range(rng.randrange(self.images))]
+        return torch.stack([*earlier, image]), question, answer

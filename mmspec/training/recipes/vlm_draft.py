@@ -76,20 +76,20 @@ def load_target(target_dir: str | Path):
     return VLMTarget(model)
 
 
-def built_by_vlm_recipe(target_dir) -> bool:
-    """Whether ``target_dir`` was written by 'mmspec train vlm' (whose vocabulary the generated
-    scene data speaks)."""
-    log = Path(target_dir) / "train_log.json"
+def vlm_recipe_log(target_dir) -> dict | None:
+    """The ``train_log.json`` of a target written by 'mmspec train vlm' (whose vocabulary the
+    generated scene data speaks), else None."""
     try:
-        return json.loads(log.read_text()).get("recipe") == "vlm"
+        log = json.loads((Path(target_dir) / "train_log.json").read_text())
     except (OSError, ValueError):
-        return False
+        return None
+    return log if isinstance(log, dict) and log.get("recipe") == "vlm" else None
 
 
 def scene_items(processor, dataset) -> list[Rendered]:
     """``SceneQADataset`` items in the target recipe's own frame (``vlm.encode``), as ``Rendered``."""
     pixels, seqs, prompt_lens = encode(processor, dataset)
-    return [Rendered(s, [False] * n + [True] * (len(s) - n), {"pixel_values": pixels[i : i + 1]}, n)
+    return [Rendered(s, [False] * n + [True] * (len(s) - n), {"pixel_values": pixels[i]}, n)
             for i, (s, n) in enumerate(zip(seqs, prompt_lens))]
 
 
@@ -223,7 +223,8 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
     ``image_folder``: where their image paths start, default the data file's folder), rendered by
     the target's processor and chat template; at most ``dataset_size`` train, ``heldout_size``
     (at most a fifth) are held out. Without ``data``, the generated scene questions
-    (``SceneQADataset``), which only a target written by 'mmspec train vlm' reads.
+    (``SceneQADataset``), which only a target written by 'mmspec train vlm' reads, drawn as its
+    recipe drew them: at its resolution, with its images per prompt.
     ``regenerate``: replace every answer by the target's own greedy answer to the first question
     (up to this many tokens; self-distillation).
 
@@ -249,7 +250,7 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
         check_checkpoint_dir(target_dir, "target_dir", "a transformers VLM folder with its processor (LLaVA, "
                              "Qwen2-VL, Qwen2.5-VL; e.g. written by 'mmspec train vlm')", processor=True)
     if data is None:
-        check(_is_local(target_dir) and built_by_vlm_recipe(target_dir), "data",
+        check(_is_local(target_dir) and vlm_recipe_log(target_dir) is not None, "data",
               "conversations in the LLaVA layout (.json / .jsonl) for a target not written by 'mmspec train vlm' "
               "(the generated scene data speaks only that one's vocabulary)", None)
     # SpecVLM's gate leaves the unchosen branches without gradients
@@ -271,9 +272,11 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
     eos = target.model.generation_config.eos_token_id
     if data is None:
         res = processor_resolution(processor)  # scenes drawn at the target's own resolution
-        items, held = (scene_items(processor, SceneQADataset(dataset_size, seed, res)),
-                       scene_items(processor, SceneQADataset(heldout_size, heldout_seed(seed), res)))
-        data_record = dict(path=None, generated="SceneQADataset", train=len(items), heldout=len(held), skipped=0)
+        K = vlm_recipe_log(target_dir).get("images_per_prompt", 1)  # and images per prompt
+        items, held = (scene_items(processor, SceneQADataset(dataset_size, seed, res, images=K)),
+                       scene_items(processor, SceneQADataset(heldout_size, heldout_seed(seed), res, images=K)))
+        data_record = dict(path=None, generated="SceneQADataset", images_per_prompt=K, train=len(items),
+                           heldout=len(held), skipped=0)
     else:
         items, held, data_record = user_items(processor, data, image_folder, limit=dataset_size,
                                               heldout_size=heldout_size, seed=heldout_seed(seed), log=say)
