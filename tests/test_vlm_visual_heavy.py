@@ -160,6 +160,11 @@ def test_visual_heavy_scenario_runs_on_the_bundled_192px_vlm():
     assert sum(int(n) for n in by["specvlm"]["gate_choices"].split()[1::2]) == 1
     assert all(by[m]["draft_ms_per_pass"] > 0 and by[m]["verify_ms_per_pass"] > 0
                for m in ("eagle", "specvlm", "specvlm-pool64", "vispec", "medusa"))
+    assert all(by[m]["prefill_ms_per_prompt"] > 0 and by[m]["decode_ms_per_prompt"] > 0 for m in by)
+    assert by["none"]["decode_speedup"] == 1.0
+    seconds = by["none"]["seconds"]  # one prompt; the bound is its time over its time outside the decode
+    assert 1 < result["setup"]["wall_speedup_bound"] == pytest.approx(
+        seconds / (seconds - by["none"]["decode_ms_per_prompt"] / 1e3))
     json.dumps(result)
     with pytest.raises(ValueError, match="scenario"):
         vlm.VLMBenchConfig(scenario="video")

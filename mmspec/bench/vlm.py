@@ -17,8 +17,12 @@ count), where the image dominates the context: ``eagle`` (every visual token in 
 branch at several ratios, ``vispec`` and ``medusa``. Its extra columns, from the core's phase
 timing (``enable_phase_timing``; on the CPU over the same timed calls, on a GPU over one more round
 after them, since timing each phase syncs the device): the head's draft time per target pass
-and the target's verify time per pass (milliseconds), the visual tokens the head keeps per image
-and, for the gated row, how often the gate chose each branch. ``stream`` runs ``STREAM_ROWS`` on
+and the target's verify time per pass (milliseconds), the prefill's time per prompt (the target's
+prompt pass and the drafter's start) and the decode's (every phase after it), the decode speed-up
+over ``none`` (a ratio of decode times: the rows' tokens are the same), the visual tokens the head
+keeps per image and, for the gated row, how often the gate chose each branch. The setup's
+``wall_speedup_bound`` is the wall x a drafter would reach with a decode of no time: ``none``'s
+seconds over its seconds outside the decode phases (prefill, the processor, the call's own work). ``stream`` runs ``STREAM_ROWS`` on
 the bundled VLM's ``stream()`` session over 2,000 frames (``run_stream``: latency and memory over
 the stream, exactness against the target alone on forks). ``images_per_prompt`` (``--images-per-prompt
 K``) puts K held-out scenes in each prompt of ``scenes`` or ``visual-heavy``, one image part each:
@@ -365,8 +369,15 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
             errors[label] = f"{type(err).__name__}: {err}"
             notes.append(f"{label}: failed on the first prompt: {errors[label]}")
     live = [s for s in specs if s[0] not in errors]
-    acc = {label: dict(tokens=[], seconds=0.0, nfe=0, draft_nfe=0, vision=0, draft_s=0.0, verify_s=0.0)
-           for label, _, _ in live}
+    acc = {label: dict(tokens=[], seconds=0.0, nfe=0, draft_nfe=0, vision=0, draft_s=0.0, verify_s=0.0,
+                       prefill_s=0.0, decode_s=0.0) for label, _, _ in live}
+
+    def add_phases(a, seconds):  # the core's phase timing of one call
+        a["draft_s"] += seconds["draft"]
+        a["verify_s"] += seconds["verify"]
+        a["prefill_s"] += seconds["prefill"]
+        a["decode_s"] += sum(v for k, v in seconds.items() if k != "prefill")
+
     for i in range(cfg.prompts):  # prompts outer, rows inner: drifts in machine speed hit every row alike
         say(f"vlm bench: prompt {i + 1}/{cfg.prompts}")
         for label, method, knobs in live:
@@ -385,16 +396,13 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
             a["nfe"] += target_calls.calls
             a["draft_nfe"] += 0 if stats is None else stats["draft_nfe"]
             if stats is not None and "seconds" in stats:
-                a["draft_s"] += stats["seconds"]["draft"]
-                a["verify_s"] += stats["seconds"]["verify"]
+                add_phases(a, stats["seconds"])
     if heavy and not on_cpu:  # phase costs from one more round, timed phase by phase (synced)
         pipe.enable_phase_timing(True)
         for i in range(cfg.prompts):
             for label, method, knobs in live:
                 if method in OURS:
-                    stats = call(method, knobs, i)[1]
-                    acc[label]["draft_s"] += stats["seconds"]["draft"]
-                    acc[label]["verify_s"] += stats["seconds"]["verify"]
+                    add_phases(acc[label], call(method, knobs, i)[1]["seconds"])
         pipe.enable_phase_timing(False)
     rows = []
     for label, method, knobs in specs:
@@ -415,6 +423,8 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
         if heavy and method in OURS:
             passes = max(1, a["nfe"] - cfg.prompts)  # the passes after the prefill: each drafted once
             rows[-1].update(draft_ms_per_pass=1e3 * a["draft_s"] / passes, verify_ms_per_pass=1e3 * a["verify_s"] / passes,
+                            prefill_ms_per_prompt=1e3 * a["prefill_s"] / cfg.prompts,
+                            decode_ms_per_prompt=1e3 * a["decode_s"] / cfg.prompts,
                             visual_tokens_kept=_kept_tokens(pipe, method, knobs or {}, image_tokens))
     if heavy and any(m == "specvlm" and (k or {}).get("specvlm_branch", "gate") == "gate" for _, m, k in live):
         gate = _head_view(pipe, images, prompts)
@@ -426,10 +436,13 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
     by_name = {r["method"]: r for r in rows if "error" not in r}
     # "target only" is the faster of our loop without a drafter and transformers' plain generate
     alone = [by_name[n]["tokens_per_s"] for n in ("none", "hf-generate") if n in by_name]
+    base = by_name.get("none", {}).get("decode_ms_per_prompt")
     for r in rows:
         if "error" in r:
             continue
         r["greedy_identical"] = None if ref is None else acc[r["method"]]["tokens"] == ref
+        if base and r.get("decode_ms_per_prompt"):  # the same tokens (greedy): a ratio of decode times
+            r["decode_speedup"] = base / r["decode_ms_per_prompt"]
         r["wall_speedup"] = r["tokens_per_s"] / max(alone) if alone else None
         r["wall_speedup_vs_peer"] = (r["tokens_per_s"] / by_name["hf-assisted"]["tokens_per_s"]
                                      if "hf-assisted" in by_name else None)
@@ -444,8 +457,18 @@ def run(cfg: VLMBenchConfig, progress=None) -> dict:
                  threads=torch.get_num_threads(), transformers=transformers_version,
                  tau="(generated tokens - 1) / (target passes - 1): tokens per pass after the prefill, bonus counted",
                  speedup="tokens/s over the faster target-only row (none or hf-generate) in this run",
+                 wall_speedup_bound=_wall_bound(by_name.get("none"), acc.get("none")),
                  order="prompts outer, rows inner; one untimed warm-up call per row")
     return dict(bench="vlm", setup=setup, rows=rows, notes=notes)
+
+
+def _wall_bound(row: dict | None, a: dict | None) -> float | None:
+    """The wall x a drafter would reach if its decode took no time: the target alone's seconds per
+    prompt over its seconds outside the decode phases (the prefill, the processor, the call's own
+    work). None without phase timing or a ``none`` row."""
+    if row is None or a is None or not a["decode_s"]:
+        return None
+    return a["seconds"] / (a["seconds"] - a["decode_s"])
 
 
 def _spec(row) -> tuple[str, str, dict]:
@@ -458,7 +481,9 @@ VLM_COLUMNS = [
     ("wall_speedup", "wall x"), ("wall_speedup_vs_peer", "x vs peer"), ("greedy_identical", "greedy ="),
     ("draft_nfe", "draft NFE/prompt"), ("draft_params", "draft params"), ("draft_train_s", "draft train s"),
     ("assistant_sees_image", "assistant sees image"), ("draft_ms_per_pass", "draft ms/pass"),
-    ("verify_ms_per_pass", "verify ms/pass"), ("visual_tokens_kept", "visual tokens in draft"),
+    ("verify_ms_per_pass", "verify ms/pass"), ("prefill_ms_per_prompt", "prefill ms/prompt"),
+    ("decode_ms_per_prompt", "decode ms/prompt"), ("decode_speedup", "decode x"),
+    ("visual_tokens_kept", "visual tokens in draft"),
     ("gate_choices", "gate chose"), ("answers", "answers"), ("ms_per_answer", "ms/answer"),
     ("ms_first_10pct", "ms first 10%"), ("ms_last_10pct", "ms last 10%"),
     ("slope_ms_per_1000_frames", "slope ms/1000 frames"), ("slope_ci", "slope 95% CI"),
