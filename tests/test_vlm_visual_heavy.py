@@ -286,3 +286,27 @@ def test_cli_generate_vlm_takes_several_images(bundled_vlm_pipe, capsys):
         answers.append(capsys.readouterr().out.strip())
         assert answers[-1] == ref.texts[0].strip()
     assert len(set(answers)) == 3  # the images and their order reach the model
+
+
+def test_short_answer_control_replaces_only_the_last_image(bundled_vlm_pipe):
+    """``short_answers(shuffle_images=True)`` asks each question with the next item's last image in
+    its own last image's place; the earlier images stay the item's own."""
+    from mmspec.training.data.scene_qa import SceneQADataset
+    from mmspec.training.recipes.vlm import short_answers
+
+    items = [SceneQADataset(8, 2, 64, describe_prob=0.0, images=3)[i] for i in range(8)]
+    seen = []
+
+    class Recorder:  # stands in for the model: records what each call is shown, answers nothing
+        def eval(self):
+            return self
+
+        def generate(self, input_ids, pixel_values, **kw):
+            seen.append(pixel_values.clone())
+            return input_ids
+
+    assert short_answers(Recorder(), bundled_vlm_pipe.processor, items, shuffle_images=True) == [False] * 8
+    for i, shown in enumerate(seen):
+        own, following = items[i][0], items[(i + 1) % 8][0]
+        assert len(shown) == len(own) and torch.equal(shown[:-1], own[:-1])
+        assert torch.equal(shown[-1], following[-1])

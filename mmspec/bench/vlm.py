@@ -22,9 +22,10 @@ prompt pass and the drafter's start) and the decode's (every phase after it), th
 over ``none`` (a ratio of decode times: the rows' tokens are the same), the visual tokens the head
 keeps per image and, for the gated row, how often the gate chose each branch. The setup's
 ``wall_speedup_bound`` is the wall x a drafter would reach with a decode of no time: ``none``'s
-seconds over its seconds outside the decode phases (prefill, the processor, the call's own work). ``stream`` runs ``STREAM_ROWS`` on
-the bundled VLM's ``stream()`` session over 2,000 frames (``run_stream``: latency and memory over
-the stream, exactness against the target alone on forks). ``images_per_prompt`` (``--images-per-prompt
+seconds over its seconds outside the decode phases (prefill, the processor, the call's own work).
+``stream`` runs ``STREAM_ROWS`` on the bundled VLM's ``stream()`` session over 2,000 frames
+(``run_stream``: latency and memory over the stream, exactness against the target alone on
+forks). ``images_per_prompt`` (``--images-per-prompt
 K``) puts K held-out scenes in each prompt of ``scenes`` or ``visual-heavy``, one image part each:
 K times the visual tokens (the images' own count is reported per image).
 

@@ -228,8 +228,8 @@ def _generate_vlm(args) -> int:
             images.append(image.convert("RGB"))  # as diffusers' load_image: a file's mode is not the caller's choice
     pipe = SpeculativeVLMPipeline.from_pretrained(args.model)
     pipe.set_progress_bar_config(disable=args.quiet)
-    out = pipe(images=[images if len(images) > 1 else images[0]], prompts=[args.prompt], method=args.method, method_knobs=args.method_knobs,
-               max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+    out = pipe(images=[images if len(images) > 1 else images[0]], prompts=[args.prompt], method=args.method,
+               method_knobs=args.method_knobs, max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                generator=torch.Generator().manual_seed(args.seed))
     s = out.stats
     print(out.texts[0])

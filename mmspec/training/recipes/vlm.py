@@ -77,18 +77,12 @@ def heldout_loss(model, pixels, seqs, prompt_lens, pad_id: int, batch_size: int 
     return total / count
 
 
-def short_answer_accuracy(model, processor, items, shuffle_images: bool = False) -> float:
-    """Greedy exact-match accuracy of ``model`` on short ``(image, question, answer)`` items (eval
-    mode, one item per call). ``shuffle_images`` pairs each question with the next item's image
-    (in the last image's place, the one the question is about): the control that shows the
-    answers need the image."""
-    hits = short_answers(model, processor, items, shuffle_images)
-    return sum(hits) / len(hits)
-
-
 @torch.no_grad()
 def short_answers(model, processor, items, shuffle_images: bool = False) -> list[bool]:
-    """Per item, whether ``model``'s greedy answer is the item's (``short_answer_accuracy``)."""
+    """Per short ``(image, question, answer)`` item, whether ``model``'s greedy answer is exactly
+    the item's (eval mode, one item per call). ``shuffle_images`` pairs each question with the next
+    item's image, in the last image's place (the one the question is about): the control that
+    shows the answers need the image."""
     model.eval()
     pixels, seqs, prompt_lens = encode(processor, items)
     eos = processor.tokenizer.eos_token_id
@@ -118,8 +112,8 @@ def train_vlm(out_dir: str | Path, *, size: str = "target", steps: int, batch_si
     token), ``heldout`` (size and seed), ``short_answer_accuracy`` (greedy exact match on
     ``heldout_size`` held-out short questions) and ``shuffled_image_accuracy`` (the same questions
     asked about another item's image), ``short_answers_by_images`` (with ``images_per_prompt > 1``:
-    per number of images, ``items`` and both accuracies; else None), ``parameters``, ``wall_time_s``. Seeded: runs at the same
-    thread count give the same weights.
+    per number of images, ``items`` and both accuracies; else None), ``parameters``,
+    ``wall_time_s``. Seeded: runs at the same thread count give the same weights.
 
     ``images_per_prompt=K > 1``: every item (held-out ones too) holds 1 to K images and is asked
     about the last (``SceneQADataset(images=K)``): the target learns to answer about the image
@@ -173,7 +167,7 @@ def train_vlm(out_dir: str | Path, *, size: str = "target", steps: int, batch_si
         f"({shuffled:.3f} with another item's image)")
     by_images = {}  # K > 1: the same figures per number of images in the prompt
     for k in range(1, K + 1) if K > 1 else ():
-        rows = [i for i, item in enumerate(items) if len(item[0].reshape(-1, *item[0].shape[-3:])) == k]
+        rows = [i for i, item in enumerate(items) if len(item[0]) == k]  # item[0]: (k, 3, H, W)
         by_images[str(k)] = dict(items=len(rows), accuracy=sum(hits[i] for i in rows) / max(len(rows), 1),
                                  shuffled_image_accuracy=sum(shuffled_hits[i] for i in rows) / max(len(rows), 1))
     record = dict(recipe="vlm", size=size, seed=seed, steps=steps, resolution=resolution,
