@@ -10,6 +10,7 @@ from mmspec.adapters.hf import HFCausalLMTarget
 from mmspec.adapters.vlm import VLMTarget
 from tiny import spread
 from mmspec.core import JacobiDrafter, LogitsProcessor, ModelTreeDrafter, SpeculativeDecoder
+from mmspec.core.shapes import forced_static_shapes
 
 VOCAB = 64
 IMAGE, VSTART, VEND, VIDEO = 60, 61, 62, 63  # the image placeholder, Qwen2-VL's vision start/end and video ids
@@ -245,3 +246,38 @@ def test_conditioning_reaches_the_prompt_pass_only():
     with pytest.raises(ValueError, match="conditioning must be given with the prompt pass only"):
         target(ids[:, -1:], cache.next_positions()[:, None], cache, **target.vision_inputs(**images))
     assert ours() == []
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_causal_prompt_pass_equals_the_masked_one(family, monkeypatch):
+    """A prompt pass into an empty cache goes to SDPA without a mask (``is_causal``: the flash
+    kernel skips the blocks above the diagonal): its logits and cached keys equal, bit for bit,
+    those of the same pass with the dense causal mask; a tree block, a static cache and a block
+    after earlier entries keep their masks."""
+    from mmspec.adapters.hf import HFCacheAdapter
+
+    build, inputs = FAMILIES[family]
+    target = VLMTarget(build())
+    prompts, images = inputs(1)
+    ids = torch.tensor(prompts)
+    runs = {}
+    for plain in (True, False):
+        if not plain:  # the same pass with the mask forced
+            opened = HFCacheAdapter.open_block
+            monkeypatch.setattr(HFCacheAdapter, "open_block",
+                                lambda self, *a, causal_prompt=False, **k: opened(self, *a, **k))
+        cache = target.new_cache(1, 64)
+        out = target(ids, torch.arange(ids.shape[1])[None], cache, **target.vision_inputs(**images))
+        assert (cache.causal_length == ids.shape[1]) is plain
+        runs[plain] = (out.logits, cache.k.clone(), cache.v.clone())
+    assert all(torch.equal(a, b) for a, b in zip(runs[True], runs[False]))
+    monkeypatch.undo()
+
+    cache = target.new_cache(1, 64)
+    tree = torch.ones(1, 3, 3, dtype=torch.bool).tril()
+    assert cache.open_block(torch.arange(3)[None], tree, causal_prompt=True) is not None  # a tree mask
+    assert cache.open_block(torch.arange(3, 5)[None], causal_prompt=True) is not None  # after entries
+    assert cache.causal_length is None
+    with forced_static_shapes():
+        static = target.new_cache(1, 64)
+        assert static.open_block(torch.arange(4)[None], causal_prompt=True) is not None

@@ -7,7 +7,9 @@ that keep different numbers of tokens (unequal prompts, unequal acceptances) nee
 nor compaction, and a pass reads nothing from the device: the core's calls (``keep_block``,
 ``truncate``) move per-row lengths on the device, and every forward gets a 4-D additive attention
 mask that shows each query the slots below its row's block and the block by the tree mask
-(``mmspec.core.cache.visibility_mask``). With static shapes (``mmspec.core.shapes``: off the
+(``mmspec.core.cache.visibility_mask``); a prompt pass into an empty cache may ask for none
+(``open_block(causal_prompt=True)``, the VLM adapter's): its mask is the plain causal one, which
+transformers' SDPA then applies as ``is_causal``, with the same result. With static shapes (``mmspec.core.shapes``: off the
 CPU, or compiled steps) the mask spans the whole buffer, so every pass has one shape per block
 width; on the CPU the key range ends at the longest row (one host read per forward).
 
@@ -49,7 +51,7 @@ class _CoreLayer(CacheLayerMixin):
         return self.adapter._store(self.index, key_states, value_states)
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.adapter.max_len, 0
+        return self.adapter.causal_length or self.adapter.max_len, 0
 
     def get_seq_length(self) -> int:
         """The longest row's length (a host read: the adapter always passes positions itself)."""
@@ -65,6 +67,11 @@ class _CoreCache(Cache):
     def __init__(self, adapter: "HFCacheAdapter", num_layers: int):
         super().__init__(layers=[_CoreLayer(adapter, i) for i in range(num_layers)])
         self.adapter = adapter
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """0 on a causal prompt pass (``HFCacheAdapter.open_block(causal_prompt=True)``), where
+        transformers builds the mask itself; the longest row's length otherwise."""
+        return 0 if self.adapter.causal_length else super().get_query_offset(layer_idx)
 
     @property
     def prompt_pass(self) -> bool:
@@ -99,6 +106,7 @@ class HFCacheAdapter(StaticKVCache):
         self.cache = _CoreCache(self, text.num_hidden_layers)
         self.passes = 0  # forwards so far (host): the first is the prompt pass
         self._block = None
+        self.causal_length = None  # the block's length while a causal prompt pass runs without a mask
 
     @property
     def fresh(self) -> bool:
@@ -106,13 +114,25 @@ class HFCacheAdapter(StaticKVCache):
         return self.passes == 0
 
     def open_block(self, positions: torch.Tensor, tree_mask: torch.Tensor | None = None,
-                   dtype=torch.float32) -> torch.Tensor:
+                   dtype=torch.float32, causal_prompt: bool = False) -> torch.Tensor | None:
         """Open a block at ``positions`` (B, T) past each row's length (``StaticKVCache.step``):
         returns its (B, 1, T, S) additive mask (0 where visible, the dtype's min elsewhere, so no
-        softmax row is all -inf); the model's layers then store the block through ``cache``."""
+        softmax row is all -inf); the model's layers then store the block through ``cache``.
+
+        ``causal_prompt``: where the block is the prompt pass of an empty cache without static
+        shapes and without a tree mask, every row's mask is the plain causal one over the block's
+        own T slots; then None is returned, so transformers builds the mask itself and its SDPA
+        runs with ``is_causal`` (PyTorch's flash kernel then skips the blocks above the diagonal
+        instead of adding a dense mask to them: the same attention, about half its work)."""
+        first = self.passes == 0
         self._block = self.step(positions, tree_mask)
         self.passes += 1
         seen = self._block.mask
+        T = positions.shape[1]
+        plain = causal_prompt and first and tree_mask is None and not self.static and seen.shape[-1] == T
+        self.causal_length = T if plain else None
+        if plain:
+            return None
         return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)
 
     def _store(self, layer: int, keys: torch.Tensor, values: torch.Tensor):
@@ -139,6 +159,7 @@ class HFCacheAdapter(StaticKVCache):
         super().reset()
         self.passes = 0
         self._block = None
+        self.causal_length = None
         for name in self.per_call:  # what a subclass read from the prompt pass
             setattr(self, name, None)
 

@@ -152,7 +152,8 @@ class VLMTarget(HFCausalLMTarget):
         check(fresh or not conditioning, "conditioning", "given with the prompt pass only (a fresh cache)",
               sorted(conditioning))
         # (B, 1, T, S); given (3, B, T) M-RoPE ids, the block's shape is their first axis's
-        mask = cache.open_block(positions[0] if positions.dim() == 3 else positions, tree_mask, self.model.dtype)
+        mask = cache.open_block(positions[0] if positions.dim() == 3 else positions, tree_mask, self.model.dtype,
+                                causal_prompt=True)  # a plain causal prompt pass: None, SDPA's is_causal
         embeds = self.input_embeds(tokens, **conditioning)  # first: it checks the placeholder counts
         if self.mrope and positions.dim() == 3:  # (3, B, T) ids given (a stream's, mmspec.adapters.vlm_stream)
             pass
