@@ -105,13 +105,19 @@ assets: $(STAMP)
 	$(BIN)/mmspec train vlm-draft --method specvlm --target $(VLM)/target --out $(VLM)/specvlm_head
 	$(BIN)/mmspec train vlm-draft --method vispec --target $(VLM)/target --out $(VLM)/vispec_head
 	$(BIN)/mmspec train vlm-draft --method medusa --target $(VLM)/target --out $(VLM)/medusa_head
-	# the visual-heavy VLM (192 px, 576 visual tokens an image): the 64 px target and heads fine-tuned
+	# the visual-heavy VLM (192 px, 576 visual tokens an image, 1 to 4 images a prompt): the 64 px target and
+	# heads fine-tuned at 192 px (build/vlm-hd1), then on prompts of 1 to 4 images asked about the last
 	$(BIN)/mmspec train vlm --size target --resolution 192 --init $(VLM)/target --steps 240 --batch-size 16 \
-	  --lr 3e-4 --warmup 20 --dataset-size 3840 --out $(VLM)-hd/target
+	  --lr 3e-4 --warmup 20 --dataset-size 3840 --out build/vlm-hd1/target
+	for m in eagle specvlm vispec medusa; do $(BIN)/mmspec train vlm-draft --method $$m --target build/vlm-hd1/target \
+	  --init $(VLM)/$${m}_head --steps 120 --batch-size 8 --lr 3e-4 --dataset-size 1920 --tau-tokens 16 \
+	  --out build/vlm-hd1/$${m}_head || exit 1; done
+	$(BIN)/mmspec train vlm --size target --resolution 192 --images-per-prompt 4 --init build/vlm-hd1/target \
+	  --steps 200 --batch-size 8 --lr 3e-4 --warmup 15 --dataset-size 1600 --out $(VLM)-hd/target
 	cp $(VLM)-hd/target/processor_config.json $(VLM)-hd/target/tokenizer.json $(VLM)-hd/target/tokenizer_config.json \
 	  $(VLM)-hd/target/chat_template.jinja $(VLM)-hd/processor/
 	for m in eagle specvlm vispec medusa; do $(BIN)/mmspec train vlm-draft --method $$m --target $(VLM)-hd/target \
-	  --init $(VLM)/$${m}_head --steps 120 --batch-size 8 --lr 3e-4 --dataset-size 1920 --tau-tokens 16 \
+	  --init build/vlm-hd1/$${m}_head --steps 120 --batch-size 8 --lr 3e-4 --dataset-size 960 \
 	  --out $(VLM)-hd/$${m}_head || exit 1; done
 	$(BIN)/mmspec train continuous-tokenizer --out $(CONT)/tokenizer --classifier assets/classifier
 	$(BIN)/mmspec train continuous-ar --tokenizer $(CONT)/tokenizer --out $(CONT)/transformer --threads 2
