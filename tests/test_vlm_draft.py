@@ -510,7 +510,8 @@ def test_vlm_draft_recipe_runs_under_accelerate_with_two_processes(tiny_vlm_dir,
     assert accelerate.is_file(), accelerate
     out = tmp_path / "ddp"
     cmd = [str(accelerate), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "mmspec", "train", "vlm-draft",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "0",  # a free port: no
+           "-m", "mmspec", "train", "vlm-draft",  # clash with another launch running beside it
            "--method", "specvlm", "--target", str(tiny_vlm_dir), "--out", str(out), "--steps", "2",
            "--batch-size", "4", "--dataset-size", "8", "--threads", "1", "--tau-tokens", "0"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path)
