@@ -9,9 +9,10 @@ nor compaction, and a pass reads nothing from the device: the core's calls (``ke
 mask that shows each query the slots below its row's block and the block by the tree mask
 (``mmspec.core.cache.visibility_mask``); a prompt pass into an empty cache may ask for none
 (``open_block(causal_prompt=True)``, the VLM adapter's): its mask is the plain causal one, which
-transformers' SDPA then applies as ``is_causal``, with the same result. With static shapes (``mmspec.core.shapes``: off the
-CPU, or compiled steps) the mask spans the whole buffer, so every pass has one shape per block
-width; on the CPU the key range ends at the longest row (one host read per forward).
+transformers' SDPA then applies as ``is_causal``, with the same result (bit for bit, tested).
+With static shapes (``mmspec.core.shapes``: off the CPU, or compiled steps) the mask spans the
+whole buffer, so every pass has one shape per block width; on the CPU the key range ends at the
+longest row (one host read per forward).
 
 Keys are cached after RoPE (the model rotates them before ``Cache.update``), so the core cache
 holds them as given, with no rotation of its own. transformers 5.x returns a user-supplied 4-D
@@ -122,8 +123,9 @@ class HFCacheAdapter(StaticKVCache):
         ``causal_prompt``: where the block is the prompt pass of an empty cache without static
         shapes and without a tree mask, every row's mask is the plain causal one over the block's
         own T slots; then None is returned, so transformers builds the mask itself and its SDPA
-        runs with ``is_causal`` (PyTorch's flash kernel then skips the blocks above the diagonal
-        instead of adding a dense mask to them: the same attention, about half its work)."""
+        runs with ``is_causal``: PyTorch's flash kernel then skips the blocks above the diagonal
+        instead of adding a dense mask to them, with the same logits and keys bit for bit
+        (``tests/test_vlm_adapter.py``)."""
         first = self.passes == 0
         self._block = self.step(positions, tree_mask)
         self.passes += 1
