@@ -249,8 +249,9 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
     if _is_local(target_dir):  # a folder: its model, processor and tokenizer files, before any work
         check_checkpoint_dir(target_dir, "target_dir", "a transformers VLM folder with its processor (LLaVA, "
                              "Qwen2-VL, Qwen2.5-VL; e.g. written by 'mmspec train vlm')", processor=True)
+    recipe_log = vlm_recipe_log(target_dir) if data is None and _is_local(target_dir) else None
     if data is None:
-        check(_is_local(target_dir) and vlm_recipe_log(target_dir) is not None, "data",
+        check(recipe_log is not None, "data",
               "conversations in the LLaVA layout (.json / .jsonl) for a target not written by 'mmspec train vlm' "
               "(the generated scene data speaks only that one's vocabulary)", None)
     # SpecVLM's gate leaves the unchosen branches without gradients
@@ -272,7 +273,7 @@ def train_vlm_draft(out_dir: str | Path, *, method: str, target_dir: str | Path,
     eos = target.model.generation_config.eos_token_id
     if data is None:
         res = processor_resolution(processor)  # scenes drawn at the target's own resolution
-        K = vlm_recipe_log(target_dir).get("images_per_prompt", 1)  # and images per prompt
+        K = recipe_log.get("images_per_prompt", 1)  # and images per prompt
         items, held = (scene_items(processor, SceneQADataset(dataset_size, seed, res, images=K)),
                        scene_items(processor, SceneQADataset(heldout_size, heldout_seed(seed), res, images=K)))
         data_record = dict(path=None, generated="SceneQADataset", images_per_prompt=K, train=len(items),
